@@ -1,0 +1,15 @@
+"""DDTree GPU kernels (Triton), one op per file; each module documents its reference."""
+from .accept_greedy import accept_greedy_triton
+from .topk_logprobs import topk_logprobs_torch, topk_logprobs_triton
+from .tree_build import build_tree_triton, key_layout
+from .tree_mask import tree_mask_torch, tree_mask_triton
+
+__all__ = [
+    "accept_greedy_triton",
+    "build_tree_triton",
+    "key_layout",
+    "topk_logprobs_torch",
+    "topk_logprobs_triton",
+    "tree_mask_torch",
+    "tree_mask_triton",
+]

@@ -1,0 +1,190 @@
+"""Exact best-first DDTree build on the GPU: one program per request, static shapes.
+
+``build_tree_triton(log_probs [bs, D, K] fp32, token_ids [bs, D, K] int64, budget, root_tokens)``
+-> ``(tokens [bs, N] int64, depth [bs, N] int32, parent [bs, N] int32, num_nodes [bs] int32)``
+with ``N = budget + 1``.
+
+The reference pops a heap keyed by ``(-score, rank_path)``.  Here the heap is a frontier
+held in registers (``FP >= budget + 1`` slots: each pop removes one candidate and adds at
+most two, so at most ``budget + 1`` are ever live).  Each step:
+1. the best score (fp64 max over live slots);
+2. among equal scores, the lexicographically smallest rank path: paths are packed as
+   big-endian digits ``rank + 1`` (``BITS`` bits each, ``DPW`` digits per int64 word,
+   ``NWORDS`` words), so a word-by-word min is Python's tuple compare;
+3. pop it as node ``step + 1``; its slot takes the next sibling (score
+   ``(s - lp[d, r]) + lp[d, r + 1]`` in fp64, exactly the reference's update, ``-inf`` kept),
+   and a fresh slot takes the first child (``s + lp[d + 1, 0]``).
+Node arrays live in registers and are stored once at the end, so every slot (padding
+included) is written exactly once.
+
+Reference: ``sglang_ddtree.reference.build_tree_ref`` (numpy + heapq).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_KEY_WORDS = 4
+
+
+def key_layout(depth: int, k: int):
+    """(bits per digit, digits per word, words) for packing rank paths of length <= depth."""
+    bits = max(1, int(k).bit_length())  # digits are rank + 1 in 1..k
+    dpw = 63 // bits
+    words = max(1, -(-depth // dpw))
+    return bits, dpw, words
+
+
+@triton.jit
+def _build_tree_kernel(
+    lp_ptr, tok_ptr, root_ptr,
+    out_tokens_ptr, out_depth_ptr, out_parent_ptr, out_num_ptr,
+    budget, D, K,
+    HAS_ROOT: tl.constexpr, FP: tl.constexpr, NP: tl.constexpr,
+    BITS: tl.constexpr, DPW: tl.constexpr, NWORDS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    lp_row = lp_ptr + b * D * K
+    tok_row = tok_ptr + b * D * K
+    N = budget + 1
+    f = tl.arange(0, FP)
+    n_offs = tl.arange(0, NP)
+    NEG_INF = -float("inf")
+    KEY_MAX = 9223372036854775807
+
+    if HAS_ROOT:
+        root_tok = tl.load(root_ptr + b)
+    else:
+        root_tok = tl.full([], -1, tl.int64)
+    node_tok = tl.where(n_offs == 0, root_tok, -1).to(tl.int64)
+    node_dep = tl.zeros([NP], tl.int32)
+    node_par = tl.full([NP], -1, tl.int32)
+
+    # frontier: score (fp64), meta = parent << 32 | depth << 24 | rank, key words
+    start = (budget > 0) & (D > 0)
+    s0 = tl.load(lp_row, mask=start, other=0.0).to(tl.float64)
+    slot0 = f == 0
+    score = tl.where(slot0, s0, NEG_INF)
+    valid = slot0 & start
+    meta = tl.where(slot0, 1 << 24, 0).to(tl.int64)
+    first_digit = tl.full([FP], 1, tl.int64) << (BITS * (DPW - 1))
+    w0 = tl.where(slot0, first_digit, 0)
+    w1 = tl.zeros([FP], tl.int64)
+    w2 = tl.zeros([FP], tl.int64)
+    w3 = tl.zeros([FP], tl.int64)
+
+    n_valid = start.to(tl.int32)
+    n_used = tl.full([], 1, tl.int32)
+    n_nodes = tl.full([], 1, tl.int32)
+    for _step in range(0, budget):
+        live = n_valid > 0
+        sc = tl.where(valid, score, NEG_INF)
+        best = tl.max(sc, 0)
+        sel = valid & (sc == best)
+        k0 = tl.min(tl.where(sel, w0, KEY_MAX), 0)
+        sel = sel & (w0 == k0)
+        k1 = tl.zeros([], tl.int64)
+        k2 = tl.zeros([], tl.int64)
+        k3 = tl.zeros([], tl.int64)
+        if NWORDS > 1:
+            k1 = tl.min(tl.where(sel, w1, KEY_MAX), 0)
+            sel = sel & (w1 == k1)
+        if NWORDS > 2:
+            k2 = tl.min(tl.where(sel, w2, KEY_MAX), 0)
+            sel = sel & (w2 == k2)
+        if NWORDS > 3:
+            k3 = tl.min(tl.where(sel, w3, KEY_MAX), 0)
+            sel = sel & (w3 == k3)
+        mt = tl.max(tl.where(sel, meta, 0), 0)
+        par = (mt >> 32).to(tl.int32)
+        dep = ((mt >> 24) & 255).to(tl.int32)
+        rk = (mt & 16777215).to(tl.int32)
+        node = n_nodes
+
+        # pop: record the node
+        at = (dep - 1) * K + rk
+        t = tl.load(tok_row + at, mask=live, other=-1)
+        here = (n_offs == node) & live
+        node_tok = tl.where(here, t, node_tok)
+        node_dep = tl.where(here, dep, node_dep)
+        node_par = tl.where(here, par, node_par)
+
+        # the popped slot takes the next sibling
+        has_sib = live & (rk + 1 < K)
+        lp_r = tl.load(lp_row + at, mask=live, other=0.0).to(tl.float64)
+        lp_r1 = tl.load(lp_row + at + 1, mask=has_sib, other=0.0).to(tl.float64)
+        s_sib = tl.where(best == NEG_INF, NEG_INF, (best - lp_r) + lp_r1)
+        pos = tl.maximum(dep - 1, 0)
+        word_d = pos // DPW
+        inc_d = tl.full([], 1, tl.int64) << (BITS * (DPW - 1 - pos % DPW)).to(tl.int64)
+        score = tl.where(sel, s_sib, score)
+        meta = tl.where(sel, mt + 1, meta)
+        valid = tl.where(sel, has_sib, valid)
+        w0 = tl.where(sel & (word_d == 0), w0 + inc_d, w0)
+        if NWORDS > 1:
+            w1 = tl.where(sel & (word_d == 1), w1 + inc_d, w1)
+        if NWORDS > 2:
+            w2 = tl.where(sel & (word_d == 2), w2 + inc_d, w2)
+        if NWORDS > 3:
+            w3 = tl.where(sel & (word_d == 3), w3 + inc_d, w3)
+
+        # a fresh slot takes the first child (depth dep + 1, rank 0)
+        has_child = live & (dep < D)
+        lp_c = tl.load(lp_row + dep * K, mask=has_child, other=0.0).to(tl.float64)
+        s_child = best + lp_c
+        word_c = dep // DPW
+        inc_c = tl.full([], 1, tl.int64) << (BITS * (DPW - 1 - dep % DPW)).to(tl.int64)
+        cs = (f == n_used) & has_child
+        score = tl.where(cs, s_child, score)
+        meta = tl.where(cs, (node.to(tl.int64) << 32) | ((dep + 1).to(tl.int64) << 24), meta)
+        valid = valid | cs
+        w0 = tl.where(cs, k0 + tl.where(word_c == 0, inc_c, 0), w0)
+        if NWORDS > 1:
+            w1 = tl.where(cs, k1 + tl.where(word_c == 1, inc_c, 0), w1)
+        if NWORDS > 2:
+            w2 = tl.where(cs, k2 + tl.where(word_c == 2, inc_c, 0), w2)
+        if NWORDS > 3:
+            w3 = tl.where(cs, k3 + tl.where(word_c == 3, inc_c, 0), w3)
+
+        n_used += has_child.to(tl.int32)
+        n_valid += has_sib.to(tl.int32) + has_child.to(tl.int32) - live.to(tl.int32)
+        n_nodes += live.to(tl.int32)
+
+    keep = n_offs < N
+    tl.store(out_tokens_ptr + b * N + n_offs, node_tok, mask=keep)
+    tl.store(out_depth_ptr + b * N + n_offs, node_dep, mask=keep)
+    tl.store(out_parent_ptr + b * N + n_offs, node_par, mask=keep)
+    tl.store(out_num_ptr + b, n_nodes)
+
+
+def build_tree_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int,
+                      root_tokens: torch.Tensor | None = None, out=None):
+    """See module docstring.  ``out``: optional preallocated (tokens, depth, parent, num_nodes)."""
+    bs, D, K = log_probs.shape
+    N = budget + 1
+    dev = log_probs.device
+    log_probs = log_probs.contiguous()
+    token_ids = token_ids.contiguous()
+    if out is None:
+        out = (torch.empty((bs, N), dtype=torch.int64, device=dev),
+               torch.empty((bs, N), dtype=torch.int32, device=dev),
+               torch.empty((bs, N), dtype=torch.int32, device=dev),
+               torch.empty((bs,), dtype=torch.int32, device=dev))
+    tokens, depth, parent, num_nodes = out
+    if bs == 0:
+        return out
+    bits, dpw, words = key_layout(D, K)
+    if words > MAX_KEY_WORDS:
+        raise ValueError(f"draft depth {D} with top-k {K} needs {words} key words (> {MAX_KEY_WORDS})")
+    FP = max(16, triton.next_power_of_2(N))
+    NP = FP
+    num_warps = 1 if FP <= 64 else (2 if FP <= 256 else 4)
+    _build_tree_kernel[(bs,)](
+        log_probs, token_ids, root_tokens if root_tokens is not None else tokens,
+        tokens, depth, parent, num_nodes,
+        budget, D, K,
+        HAS_ROOT=root_tokens is not None, FP=FP, NP=NP,
+        BITS=bits, DPW=dpw, NWORDS=words, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,249 @@
+"""DDTree tree API: top-k log-probs, best-first tree build, greedy accept.
+
+Shapes: ``bs`` requests, ``D`` draft depth (block size - 1), ``K`` top-k width,
+``N = budget + 1`` tree slots (slot 0 is the root).
+
+``backend="triton"`` runs the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
+outputs stay on the input's device and the path has no host synchronisation when
+``validate=False``.  ``backend="reference"`` is the exact CPU implementation (numpy +
+heapq, one request at a time), the oracle of the tests and the CPU-heap baseline of the
+benchmarks; it copies to the host and back.
+
+``validate=True`` (the default, meant for use off the hot path) also checks values
+(NaN, +inf, unsorted rows), which needs a host sync; shape, dtype and argument checks
+are always done and cost nothing on the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import reference as _ref
+
+__all__ = ["Tree", "Accept", "topk_logprobs", "build_tree", "tree_mask", "accept_greedy"]
+
+_BACKENDS = ("triton", "reference")
+_LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass
+class Tree:
+    """A batch of draft trees with ``N = budget + 1`` static slots.
+
+    tokens [bs, N] int64 (slot 0 = root token or -1, padding -1); depth [bs, N] int32 (root 0);
+    parent [bs, N] int32 (root and padding -1); num_nodes [bs] int32 (root included);
+    visibility [bs, N, N] bool (row i: ancestors of i and i itself);
+    mask_words [bs, N, ceil(N/32)] int32 (visibility bit-packed, bit j of word w = column 32w+j).
+    """
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    parent: torch.Tensor
+    num_nodes: torch.Tensor
+    visibility: torch.Tensor
+    mask_words: torch.Tensor
+    budget: int
+    draft_depth: int
+
+    def positions(self, start: torch.Tensor) -> torch.Tensor:
+        """Position ids of every slot: ``start [bs] + depth`` -> [bs, N] int64."""
+        return start.reshape(-1, 1).to(torch.int64) + self.depth.to(torch.int64)
+
+
+@dataclasses.dataclass
+class Accept:
+    """accept_len [bs] int32 (accepted non-root nodes); path [bs, D+1] int32 (slots, root first,
+    -1 padded); bonus [bs] int64 (the target's token after the last accepted node)."""
+
+    accept_len: torch.Tensor
+    path: torch.Tensor
+    bonus: torch.Tensor
+
+    def new_tokens(self, tree: Tree) -> torch.Tensor:
+        """Tokens this round commits, [bs, D+1] int64: accepted path tokens then the bonus, -1 padded."""
+        bs, width = self.path.shape
+        idx = self.path[:, 1:].clamp(min=0).to(torch.int64)
+        toks = torch.gather(tree.tokens, 1, idx)
+        cols = torch.arange(width - 1, device=toks.device).unsqueeze(0)
+        alen = self.accept_len.to(torch.int64).unsqueeze(1)
+        out = torch.full((bs, width), -1, dtype=torch.int64, device=toks.device)
+        out[:, :-1] = torch.where(cols < alen, toks, torch.full_like(toks, -1))
+        out.scatter_(1, alen, self.bonus.unsqueeze(1))
+        return out
+
+
+def _check_backend(backend: str, *tensors: torch.Tensor) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        for t in tensors:
+            if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+                raise ValueError(
+                    f"backend='triton' needs CUDA tensors (got {t.device}); on a machine without "
+                    "a GPU set TRITON_INTERPRET=1 before importing sglang_ddtree.kernels, or use "
+                    "backend='reference'")
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def _check_int(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return int(v)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, *, backend: str = "triton", validate: bool = True,
+                  out=None):
+    """Per-row top-k of the log-softmax, in one pass over the vocabulary.
+
+    logits [bs, D, V] bf16/fp16/fp32 -> (log_probs [bs, D, k] fp32, token_ids [bs, D, k] int64);
+    values = top-k logits minus the fp32 logsumexp over all V; rows sorted descending; equal
+    logits ordered by smaller token id.
+    """
+    _check_tensor("logits", logits, 3, _LOGIT_DTYPES)
+    k = _check_int("k", k, 1)
+    bs, D, V = logits.shape
+    if k > V:
+        raise ValueError(f"k must be <= vocabulary size {V}, got {k}")
+    _check_backend(backend, logits)
+    if validate and logits.numel():
+        if torch.isnan(logits).any():
+            raise ValueError("logits contain NaN")
+        if (logits == float("inf")).any():
+            raise ValueError("logits contain +inf")
+        if V and (logits == float("-inf")).all(dim=-1).any():
+            raise ValueError("a row of logits is entirely -inf (no distribution)")
+    if backend == "reference":
+        lp, ids = _ref.topk_logprobs_ref(logits.detach().float().cpu().numpy(), k)
+        return (torch.from_numpy(lp).to(logits.device), torch.from_numpy(ids).to(logits.device))
+    from .kernels.topk_logprobs import topk_logprobs_triton
+    flat_out = None
+    if out is not None:
+        flat_out = (out[0].view(bs * D, k), out[1].view(bs * D, k))
+    lp, ids = topk_logprobs_triton(logits.reshape(bs * D, V), k, out=flat_out)
+    return lp.view(bs, D, k), ids.view(bs, D, k)
+
+
+def _validate_tree_inputs(log_probs, token_ids, budget, root_tokens, validate):
+    _check_tensor("log_probs", log_probs, 3, (torch.float32,))
+    _check_tensor("token_ids", token_ids, 3, (torch.int64,))
+    if token_ids.shape != log_probs.shape:
+        raise ValueError(f"token_ids shape {tuple(token_ids.shape)} != log_probs shape "
+                         f"{tuple(log_probs.shape)}")
+    if token_ids.device != log_probs.device:
+        raise ValueError("log_probs and token_ids must be on the same device")
+    budget = _check_int("budget", budget, 0)
+    bs, D, K = log_probs.shape
+    if K < 1:
+        raise ValueError("log_probs must have k >= 1 columns")
+    if D == 0 and budget > 0:
+        raise ValueError("draft depth D (log_probs.shape[1]) is 0 but budget > 0")
+    if root_tokens is not None:
+        _check_tensor("root_tokens", root_tokens, 1, (torch.int64,))
+        if root_tokens.shape[0] != bs:
+            raise ValueError(f"root_tokens must have shape [{bs}], got {tuple(root_tokens.shape)}")
+        if root_tokens.device != log_probs.device:
+            raise ValueError("root_tokens must be on the same device as log_probs")
+    if validate and log_probs.numel():
+        if torch.isnan(log_probs).any():
+            raise ValueError("log_probs contain NaN")
+        if (log_probs == float("inf")).any():
+            raise ValueError("log_probs contain +inf")
+        if K > 1 and (log_probs[..., 1:] > log_probs[..., :-1]).any():
+            raise ValueError("log_probs rows must be sorted in descending order")
+        if (token_ids < 0).any():
+            raise ValueError("token_ids must be >= 0")
+    return budget
+
+
+def build_tree(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, *,
+               root_tokens: Optional[torch.Tensor] = None, backend: str = "triton",
+               validate: bool = True, out: Optional[Tree] = None) -> Tree:
+    """Best-first DDTree of ``budget`` nodes (+ root) from per-depth top-k log-probs.
+
+    log_probs [bs, D, K] fp32 sorted descending per row, token_ids [bs, D, K] int64,
+    root_tokens [bs] int64 or None.  Equals the reference heap node for node (fp64 score
+    updates, ties broken by the lexicographically smaller rank path).
+    ``out``: a preallocated Tree of the same shapes to write into (CUDA graphs).
+    """
+    budget = _validate_tree_inputs(log_probs, token_ids, budget, root_tokens, validate)
+    _check_backend(backend, log_probs)
+    bs, D, K = log_probs.shape
+    if backend == "reference":
+        r = _ref.build_tree_ref(log_probs.cpu().numpy(), token_ids.cpu().numpy(), budget,
+                                None if root_tokens is None else root_tokens.cpu().numpy())
+        dev = log_probs.device
+        return Tree(**{k: torch.from_numpy(np.ascontiguousarray(r[k])).to(dev)
+                       for k in ("tokens", "depth", "parent", "num_nodes", "visibility",
+                                 "mask_words")}, budget=budget, draft_depth=D)
+    from .kernels.tree_build import build_tree_triton
+    from .kernels.tree_mask import tree_mask_triton
+    if out is not None:
+        _check_out_tree(out, bs, budget)
+    tokens, depth, parent, num_nodes = build_tree_triton(
+        log_probs, token_ids, budget, root_tokens,
+        out=None if out is None else (out.tokens, out.depth, out.parent, out.num_nodes))
+    vis, words = tree_mask_triton(parent, D, out=None if out is None else (out.visibility, out.mask_words))
+    return Tree(tokens, depth, parent, num_nodes, vis, words, budget=budget, draft_depth=D)
+
+
+def _check_out_tree(out: Tree, bs: int, budget: int) -> None:
+    N = budget + 1
+    if out.tokens.shape != (bs, N) or out.visibility.shape != (bs, N, N):
+        raise ValueError(f"out tree has shape {tuple(out.tokens.shape)}, expected {(bs, N)}")
+
+
+def tree_mask(parent: torch.Tensor, max_depth: int, *, backend: str = "triton"):
+    """Ancestor-only mask of a parent array [bs, N] int32 -> (visibility bool, mask_words int32)."""
+    _check_tensor("parent", parent, 2, (torch.int32,))
+    max_depth = _check_int("max_depth", max_depth, 0)
+    _check_backend(backend, parent)
+    if backend == "reference":
+        vis = _ref.tree_visibility_ref(parent.cpu().numpy())
+        return (torch.from_numpy(vis).to(parent.device),
+                torch.from_numpy(_ref.pack_visibility(vis)).to(parent.device))
+    from .kernels.tree_mask import tree_mask_triton
+    return tree_mask_triton(parent, max_depth)
+
+
+def accept_greedy(tree: Tree, target_tokens: torch.Tensor, *, backend: str = "triton",
+                  validate: bool = True, out: Optional[Accept] = None) -> Accept:
+    """Longest root path whose tokens match the target's argmax at each parent.
+
+    target_tokens [bs, N] int64: the target's greedy choice at every tree slot.
+    """
+    if not isinstance(tree, Tree):
+        raise ValueError(f"tree must be a Tree, got {type(tree).__name__}")
+    _check_tensor("target_tokens", target_tokens, 2, (torch.int64,))
+    if target_tokens.shape != tree.tokens.shape:
+        raise ValueError(f"target_tokens shape {tuple(target_tokens.shape)} != tree shape "
+                         f"{tuple(tree.tokens.shape)}")
+    if target_tokens.device != tree.tokens.device:
+        raise ValueError("target_tokens must be on the tree's device")
+    _check_backend(backend, target_tokens)
+    if validate and target_tokens.numel() and (target_tokens < 0).any():
+        raise ValueError("target_tokens must be >= 0")
+    D = tree.draft_depth
+    if backend == "reference":
+        a, p, bonus = _ref.accept_greedy_ref(tree.tokens.cpu().numpy(), tree.parent.cpu().numpy(),
+                                             target_tokens.cpu().numpy(), D)
+        dev = target_tokens.device
+        return Accept(torch.from_numpy(a).to(dev), torch.from_numpy(p).to(dev),
+                      torch.from_numpy(bonus).to(dev))
+    from .kernels.accept_greedy import accept_greedy_triton
+    res = accept_greedy_triton(tree.tokens, tree.parent, target_tokens, D,
+                               out=None if out is None else (out.accept_len, out.path, out.bonus))
+    return Accept(*res)
