@@ -1,0 +1,116 @@
+#!/bin/bash
+# GPU-host driver of the test bed: unpack the SGLang kit, install the project from the checkout,
+# make the tiny models, run stages (parallel groups) under a deadline, write results to $OUT.
+#
+# usage (from the repo root, on the GPU host):
+#   bash bench/device/run_stages.sh "GROUPS" DEADLINE_SECONDS
+# GROUPS: groups separated by ';', run one after the other; the stages of a group run in parallel
+# (one process each, sharing the GPU).  Stages:
+#   <gqa|mla>_<base|dflash>_<eager|graph>   stage.py (offline Engine, token check vs target greedy)
+#   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
+#   http_<gqa|mla>                          python -m sglang.launch_server --config configs/tiny_<pair>_dflash.yaml
+#   plugin_probe                            entry-point discovery only (no engine)
+# $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: copy to .kit/ to
+# reuse next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
+GROUPS_ARG=${1:-"gqa_base_graph"}
+DEADLINE=${2:-480}
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+DEV=$REPO/bench/device
+KIT=$REPO/.kit
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG=/tmp/tblogs; rm -rf $LOG; mkdir -p $LOG
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+S=$OUT/summary.txt
+R=$OUT/results.jsonl
+echo "== start $(date -u +%FT%TZ) groups='$GROUPS_ARG' deadline=${DEADLINE}s" | tee -a $S
+
+# 1. SGLang kit (site-packages overlay) ------------------------------------------------------
+if [ ! -d /tmp/site/sglang ]; then
+  tar -xJf $KIT/site.tar.xz -C /tmp || { echo "unpack failed (is .kit/site.tar.xz carried?)" | tee -a $S; exit 1; }
+fi
+echo "unpacked at $(el)s" | tee -a $S
+
+# 2. the project, installed without network: dist-infos with entry points on PYTHONPATH ---------
+P=/tmp/ddtree_path; rm -rf $P; mkdir -p $P
+ln -s $REPO/sglang_ddtree $P/sglang_ddtree          # not the repo root: its kernels/ would shadow HF `kernels`
+if [ -f $REPO/sglang_ddtree/plugin.py ] && [ "${DDTREE_PLUGIN:-1}" = 1 ]; then
+  D=$P/sglang_ddtree-0.1.0.dist-info; mkdir -p $D
+  printf 'Metadata-Version: 2.1\nName: sglang-ddtree\nVersion: 0.1.0\n' > $D/METADATA
+  printf '[sglang.srt.plugins]\nddtree = sglang_ddtree.plugin:register\n' > $D/entry_points.txt
+  echo "sglang_ddtree dist-info installed (entry point ddtree = sglang_ddtree.plugin:register)" | tee -a $S
+else
+  echo "sglang_ddtree/plugin.py absent or DDTREE_PLUGIN=0: only the test-bed probe plugin is installed" | tee -a $S
+fi
+cp $DEV/testbed_hooks.py $P/ddtree_testbed_hooks.py
+D=$P/ddtree_testbed-0.0.1.dist-info; mkdir -p $D
+printf 'Metadata-Version: 2.1\nName: ddtree-testbed\nVersion: 0.0.1\n' > $D/METADATA
+printf '[sglang.srt.plugins]\nddtree_testbed = ddtree_testbed_hooks:register\n' > $D/entry_points.txt
+
+export PYTHONPATH=/tmp/site:$P
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TVM_FFI_CACHE_DIR=/tmp/tvmcache TRITON_CACHE_DIR=/tmp/tritoncache FLASHINFER_WORKSPACE_BASE=/tmp/fi
+mkdir -p $TVM_FFI_CACHE_DIR $TRITON_CACHE_DIR
+[ -f $KIT/cache.tar.xz ] && tar -xJf $KIT/cache.tar.xz -C / && echo "restored JIT caches from .kit/cache.tar.xz" | tee -a $S
+NVCC=$(command -v nvcc); REAL=$(grep -ao '/[^ "]*/bin/nvcc' "$NVCC" 2>/dev/null | head -1)
+export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "${REAL:-$NVCC}")")")
+ls $CUDA_HOME/lib64/libcudart.so >/dev/null 2>&1 || for d in /usr/local/cuda /usr/local/cuda-13.0; do [ -f $d/lib64/libcudart.so ] && export CUDA_HOME=$d; done
+echo "CUDA_HOME=$CUDA_HOME" | tee -a $S
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a $S
+python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;print('versions: python',sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__,'sglang',sglang.__version__,'sgl_kernel',sgl_kernel.__version__,'flashinfer',flashinfer.__version__,'cc',torch.cuda.get_device_capability())" 2>&1 | tail -1 | tee -a $S
+
+# 3. tiny models -----------------------------------------------------------------------------
+python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
+echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
+
+# 4. stages ----------------------------------------------------------------------------------
+run_stage() {  # name port limit
+  local st=$1 port=$2 lim=$3 ts=$(date +%s) rc
+  case $st in
+    capture_*)
+      timeout -k 5 $lim python3 $DEV/capture_fixtures.py ${st#capture_} /tmp/models $OUT/fixtures $port > $LOG/$st.log 2>&1; rc=$?
+      grep -a CAPTURE_STATS $LOG/$st.log | cut -c1-1500 > $LOG/$st.res ;;
+    http_*)
+      local pair=${st#http_}
+      python3 -m sglang.launch_server --config $REPO/configs/tiny_${pair}_dflash.yaml --port $port \
+        --mem-fraction-static 0.5 --max-total-tokens 32768 --nccl-port $((port+7)) > $LOG/$st.log 2>&1 &
+      local sp=$!
+      timeout -k 5 $lim python3 $DEV/http_client.py http://127.0.0.1:$port $((lim-15)) $sp /tmp/models/${pair}_target/perm.json $st $R > $LOG/$st.res 2>&1; rc=$?
+      local ch=$(pgrep -P $sp); kill $sp 2>/dev/null; sleep 5; for c in $ch $sp; do kill -9 $c 2>/dev/null; done ;;
+    plugin_probe)
+      timeout -k 5 $lim python3 -c "from importlib.metadata import entry_points as e; print([(x.name,x.value) for x in e(group='sglang.srt.plugins')]); from sglang.srt.plugins import load_plugins; load_plugins()" > $LOG/$st.log 2>&1; rc=$?
+      tail -5 $LOG/$st.log > $LOG/$st.res ;;
+    *)
+      timeout -k 5 $lim python3 $DEV/stage.py $st /tmp/models $R $port > $LOG/$st.log 2>&1; rc=$?
+      grep -a STAGE_RESULT $LOG/$st.log | cut -c1-1800 > $LOG/$st.res ;;
+  esac
+  local pids=$(grep -ao '\[ddtree-testbed\] register pid=[0-9]*' $LOG/$st.log | sort -u | wc -l)
+  local dd=$(grep -a -c 'Loaded plugin ddtree from group' $LOG/$st.log)
+  {
+    echo "[$st] rc=$rc took $(( $(date +%s) - ts ))s (ended at $(el)s); test-bed plugin registered in $pids processes;" \
+         "'Loaded plugin ddtree' x$dd; $(grep -ao 'proc=sglang::[a-z_]*' $LOG/$st.log | sort -u | tr '\n' ' ')"
+    cat $LOG/$st.res 2>/dev/null
+    if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
+  } > $LOG/$st.sum
+}
+
+i=0
+IFS=';' read -ra GRPS <<< "$GROUPS_ARG"
+for grp in "${GRPS[@]}"; do
+  left=$(( DEADLINE - $(el) ))
+  if [ $left -lt 60 ]; then echo "SKIP group '$grp' (deadline)" | tee -a $S; continue; fi
+  lim=$left; [ $lim -gt 300 ] && lim=300
+  echo "-- group [$grp] at $(el)s, limit ${lim}s, gpu mem used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)" | tee -a $S
+  for st in $grp; do
+    i=$((i+1)); run_stage $st $((30000 + 100*i)) $lim &
+  done
+  wait
+  for st in $grp; do cat $LOG/$st.sum | tee -a $S; done
+done
+
+# 5. bring back results, logs, fixtures and JIT caches ----------------------------------------
+python3 $DEV/stage.py summarize $R 2>&1 | tee -a $S
+[ -d $OUT/fixtures ] && tar -cf $OUT/fixtures.tar -C $OUT fixtures && rm -rf $OUT/fixtures
+tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
+(cd / && { find tmp/tvmcache -name '*.so'; find tmp/tritoncache -type f; } > /tmp/cachelist; tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
+echo "== end at $(el)s; cache $(du -h $OUT/cache.tar.xz | cut -f1)" | tee -a $S

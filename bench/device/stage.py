@@ -1,0 +1,166 @@
+"""One SGLang offline-Engine stage of the test bed (runs on the GPU host, one process per stage).
+
+usage: python bench/device/stage.py NAME MODELS_DIR RESULTS_JSONL PORT
+       python bench/device/stage.py summarize RESULTS_JSONL        (token-identity table)
+
+NAME = <pair>_<algo>_<mode>:  pair gqa | mla;  algo base (plain target) | dflash (stock DFLASH);
+       mode eager (disable_cuda_graph) | graph (decode CUDA graphs, prefill graph off).
+Every stage greedy-decodes the same prompts and checks the output against the toy target's known
+greedy chain perm^k(last prompt token) (see mk_models.py), so base and DFLASH outputs are compared
+token for token with the plain target's greedy output.  DFLASH stages also report the acceptance
+length per verify round (completion_tokens / spec_verify_ct).
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+PROMPTS = [
+    [1, 5, 17, 300, 42, 7, 99, 123],
+    [1, 400, 401, 402, 403, 404, 12],
+    [1, 77],
+    [1, 9, 8, 7, 6, 5, 4, 3, 2, 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910],
+    [1, 640, 641],
+    [1, 33, 34, 35, 36, 37],
+    [1, 1000, 11, 111],
+    [1, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261],
+]
+MAX_NEW = 96
+
+
+def stage_kwargs(name, models, port):
+    pair, algo, mode = name.split("_")
+    kw = dict(
+        model_path=os.path.join(models, f"{pair}_target"),
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        skip_tokenizer_init=True,
+        mem_fraction_static=0.5,  # several engines share the GPU: size the pool by max_total_tokens
+        max_total_tokens=32768,
+        max_running_requests=16,
+        context_length=2048,
+        random_seed=0,
+        grammar_backend="none",
+        log_level="info",
+        port=port,
+        nccl_port=port + 7,
+    )
+    if mode == "eager":
+        kw["disable_cuda_graph"] = True
+    else:
+        kw.update(cuda_graph_max_bs_decode=16, disable_prefill_cuda_graph=True)
+    if algo == "dflash":
+        kw.update(speculative_algorithm="DFLASH",
+                  speculative_draft_model_path=os.path.join(models, "drafter"))
+    return pair, algo, mode, kw
+
+
+def expected_chain(perm, prompt, n):
+    t, out = prompt[-1], []
+    for _ in range(n):
+        t = perm[t]
+        out.append(t)
+    return out
+
+
+def run(name, models, results, port):
+    t0 = time.time()
+    rec = {"stage": name, "ok": False, "pid": os.getpid()}
+    eng = None
+    try:
+        pair, algo, mode, kw = stage_kwargs(name, models, port)
+        rec.update(pair=pair, algo=algo, mode=mode)
+        import sglang as sgl
+        rec["import_s"] = round(time.time() - t0, 1)
+        t1 = time.time()
+        eng = sgl.Engine(**kw)
+        rec["engine_start_s"] = round(time.time() - t1, 1)
+        perm = json.load(open(os.path.join(kw["model_path"], "perm.json")))
+        exp = [expected_chain(perm, p, MAX_NEW) for p in PROMPTS]
+        sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+
+        t2 = time.time()
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=sp)
+        rec["gen1_bs8_s"] = round(time.time() - t2, 2)  # first generate: includes JIT compiles
+        ids = [o["output_ids"] for o in outs]
+        rec["output_ids_head"] = [x[:12] for x in ids]
+        rec["matches_target_greedy"] = ids == exp
+        rec["n_mismatch_reqs"] = sum(a != b for a, b in zip(ids, exp))
+        if ids != exp:
+            firsts = []
+            for a, b in zip(ids, exp):
+                firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+            rec["first_mismatch_pos"] = firsts
+
+        t3 = time.time()
+        outs2 = eng.generate(input_ids=PROMPTS, sampling_params=sp)  # radix-cache hits on prompts
+        rec["gen2_bs8_s"] = round(time.time() - t3, 3)
+        rec["repeat_identical"] = [o["output_ids"] for o in outs2] == ids
+
+        t4 = time.time()
+        o1 = eng.generate(input_ids=[PROMPTS[0]], sampling_params=dict(sp, max_new_tokens=256))
+        dt = time.time() - t4
+        rec["bs1_256tok_s"] = round(dt, 3)
+        rec["bs1_matches"] = o1[0]["output_ids"] == expected_chain(perm, PROMPTS[0], 256)
+
+        def acc(mi):
+            v = mi.get("spec_verify_ct")
+            c = mi.get("completion_tokens")
+            return round(c / v, 3) if v else None
+
+        mis = [o.get("meta_info", {}) for o in outs2]
+        rec["spec_verify_ct"] = [mi.get("spec_verify_ct") for mi in mis]
+        if algo != "base":
+            al = [acc(mi) for mi in mis]
+            rec["accept_len_bs8"] = al
+            tot_c = sum(mi.get("completion_tokens", 0) for mi in mis)
+            tot_v = sum(mi.get("spec_verify_ct", 0) or 0 for mi in mis)
+            rec["accept_len_bs8_mean"] = round(tot_c / tot_v, 3) if tot_v else None
+            rec["accept_len_bs1"] = acc(o1[0].get("meta_info", {}))
+            rec["rounds_bs1"] = o1[0].get("meta_info", {}).get("spec_verify_ct")
+        rec["ms_per_round_bs1"] = round(1000 * dt / (rec.get("rounds_bs1") or 256), 3)
+        rec["meta_info_keys"] = sorted(mis[0].keys())
+        rec["ok"] = bool(rec["matches_target_greedy"] and rec["repeat_identical"] and rec["bs1_matches"])
+    except BaseException as e:  # noqa
+        rec["error"] = repr(e)[:2000]
+        rec["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        if eng is not None:
+            try:
+                eng.shutdown()
+            except Exception as e:  # noqa
+                rec["shutdown_error"] = repr(e)[:500]
+        rec["total_s"] = round(time.time() - t0, 1)
+        with open(results, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print("STAGE_RESULT", json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+    os._exit(0 if rec["ok"] else 1)
+
+
+def summarize(results):
+    recs = {}
+    for line in open(results):
+        r = json.loads(line)
+        recs[r["stage"]] = r
+    rows = []
+    for name, r in sorted(recs.items()):
+        rows.append(f"{name:22s} ok={r.get('ok')} match={r.get('matches_target_greedy', r.get('up'))} "
+                    f"start={r.get('engine_start_s')}s gen1={r.get('gen1_bs8_s')}s "
+                    f"accept_bs8={r.get('accept_len_bs8_mean')} accept_bs1={r.get('accept_len_bs1')} "
+                    f"ms/round_bs1={r.get('ms_per_round_bs1')} err={str(r.get('error', ''))[:150]}")
+    for pair in ("gqa", "mla"):
+        outs = {n: r.get("output_ids_head") for n, r in recs.items()
+                if r.get("pair") == pair and r.get("output_ids_head") is not None}
+        if outs:
+            ref = outs.get(f"{pair}_base_eager") or next(iter(outs.values()))
+            same = {n: (o == ref) for n, o in outs.items()}
+            rows.append(f"{pair}: first-12-token heads identical across stages: {same}")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "summarize":
+        summarize(sys.argv[2])
+    else:
+        run(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))

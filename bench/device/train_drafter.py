@@ -1,0 +1,236 @@
+"""Train the tiny DFlash drafter against the deterministic toy target (CPU or GPU, seeded).
+
+usage: python bench/device/train_drafter.py [--seconds 600] [--steps 3000] [--out bench/device/weights/drafter.safetensors]
+
+The drafter forward re-implements exactly what SGLang 0.5.16 runs (sglang/srt/models/dflash.py and
+DFlashWorkerV2.forward_batch_generation):
+  * context: for each committed token j < n, target hidden states after target layers [1, 2]
+    (SGLang captures "before layer k+1"), concatenated -> ctx = hidden_norm(fc(.)); per draft layer
+    K/V of the context = k_norm(k_proj(ctx)) with RoPE at position j, v_proj(ctx) (no input norm);
+  * block: [root, mask x 7] at positions n..n+7, input = target embeddings; each draft layer is a
+    pre-norm Qwen3 layer (per-head q/k RMSNorm, neox RoPE), attention NON-causal over
+    [context ; block] (ENCODER_ONLY);
+  * logits at block positions 1..7 = target lm_head(norm(h)).
+The target's greedy continuation of root is perm^d(root), d = 1..7: the loss is cross-entropy on it.
+A short training run learns depth 1 almost always and deeper depths partly, so DFLASH accepts often
+but not always, and the right token is sometimes rank 2-3 in the drafter's top-k (what DDTree's
+tree needs to exercise sibling paths).
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mk_models as M  # noqa: E402
+
+
+def rms(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
+def rope_cos_sin(pos, hd, theta):
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    f = pos.float()[..., None] * inv  # [..., hd/2]
+    emb = torch.cat([f, f], -1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):  # x [B, T, H, hd]; cos [B?, T, hd]
+    x1, x2 = x.chunk(2, -1)
+    rot = torch.cat([-x2, x1], -1)
+    return x * cos[..., None, :] + rot * sin[..., None, :]
+
+
+# ---------------------------------------------------------------- target (Qwen3 reference, fp32)
+def target_features(sd, ids, upto_layers):
+    """Causal Qwen3 forward; returns {layer_id: hidden after that layer} for layer_id in upto_layers."""
+    c = M.QWEN3
+    hd, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    B, T = ids.shape
+    x = sd["model.embed_tokens.weight"][ids]
+    cos, sin = rope_cos_sin(torch.arange(T), hd, c["rope_theta"])
+    out = {}
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    for i in range(max(upto_layers) + 1):
+        p = f"model.layers.{i}."
+        h = rms(x, sd[p + "input_layernorm.weight"])
+        q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(B, T, nq, hd)
+        k = (h @ sd[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
+        v = (h @ sd[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
+        q = apply_rope(rms(q, sd[p + "self_attn.q_norm.weight"]), cos, sin)
+        k = apply_rope(rms(k, sd[p + "self_attn.k_norm.weight"]), cos, sin)
+        rep = nq // nkv
+        k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask)
+        x = x + a.transpose(1, 2).reshape(B, T, nq * hd) @ sd[p + "self_attn.o_proj.weight"].T
+        h = rms(x, sd[p + "post_attention_layernorm.weight"])
+        g = h @ sd[p + "mlp.gate_proj.weight"].T
+        u = h @ sd[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
+        if i in upto_layers:
+            out[i] = x
+    return out
+
+
+# ---------------------------------------------------------------- drafter (SGLang DFlash forward)
+def drafter_forward(P, E, W, feats, root, n):
+    """feats [B, n, 2*H] target features of the context; root [B]; block at positions n..n+L-1.
+    Returns logits [B, L-1, V] for block positions 1..L-1."""
+    c = M.DRAFTER
+    L = M.BLOCK_SIZE
+    hd, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    B = root.shape[0]
+    ctx = rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"])  # [B, n, H]
+    block = torch.full((B, L), M.MASK_ID, dtype=torch.long)
+    block[:, 0] = root
+    x = E[block]
+    cos_c, sin_c = rope_cos_sin(torch.arange(n), hd, c["rope_theta"])
+    cos_b, sin_b = rope_cos_sin(torch.arange(n, n + L), hd, c["rope_theta"])
+    rep = nq // nkv
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, P[p + "input_layernorm.weight"])
+        Wq, Wk, Wv = P[p + "self_attn.q_proj.weight"], P[p + "self_attn.k_proj.weight"], P[p + "self_attn.v_proj.weight"]
+        qn, kn = P[p + "self_attn.q_norm.weight"], P[p + "self_attn.k_norm.weight"]
+        q = apply_rope(rms((h @ Wq.T).view(B, L, nq, hd), qn), cos_b, sin_b)
+        kb = apply_rope(rms((h @ Wk.T).view(B, L, nkv, hd), kn), cos_b, sin_b)
+        vb = (h @ Wv.T).view(B, L, nkv, hd)
+        kc = apply_rope(rms((ctx @ Wk.T).view(B, n, nkv, hd), kn), cos_c, sin_c)
+        vc = (ctx @ Wv.T).view(B, n, nkv, hd)
+        k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
+        v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = x + a.transpose(1, 2).reshape(B, L, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
+        h = rms(x, P[p + "post_attention_layernorm.weight"])
+        g = h @ P[p + "mlp.gate_proj.weight"].T
+        u = h @ P[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
+    hN = rms(x, P["norm.weight"])[:, 1:]
+    return hN @ W.T
+
+
+def chain(perm, root, D):
+    out, t = [], root
+    for _ in range(D):
+        t = perm[t]
+        out.append(t)
+    return torch.stack(out, 1)
+
+
+def make_data(sd, perm, n_seq, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.empty(n_seq, T, dtype=torch.long)
+    plen = torch.randint(1, 9, (n_seq,), generator=g)
+    for s in range(n_seq):
+        p = int(plen[s])
+        seqs[s, :p] = torch.randint(3, M.VOCAB - 1, (p,), generator=g)
+        for j in range(p, T):
+            seqs[s, j] = perm[seqs[s, j - 1]]
+    with torch.no_grad():
+        f = target_features(sd, seqs, M.TARGET_LAYER_IDS)
+    feats = torch.cat([f[i] for i in M.TARGET_LAYER_IDS], -1)
+    return seqs, plen, feats
+
+
+def evaluate(P, E, W, perm, seqs, plen, feats, ns=(2, 8, 16, 30), bf16=True):
+    """Per-depth top-1 accuracy, rank histogram of the true token, simulated DFLASH accept length."""
+    P2 = {k: (v.detach().to(torch.bfloat16).float() if bf16 else v.detach()) for k, v in P.items()}
+    acc, ranks, al = [], torch.zeros(5), []
+    with torch.no_grad():
+        for n in ns:
+            sel = (plen <= n).nonzero().flatten()[:512]
+            root = seqs[sel, n]
+            lg = drafter_forward(P2, E, W, feats[sel, :n], root, n)
+            tgt = chain(perm, root, M.BLOCK_SIZE - 1)
+            top1 = lg.argmax(-1)
+            ok = top1 == tgt
+            acc.append(ok.float().mean(0))
+            r = (lg > lg.gather(-1, tgt[..., None])).sum(-1).clamp(max=4)
+            ranks += torch.bincount(r.flatten(), minlength=5)[:5].float()
+            lead = ok.long().cumprod(1).sum(1)
+            al.append(lead.float() + 1)
+    acc = torch.stack(acc).mean(0)
+    return {"depth_top1": [round(float(a), 3) for a in acc],
+            "true_rank_hist(0,1,2,3,>=4)": [round(float(x), 3) for x in ranks / ranks.sum()],
+            "sim_accept_len": round(float(torch.cat(al).mean()), 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--noise", type=float, default=0.1, help="std of noise added to target features")
+    ap.add_argument("--out", default=M.DEFAULT_DRAFTER)
+    ap.add_argument("--ckpt-dir", default="")
+    ap.add_argument("--ckpt-from", type=int, default=40)
+    ap.add_argument("--ckpt-every", type=int, default=5)
+    ap.add_argument("--norm-init", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(M.SEED + 10)
+    sd, perm = M.qwen3_target_state()
+    E, W = sd["model.embed_tokens.weight"], sd["lm_head.weight"]
+    seqs, plen, feats = make_data(sd, perm, 4096, 40, M.SEED + 11)
+    vseqs, vplen, vfeats = make_data(sd, perm, 1024, 40, M.SEED + 12)
+    init = M.random_drafter_state()
+    init["norm.weight"] = init["norm.weight"] * a.norm_init  # soft logits at the start (scale ~25, not ~250)
+    P = {k: v.clone().requires_grad_(True) for k, v in init.items()}
+    opt = torch.optim.AdamW(P.values(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    g = torch.Generator().manual_seed(M.SEED + 13)
+    t0 = time.time()
+    step = 0
+    print("init eval", evaluate(P, E, W, perm, vseqs, vplen, vfeats), flush=True)
+    while step < a.steps and time.time() - t0 < a.seconds:
+        n = int(torch.randint(1, 33, (1,), generator=g))
+        cand = (plen <= n).nonzero().flatten()
+        sel = cand[torch.randint(0, len(cand), (a.batch,), generator=g)]
+        root = seqs[sel, n]
+        f = feats[sel, :n]
+        f = f + a.noise * torch.randn(f.shape, generator=g)
+        lg = drafter_forward(P, E, W, f, root, n)
+        tgt = chain(perm, root, M.BLOCK_SIZE - 1)
+        loss = F.cross_entropy(lg.reshape(-1, M.VOCAB), tgt.reshape(-1))
+        frac = min(1.0, (time.time() - t0) / a.seconds, step / a.steps)
+        for grp in opt.param_groups:
+            grp["lr"] = a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))) * min(1.0, (step + 1) / 50)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(P.values(), 1.0)
+        opt.step()
+        step += 1
+        if a.ckpt_dir and step >= a.ckpt_from and step % a.ckpt_every == 0:
+            ev = evaluate(P, E, W, perm, vseqs, vplen, vfeats)
+            print(f"ckpt step {step} {ev}", flush=True)
+            save(P, os.path.join(a.ckpt_dir, f"step{step:05d}.safetensors"), step, t0, ev)
+        if step % 25 == 0:
+            with torch.no_grad():
+                acc = (lg.argmax(-1) == tgt).float().mean(0)
+            print(f"step {step} t={time.time()-t0:.0f}s loss {loss.item():.3f} acc/depth "
+                  + " ".join(f"{x:.2f}" for x in acc.tolist()), flush=True)
+    ev = evaluate(P, E, W, perm, vseqs, vplen, vfeats)
+    print("final eval (bf16 weights)", ev, flush=True)
+    save(P, a.out, step, t0, ev)
+
+
+def save(P, path, step, t0, ev):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    from safetensors.torch import save_file
+    meta = {"format": "pt", "steps": str(step), "seconds": f"{time.time()-t0:.0f}",
+            "eval": str(ev), "script": "bench/device/train_drafter.py", "seed": str(M.SEED)}
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in P.items()}, path, metadata=meta)
+    print("saved", path, os.path.getsize(path), "bytes", flush=True)
+
+
+if __name__ == "__main__":
+    main()

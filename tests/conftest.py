@@ -1,0 +1,36 @@
+"""Shared test setup: run the Triton kernels on CUDA when present, else under the interpreter.
+
+TRITON_INTERPRET must be set before any kernel module is imported (Triton decides at
+decoration time), so it is set here, at collection start.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def pytest_report_header(config):
+    return f"sglang-ddtree tests on {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test, seeded from the OS: inputs differ on every run.
+
+    The seed is printed so a failure can be replayed with DDTREE_TEST_SEED=<seed>.
+    """
+    seed = int(os.environ.get("DDTREE_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
+    print(f"DDTREE_TEST_SEED={seed}")
+    g = torch.Generator().manual_seed(seed)
+    return g

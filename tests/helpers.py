@@ -1,0 +1,36 @@
+"""Input generators shared by the tests and the benchmarks: peaked, tie-heavy drafter-like data."""
+import torch
+
+
+def drafter_logits(bs, D, V, generator, dtype=torch.bfloat16, peak=8.0, scale=2.0, neg_inf_frac=0.0):
+    """Logits shaped like a drafter's: N(0, scale^2) plus a few boosted tokens per row, rounded to
+    ``dtype`` (bf16 makes exact ties common).  ``neg_inf_frac`` of the vocabulary is set to -inf."""
+    x = torch.randn(bs, D, V, generator=generator) * scale
+    n_hot = min(4, V)
+    hot = torch.randint(0, V, (bs, D, n_hot), generator=generator)
+    boost = torch.rand(bs, D, n_hot, generator=generator) * peak
+    x.scatter_add_(2, hot, boost)
+    if neg_inf_frac > 0:
+        dead = torch.rand(bs, D, V, generator=generator) < neg_inf_frac
+        dead[..., 0] = False  # keep every row a distribution
+        x = x.masked_fill(dead, float("-inf"))
+    return x.to(dtype)
+
+
+def logprobs_from_logits(logits, k):
+    """Exact top-k log-probs via the torch reference (stable sort: ties by smaller id)."""
+    from sglang_ddtree.kernels.topk_logprobs import topk_logprobs_torch
+    lp, ids = topk_logprobs_torch(logits, k)
+    return lp.contiguous(), ids.contiguous()
+
+
+def tie_heavy_logprobs(bs, D, K, generator, levels=6, neg_inf_frac=0.0):
+    """Sorted log-prob rows drawn from a few distinct values (many exact ties), random ids."""
+    vals = -torch.randint(0, levels, (bs, D, K), generator=generator).float() * 0.5
+    vals = vals - torch.rand(bs, D, 1, generator=generator).round(decimals=1)
+    if neg_inf_frac > 0:
+        vals = vals.masked_fill(torch.rand(bs, D, K, generator=generator) < neg_inf_frac, float("-inf"))
+    vals, _ = torch.sort(vals, dim=-1, descending=True)
+    ids = torch.stack([torch.stack([torch.randperm(max(K, 50), generator=generator)[:K]
+                                    for _ in range(D)]) for _ in range(bs)])
+    return vals.contiguous(), ids.to(torch.int64).contiguous()

@@ -1,0 +1,49 @@
+"""Captured drafter top-k (tests/fixtures/*.npz): Triton tree/accept vs the reference."""
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from sglang_ddtree import ddtree
+
+FIXTURES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "fixtures", "*.npz")))
+REQUIRED_META = {"logits_dtype", "vocab_size", "budget", "K", "D", "source", "captured_by", "date"}
+
+
+def load(path):
+    z = np.load(path, allow_pickle=False)
+    meta = json.loads(str(z["meta"]))
+    return z["log_probs"], z["token_ids"], meta
+
+
+def test_fixtures_exist():
+    assert FIXTURES, "tests/fixtures/ must hold captured drafter top-k (*.npz)"
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[os.path.basename(p) for p in FIXTURES])
+def test_fixture_trees_match_reference(path, device, rng):
+    lp, ids, meta = load(path)
+    assert REQUIRED_META <= set(meta), f"fixture meta lacks {REQUIRED_META - set(meta)}"
+    assert lp.dtype == np.float32 and ids.dtype == np.int64 and lp.shape == ids.shape
+    assert np.all(np.diff(lp, axis=-1) <= 0), "rows must be sorted descending"
+    bs, D, K = lp.shape
+    lp_t, ids_t = torch.from_numpy(lp).to(device), torch.from_numpy(ids).to(device)
+    budgets = sorted({int(meta["budget"]), 8, 16, 32, K})
+    if not HAS_CUDA:
+        budgets = [b for b in budgets if b <= 64]
+    for budget in budgets:
+        k = min(budget, K)
+        got = ddtree.build_tree(lp_t[..., :k].contiguous(), ids_t[..., :k].contiguous(), budget)
+        want = ddtree.build_tree(lp_t[..., :k].cpu().contiguous(), ids_t[..., :k].cpu().contiguous(),
+                                 budget, backend="reference")
+        for f in ("tokens", "depth", "parent", "num_nodes", "visibility", "mask_words"):
+            assert torch.equal(getattr(got, f).cpu(), getattr(want, f).cpu()), (f, budget)
+        # accept on targets that follow the drafter's own top-1 chain part of the way
+        target = torch.randint(0, int(meta["vocab_size"]), got.tokens.shape, generator=rng).to(device)
+        a = ddtree.accept_greedy(got, target)
+        r = ddtree.accept_greedy(want, target.cpu(), backend="reference")
+        assert torch.equal(a.path.cpu(), r.path.cpu()) and torch.equal(a.bonus.cpu(), r.bonus.cpu())
