@@ -32,15 +32,18 @@ fi
 echo "unpacked at $(el)s" | tee -a $S
 
 # 2. the project, installed without network: dist-infos with entry points on PYTHONPATH ---------
-P=/tmp/ddtree_path; rm -rf $P; mkdir -p $P
-ln -s $REPO/sglang_ddtree $P/sglang_ddtree          # not the repo root: its kernels/ would shadow HF `kernels`
-if [ -f $REPO/sglang_ddtree/plugin.py ] && [ "${DDTREE_PLUGIN:-1}" = 1 ]; then
+# The package is laid out as pip would install it (pyproject maps kernels/ and patches/ INTO the
+# package): a real folder of symlinks, so sglang_ddtree/__init__.py sees the installed layout.  The
+# repo root itself is never put on sys.path: its kernels/ would shadow the HF `kernels` package.
+P=/tmp/ddtree_path; rm -rf $P; mkdir -p $P/sglang_ddtree
+for f in $REPO/sglang_ddtree/*; do ln -s $f $P/sglang_ddtree/; done
+ln -s $REPO/kernels $P/sglang_ddtree/kernels; [ -d $REPO/patches ] && ln -s $REPO/patches $P/sglang_ddtree/patches
+if [ "${DDTREE_PLUGIN:-1}" = 1 ]; then
   D=$P/sglang_ddtree-0.1.0.dist-info; mkdir -p $D
   printf 'Metadata-Version: 2.1\nName: sglang-ddtree\nVersion: 0.1.0\n' > $D/METADATA
   printf '[sglang.srt.plugins]\nddtree = sglang_ddtree.plugin:register\n' > $D/entry_points.txt
-  echo "sglang_ddtree dist-info installed (entry point ddtree = sglang_ddtree.plugin:register)" | tee -a $S
-else
-  echo "sglang_ddtree/plugin.py absent or DDTREE_PLUGIN=0: only the test-bed probe plugin is installed" | tee -a $S
+  echo "sglang_ddtree installed from the checkout (entry point ddtree = sglang_ddtree.plugin:register;" \
+       "plugin.py present: $([ -f $REPO/sglang_ddtree/plugin.py ] && echo yes || echo 'no -> SGLang logs a load failure, harmless')" | tee -a $S
 fi
 cp $DEV/testbed_hooks.py $P/ddtree_testbed_hooks.py
 D=$P/ddtree_testbed-0.0.1.dist-info; mkdir -p $D
@@ -86,9 +89,12 @@ run_stage() {  # name port limit
   esac
   local pids=$(grep -ao '\[ddtree-testbed\] register pid=[0-9]*' $LOG/$st.log | sort -u | wc -l)
   local dd=$(grep -a -c 'Loaded plugin ddtree from group' $LOG/$st.log)
+  local dx=$(grep -a -c 'Executed general plugin: ddtree$' $LOG/$st.log)
+  local df=$(grep -a -c -E 'Failed to (load|execute) (general )?plugin:? ddtree( |$)' $LOG/$st.log)
+  local da=$(grep -a -c -- '- ddtree -> sglang_ddtree.plugin:register' $LOG/$st.log)
   {
     echo "[$st] rc=$rc took $(( $(date +%s) - ts ))s (ended at $(el)s); test-bed plugin registered in $pids processes;" \
-         "'Loaded plugin ddtree' x$dd; $(grep -ao 'proc=sglang::[a-z_]*' $LOG/$st.log | sort -u | tr '\n' ' ')"
+         "project entry point: discovered x$da, loaded x$dd, executed x$dx, failed x$df; $(grep -ao 'proc=sglang::[a-z_]*' $LOG/$st.log | sort -u | tr '\n' ' ')"
     cat $LOG/$st.res 2>/dev/null
     if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
   } > $LOG/$st.sum
@@ -99,7 +105,7 @@ IFS=';' read -ra GRPS <<< "$GROUPS_ARG"
 for grp in "${GRPS[@]}"; do
   left=$(( DEADLINE - $(el) ))
   if [ $left -lt 60 ]; then echo "SKIP group '$grp' (deadline)" | tee -a $S; continue; fi
-  lim=$left; [ $lim -gt 300 ] && lim=300
+  lim=$left; [ $lim -gt ${STAGE_CAP:-220} ] && lim=${STAGE_CAP:-220}
   echo "-- group [$grp] at $(el)s, limit ${lim}s, gpu mem used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)" | tee -a $S
   for st in $grp; do
     i=$((i+1)); run_stage $st $((30000 + 100*i)) $lim &

@@ -20,7 +20,7 @@ import sys
 def _proc_name():
     try:
         import setproctitle  # SGLang sets titles like "sglang::scheduler"
-        return setproctitle.getproctitle()[:60]
+        return setproctitle.getproctitle()[:60].replace("\n", " ")
     except Exception:
         return os.path.basename(sys.argv[0])[:60]
 
