@@ -3,7 +3,7 @@
 usage: python bench/device/stage.py NAME MODELS_DIR RESULTS_JSONL PORT
        python bench/device/stage.py summarize RESULTS_JSONL        (token-identity table)
 
-NAME = <pair>_<algo>_<mode>:  pair gqa | mla;  algo base (plain target) | dflash (stock DFLASH);
+NAME = <pair>_<algo>_<mode>[_<backend>]:  pair gqa | mla;  backend triton (default) | flashinfer;  algo base (plain target) | dflash (stock DFLASH);
        mode eager (disable_cuda_graph) | graph (decode CUDA graphs, prefill graph off).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so base and DFLASH outputs are compared
@@ -30,10 +30,12 @@ MAX_NEW = 96
 
 
 def stage_kwargs(name, models, port):
-    pair, algo, mode = name.split("_")
+    parts = name.split("_")
+    pair, algo, mode = parts[:3]
+    backend = parts[3] if len(parts) > 3 else "triton"
     kw = dict(
         model_path=os.path.join(models, f"{pair}_target"),
-        attention_backend="triton",
+        attention_backend=backend,
         sampling_backend="pytorch",
         skip_tokenizer_init=True,
         mem_fraction_static=0.5,  # several engines share the GPU: size the pool by max_total_tokens
