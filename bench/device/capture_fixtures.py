@@ -10,7 +10,7 @@ usage: python bench/device/capture_fixtures.py PAIR MODELS_DIR OUT_DIR PORT
     log_probs float32 [bs, D, K]: top-K of (bf16 drafter logit -> fp32) - fp32 logsumexp over the
                                   full vocab; rows sorted descending, ties by smaller token id
     token_ids int64   [bs, D, K]
-    meta      str[1]  JSON: logits_dtype, vocab_size, budget, K, D, source, captured_by, date, device,
+    meta      0-d str JSON: logits_dtype, vocab_size, budget, K, D, source, captured_by, date, device,
                             plus root_ids [bs] and target_greedy [bs, D] (the target's true chain)
   OUT_DIR/capture_stats_<pair>.json: rank of the target's token in the drafter's top-K per depth over
   all captured rounds, simulated DFLASH acceptance, and how often a non-first sibling would win.
@@ -117,7 +117,7 @@ def main():
                 }
                 np.savez(os.path.join(out_dir, f"topk_{pair}_dflash_r{rounds_bs8:02d}.npz"),
                          log_probs=vals.reshape(bs, D, K), token_ids=tids.reshape(bs, D, K),
-                         meta=np.array([json.dumps(meta)]))
+                         meta=np.array(json.dumps(meta)))  # 0-d string array
     rk = np.concatenate([x.reshape(-1, x.shape[-1]) for x in ranks_all])  # [rows, D]
     D = rk.shape[1]
     stats["rows"] = int(rk.shape[0])
