@@ -88,13 +88,15 @@ run_stage() {  # name port limit
       grep -a STAGE_RESULT $LOG/$st.log | cut -c1-1800 > $LOG/$st.res ;;
   esac
   local pids=$(grep -ao '\[ddtree-testbed\] register pid=[0-9]*' $LOG/$st.log | sort -u | wc -l)
+  local sched=$(grep -a '\[ddtree-testbed\] register pid=' $LOG/$st.log | grep -c 'multiprocessing')
   local dd=$(grep -a -c 'Loaded plugin ddtree from group' $LOG/$st.log)
+  local df=$(grep -a -c 'Failed to load plugin ddtree from group' $LOG/$st.log)
   local dx=$(grep -a -c 'Executed general plugin: ddtree$' $LOG/$st.log)
-  local df=$(grep -a -c -E 'Failed to (load|execute) (general )?plugin:? ddtree( |$)' $LOG/$st.log)
-  local da=$(grep -a -c -- '- ddtree -> sglang_ddtree.plugin:register' $LOG/$st.log)
+  local de=$(grep -a -c 'Failed to execute general plugin: ddtree$' $LOG/$st.log)
   {
-    echo "[$st] rc=$rc took $(( $(date +%s) - ts ))s (ended at $(el)s); test-bed plugin registered in $pids processes;" \
-         "project entry point: discovered x$da, loaded x$dd, executed x$dx, failed x$df; $(grep -ao 'proc=sglang::[a-z_]*' $LOG/$st.log | sort -u | tr '\n' ' ')"
+    echo "[$st] rc=$rc took $(( $(date +%s) - ts ))s (ended at $(el)s); test-bed plugin registered in $pids processes" \
+         "($sched spawned by SGLang); project entry point ddtree: loaded x$dd, load failed x$df (either = discovered)," \
+         "register() ran x$dx, raised x$de"
     cat $LOG/$st.res 2>/dev/null
     if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
   } > $LOG/$st.sum

@@ -4,8 +4,11 @@ run_stages.sh installs it without pip: it copies this file next to a generated
 `ddtree_testbed-0.0.1.dist-info/entry_points.txt` in a folder on PYTHONPATH.  SGLang calls
 `register()` in every process that loads plugins (Engine/launcher, scheduler, detokenizer), so:
 
-* every call prints `[ddtree-testbed] register pid=<pid> proc=<name>`: stage.py counts distinct pids
-  in its log to show the entry point is discovered in the scheduler process, not just the launcher;
+* every call prints `[ddtree-testbed] register pid=<pid> ppid=<parent> proc=<cmdline>`; run_stages.sh
+  counts distinct pids per stage log (2 for an Engine: the launcher and the spawned scheduler, whose
+  command line starts with `python3 -B -c from multiprocessing.spawn ...`).  The capture hook's line
+  `capture hook on DFlashWorkerV2 pid=<pid>` names the scheduler's pid, which proves the entry point
+  reached the scheduler (2026-11-30 run: it matched the spawned pid);
 * with DDTREE_CAPTURE_DIR set, it wraps DFlashWorkerV2's draft model runner so every DFLASH draft
   forward (forward mode TARGET_VERIFY on the draft runner) dumps the block input ids, positions, the
   draft hidden states of the whole block and (once) the target lm_head weight into that folder as
@@ -75,7 +78,7 @@ def _install_capture(out_dir):
 
 
 def register():
-    print(f"[ddtree-testbed] register pid={os.getpid()} proc={_proc_name()}", flush=True)
+    print(f"[ddtree-testbed] register pid={os.getpid()} ppid={os.getppid()} proc={_proc_name()}", flush=True)
     d = os.environ.get("DDTREE_CAPTURE_DIR")
     if d:
         try:
