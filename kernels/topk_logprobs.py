@@ -4,14 +4,18 @@
 token_ids [R, k] int64)``: the k largest logits of each row (ties: smaller token id first),
 sorted descending, minus the row's fp32 logsumexp.
 
-One program per row streams the row once in chunks of ``BLOCK_V``:
-* online logsumexp (running max ``m`` and rescaled sum ``s``, base-2 exponentials);
-* running top-k as packed int64 keys ``(orderable fp32 bits << 32) | (2^32 - 1 - id)``, so a
-  single integer compare orders by (value desc, id asc).  A chunk is looked at only when
-  its max can beat the current k-th key; its keys are then inserted largest first until
-  none beats the k-th key any more (each insertion: one max over the chunk, one min over k).
+Each row is split into ``S`` contiguous segments (``S > 1`` only when there are too few rows
+to fill the GPU); one program streams one segment once, in chunks of ``BLOCK_V``:
+* online logsumexp: running max ``m`` (one reduction per chunk) and a per-lane rescaled sum;
+* running top-``KP`` as packed int64 keys ``(orderable fp32 bits << 32) | (2^32 - 1 - id)``,
+  so one integer compare orders by (value desc, id asc).  A chunk is looked at only when its
+  max can beat the current k-th key; then its own top-``KP`` (bitonic top-k) is merged into
+  the running one (elementwise max with the reversed list, then a bitonic merge);
+* the next chunk's load is issued before the current chunk is processed.
+With ``S > 1`` each program writes its partial (m, sum, top keys) and a second kernel
+merges the ``S`` partials of a row.
 
-Reference: ``topk_logprobs_torch`` below (torch.sort on (value, id) + torch.logsumexp) and
+Reference: ``topk_logprobs_torch`` below (stable sort on the values + torch.logsumexp) and
 the numpy reference ``sglang_ddtree.reference.topk_logprobs_ref``.
 """
 from __future__ import annotations
@@ -20,11 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY_MIN = -(2**63)
-KEY_MAX = 2**63 - 1
-_LOW32 = 2**32 - 1
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+_SM_COUNT = {}
 
 
 @triton.jit
@@ -37,44 +37,15 @@ def _packed_key(x, ids):
 
 
 @triton.jit
-def _topk_logprobs_kernel(
-    logits_ptr, out_lp_ptr, out_id_ptr, V, stride_row,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    offs_v = tl.arange(0, BLOCK_V)
+def _merge_top(top, cand, KP: tl.constexpr):
+    """top, cand: [KP] keys sorted descending -> the KP largest of both, sorted descending."""
+    return tl.bitonic_merge(tl.maximum(top, tl.flip(cand, 0)), 0, descending=True)
+
+
+@triton.jit
+def _store_final(top, m, s, out_lp_ptr, out_id_ptr, row, K: tl.constexpr, KP: tl.constexpr):
     offs_k = tl.arange(0, KP)
-    key_min = tl.full([KP], -9223372036854775808, tl.int64)
-    # Distinct sentinels below every real key fill the k slots (so `top == thr` is one slot);
-    # the padding slots k..KP-1 hold the max key so they are never the minimum.
-    top = tl.where(offs_k < K, key_min + offs_k.to(tl.int64), 9223372036854775807)
-    thr = tl.min(top, 0)
-    m = tl.full([], -float("inf"), tl.float32)
-    s = tl.full([], 0.0, tl.float32)
-    zero_id = tl.full([], 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        idx = start + offs_v
-        in_row = idx < V
-        x = tl.load(base + idx, mask=in_row, other=-float("inf")).to(tl.float32)
-        cmax = tl.max(x, 0)
-        m_new = tl.maximum(m, cmax)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(
-            tl.exp2((x - m_safe) * 1.4426950408889634), 0)
-        m = m_new
-        # the largest key this chunk can hold (its max value with id 0)
-        if _packed_key(cmax, zero_id) > thr:
-            ck = tl.where(in_row, _packed_key(x, idx), -9223372036854775808)
-            best = tl.max(ck, 0)
-            while best > thr:
-                top = tl.where(top == thr, best, top)
-                thr = tl.min(top, 0)
-                ck = tl.where(ck == best, -9223372036854775808, ck)
-                best = tl.max(ck, 0)
     logz = m + tl.log(s)
-    top = tl.where(offs_k < K, top, -9223372036854775808)
-    top = tl.sort(top, 0, descending=True)
     ordered = (top >> 32).to(tl.int32)
     bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
     val = bits.to(tl.float32, bitcast=True)
@@ -84,8 +55,83 @@ def _topk_logprobs_kernel(
     tl.store(out_id_ptr + row * K + offs_k, ids, mask=keep)
 
 
+@triton.jit
+def _topk_segment_kernel(
+    logits_ptr, out_lp_ptr, out_id_ptr, part_m_ptr, part_s_ptr, part_key_ptr,
+    V, stride_row, seg_len,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    nseg = tl.num_programs(1)
+    base = logits_ptr + row * stride_row
+    lo = seg * seg_len
+    hi = tl.minimum(lo + seg_len, V)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, KP)
+    top = tl.full([KP], -9223372036854775808, tl.int64)  # sorted descending
+    thr = tl.full([], -9223372036854775808, tl.int64)    # the k-th largest key so far
+    m = tl.full([], -float("inf"), tl.float32)
+    s_lane = tl.zeros([BLOCK_V], tl.float32)
+    zero_id = tl.full([], 0, tl.int32)
+    idx = lo + offs_v
+    x = tl.load(base + idx, mask=idx < hi, other=-float("inf")).to(tl.float32)
+    for start in range(lo, hi, BLOCK_V):
+        idx = start + offs_v
+        in_seg = idx < hi
+        nidx = idx + BLOCK_V
+        x_next = tl.load(base + nidx, mask=nidx < hi, other=-float("inf")).to(tl.float32)
+        cmax = tl.max(x, 0)
+        m_new = tl.maximum(m, cmax)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s_lane = s_lane * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
+            (x - m_safe) * 1.4426950408889634)
+        m = m_new
+        if _packed_key(cmax, zero_id) > thr:  # the chunk may hold a key above the k-th
+            ck = tl.where(in_seg, _packed_key(x, idx), -9223372036854775808)
+            top = _merge_top(top, tl.topk(ck, KP, 0), KP)
+            thr = tl.min(tl.where(offs_k < K, top, 9223372036854775807), 0)
+        x = x_next
+    s = tl.sum(s_lane, 0)
+    if SPLIT:
+        part = row * nseg + seg
+        tl.store(part_m_ptr + part, m)
+        tl.store(part_s_ptr + part, s)
+        tl.store(part_key_ptr + part * KP + offs_k, top)
+    else:
+        _store_final(top, m, s, out_lp_ptr, out_id_ptr, row, K, KP)
+
+
+@triton.jit
+def _topk_merge_kernel(part_m_ptr, part_s_ptr, part_key_ptr, out_lp_ptr, out_id_ptr, nseg,
+                       K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SP)
+    in_row = offs_s < nseg
+    pm = tl.load(part_m_ptr + row * nseg + offs_s, mask=in_row, other=-float("inf"))
+    ps = tl.load(part_s_ptr + row * nseg + offs_s, mask=in_row, other=0.0)
+    m = tl.max(pm, 0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    s = tl.sum(ps * tl.exp2((pm - m_safe) * 1.4426950408889634), 0)
+    offs = tl.arange(0, SP * KP)
+    keys = tl.load(part_key_ptr + row * nseg * KP + offs, mask=offs < nseg * KP,
+                   other=-9223372036854775808)
+    top = tl.topk(keys, KP, 0)
+    _store_final(top, m, s, out_lp_ptr, out_id_ptr, row, K, KP)
+
+
 def _block_v(V: int, KP: int) -> int:
-    return max(KP, min(1024, triton.next_power_of_2(V)))
+    return max(2 * KP, min(2048, triton.next_power_of_2(V)))
+
+
+def _num_segments(R: int, V: int, block_v: int, KP: int, device) -> int:
+    cap = max(1, min(64, 4096 // KP))  # the merge kernel holds S * KP keys in registers
+    if device.type != "cuda":
+        return 1 if V < 4 * block_v else 2  # the interpreter still exercises the split path
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-4 * _SM_COUNT[device.index] // R)  # ~4 programs per SM
+    return max(1, min(want, V // (4 * block_v), cap))
 
 
 def topk_logprobs_triton(logits: torch.Tensor, k: int, out=None):
@@ -96,19 +142,33 @@ def topk_logprobs_triton(logits: torch.Tensor, k: int, out=None):
     R, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    dev = logits.device
     if out is None:
-        out = (torch.empty((R, k), dtype=torch.float32, device=logits.device),
-               torch.empty((R, k), dtype=torch.int64, device=logits.device))
+        out = (torch.empty((R, k), dtype=torch.float32, device=dev),
+               torch.empty((R, k), dtype=torch.int64, device=dev))
     out_lp, out_id = out
     if R == 0:
         return out_lp, out_id
-    KP = triton.next_power_of_2(k)
+    KP = max(2, triton.next_power_of_2(k))
     BLOCK_V = _block_v(V, KP)
+    S = _num_segments(R, V, BLOCK_V, KP, dev)
+    seg_len = triton.cdiv(triton.cdiv(V, S), BLOCK_V) * BLOCK_V
+    S = triton.cdiv(V, seg_len)
     num_warps = 4 if BLOCK_V <= 1024 else 8
-    _topk_logprobs_kernel[(R,)](
-        logits, out_lp, out_id, V, logits.stride(0),
-        K=k, KP=KP, BLOCK_V=BLOCK_V, num_warps=num_warps,
-    )
+    if S == 1:
+        _topk_segment_kernel[(R, 1)](
+            logits, out_lp, out_id, out_lp, out_lp, out_id, V, logits.stride(0), seg_len,
+            K=k, KP=KP, BLOCK_V=BLOCK_V, SPLIT=False, num_warps=num_warps)
+        return out_lp, out_id
+    part_m = torch.empty((R, S), dtype=torch.float32, device=dev)
+    part_s = torch.empty((R, S), dtype=torch.float32, device=dev)
+    part_key = torch.empty((R, S, KP), dtype=torch.int64, device=dev)
+    _topk_segment_kernel[(R, S)](
+        logits, out_lp, out_id, part_m, part_s, part_key, V, logits.stride(0), seg_len,
+        K=k, KP=KP, BLOCK_V=BLOCK_V, SPLIT=True, num_warps=num_warps)
+    SP = triton.next_power_of_2(S)
+    _topk_merge_kernel[(R,)](part_m, part_s, part_key, out_lp, out_id, S, K=k, KP=KP, SP=SP,
+                             num_warps=4)
     return out_lp, out_id
 
 

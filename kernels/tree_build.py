@@ -31,9 +31,42 @@ MAX_KEY_WORDS = 4
 def key_layout(depth: int, k: int):
     """(bits per digit, digits per word, words) for packing rank paths of length <= depth."""
     bits = max(1, int(k).bit_length())  # digits are rank + 1 in 1..k
-    dpw = 63 // bits
+    dpw = 62 // bits  # < 2^62: no real key reaches the KEY_MAX marking dead slots
     words = max(1, -(-depth // dpw))
     return bits, dpw, words
+
+
+@triton.jit
+def _first_wins(s1, a1, b1, c1, d1, s2, a2, b2, c2, d2):
+    """Heap order: higher score, then the lexicographically smaller packed rank path."""
+    return (s1 > s2) | ((s1 == s2) & ((a1 < a2) | ((a1 == a2) & ((b1 < b2) | ((b1 == b2) & (
+        (c1 < c2) | ((c1 == c2) & (d1 < d2))))))))
+
+
+@triton.jit
+def _pick1(s1, a1, m1, s2, a2, m2):
+    f = (s1 > s2) | ((s1 == s2) & (a1 < a2))
+    return tl.where(f, s1, s2), tl.where(f, a1, a2), tl.where(f, m1, m2)
+
+
+@triton.jit
+def _pick2(s1, a1, b1, m1, s2, a2, b2, m2):
+    f = (s1 > s2) | ((s1 == s2) & ((a1 < a2) | ((a1 == a2) & (b1 < b2))))
+    return tl.where(f, s1, s2), tl.where(f, a1, a2), tl.where(f, b1, b2), tl.where(f, m1, m2)
+
+
+@triton.jit
+def _pick3(s1, a1, b1, c1, m1, s2, a2, b2, c2, m2):
+    f = (s1 > s2) | ((s1 == s2) & ((a1 < a2) | ((a1 == a2) & ((b1 < b2) | ((b1 == b2) & (c1 < c2))))))
+    return (tl.where(f, s1, s2), tl.where(f, a1, a2), tl.where(f, b1, b2), tl.where(f, c1, c2),
+            tl.where(f, m1, m2))
+
+
+@triton.jit
+def _pick4(s1, a1, b1, c1, d1, m1, s2, a2, b2, c2, d2, m2):
+    f = _first_wins(s1, a1, b1, c1, d1, s2, a2, b2, c2, d2)
+    return (tl.where(f, s1, s2), tl.where(f, a1, a2), tl.where(f, b1, b2), tl.where(f, c1, c2),
+            tl.where(f, d1, d2), tl.where(f, m1, m2))
 
 
 @triton.jit
@@ -51,7 +84,7 @@ def _build_tree_kernel(
     f = tl.arange(0, FP)
     n_offs = tl.arange(0, NP)
     NEG_INF = -float("inf")
-    KEY_MAX = 9223372036854775807
+    KEY_MAX: tl.constexpr = 9223372036854775807
 
     if HAS_ROOT:
         root_tok = tl.load(root_ptr + b)
@@ -69,34 +102,36 @@ def _build_tree_kernel(
     valid = slot0 & start
     meta = tl.where(slot0, 1 << 24, 0).to(tl.int64)
     first_digit = tl.full([FP], 1, tl.int64) << (BITS * (DPW - 1))
-    w0 = tl.where(slot0, first_digit, 0)
-    w1 = tl.zeros([FP], tl.int64)
-    w2 = tl.zeros([FP], tl.int64)
-    w3 = tl.zeros([FP], tl.int64)
+    w0 = tl.where(slot0 & start, first_digit, KEY_MAX)
+    w1 = tl.where(slot0 & start, 0, KEY_MAX).to(tl.int64)
+    w2 = tl.where(slot0 & start, 0, KEY_MAX).to(tl.int64)
+    w3 = tl.where(slot0 & start, 0, KEY_MAX).to(tl.int64)
 
     n_valid = start.to(tl.int32)
     n_used = tl.full([], 1, tl.int32)
     n_nodes = tl.full([], 1, tl.int32)
     for _step in range(0, budget):
         live = n_valid > 0
-        sc = tl.where(valid, score, NEG_INF)
-        best = tl.max(sc, 0)
-        sel = valid & (sc == best)
-        k0 = tl.min(tl.where(sel, w0, KEY_MAX), 0)
-        sel = sel & (w0 == k0)
-        k1 = tl.zeros([], tl.int64)
-        k2 = tl.zeros([], tl.int64)
-        k3 = tl.zeros([], tl.int64)
-        if NWORDS > 1:
-            k1 = tl.min(tl.where(sel, w1, KEY_MAX), 0)
-            sel = sel & (w1 == k1)
-        if NWORDS > 2:
-            k2 = tl.min(tl.where(sel, w2, KEY_MAX), 0)
-            sel = sel & (w2 == k2)
-        if NWORDS > 3:
-            k3 = tl.min(tl.where(sel, w3, KEY_MAX), 0)
-            sel = sel & (w3 == k3)
-        mt = tl.max(tl.where(sel, meta, 0), 0)
+        # one reduction picks (max score, then min rank-path key); invalid slots carry
+        # score -inf and key words KEY_MAX, above every real key (keys use < 63 bits)
+        if NWORDS == 1:
+            best, k0, mt = tl.reduce((score, w0, meta), 0, _pick1)
+            k1 = tl.zeros([], tl.int64)
+            k2 = tl.zeros([], tl.int64)
+            k3 = tl.zeros([], tl.int64)
+            sel = valid & (score == best) & (w0 == k0)
+        elif NWORDS == 2:
+            best, k0, k1, mt = tl.reduce((score, w0, w1, meta), 0, _pick2)
+            k2 = tl.zeros([], tl.int64)
+            k3 = tl.zeros([], tl.int64)
+            sel = valid & (score == best) & (w0 == k0) & (w1 == k1)
+        elif NWORDS == 3:
+            best, k0, k1, k2, mt = tl.reduce((score, w0, w1, w2, meta), 0, _pick3)
+            k3 = tl.zeros([], tl.int64)
+            sel = valid & (score == best) & (w0 == k0) & (w1 == k1) & (w2 == k2)
+        else:
+            best, k0, k1, k2, k3, mt = tl.reduce((score, w0, w1, w2, w3, meta), 0, _pick4)
+            sel = valid & (score == best) & (w0 == k0) & (w1 == k1) & (w2 == k2) & (w3 == k3)
         par = (mt >> 32).to(tl.int32)
         dep = ((mt >> 24) & 255).to(tl.int32)
         rk = (mt & 16777215).to(tl.int32)
@@ -121,13 +156,19 @@ def _build_tree_kernel(
         score = tl.where(sel, s_sib, score)
         meta = tl.where(sel, mt + 1, meta)
         valid = tl.where(sel, has_sib, valid)
+        dead = sel & ~has_sib
+        score = tl.where(dead, NEG_INF, score)
         w0 = tl.where(sel & (word_d == 0), w0 + inc_d, w0)
+        w0 = tl.where(dead, KEY_MAX, w0)
         if NWORDS > 1:
             w1 = tl.where(sel & (word_d == 1), w1 + inc_d, w1)
+            w1 = tl.where(dead, KEY_MAX, w1)
         if NWORDS > 2:
             w2 = tl.where(sel & (word_d == 2), w2 + inc_d, w2)
+            w2 = tl.where(dead, KEY_MAX, w2)
         if NWORDS > 3:
             w3 = tl.where(sel & (word_d == 3), w3 + inc_d, w3)
+            w3 = tl.where(dead, KEY_MAX, w3)
 
         # a fresh slot takes the first child (depth dep + 1, rank 0)
         has_child = live & (dep < D)
@@ -179,7 +220,7 @@ def build_tree_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: 
         raise ValueError(f"draft depth {D} with top-k {K} needs {words} key words (> {MAX_KEY_WORDS})")
     FP = max(16, triton.next_power_of_2(N))
     NP = FP
-    num_warps = 1 if FP <= 64 else (2 if FP <= 256 else 4)
+    num_warps = 1 if FP <= 512 else 2
     _build_tree_kernel[(bs,)](
         log_probs, token_ids, root_tokens if root_tokens is not None else tokens,
         tokens, depth, parent, num_nodes,

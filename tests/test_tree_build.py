@@ -185,3 +185,17 @@ def test_positions_are_start_plus_depth(device):
     t = ddtree.build_tree(lp, ids, 4)
     pos = t.positions(torch.tensor([100], device=device))
     assert pos.tolist() == [[100 + d for d in t.depth[0].tolist()]]
+
+
+@pytest.mark.parametrize("D,K", [(4, 8), (16, 32), (16, 256), (22, 256)])
+def test_rank_path_key_words(D, K, rng, device):
+    """Rank paths packed into 1, 2, 3 and 4 int64 words all break ties like tuple compare."""
+    from sglang_ddtree.kernels.tree_build import key_layout
+    words = key_layout(D, K)[2]
+    assert words == {(4, 8): 1, (16, 32): 2, (16, 256): 3, (22, 256): 4}[(D, K)]
+    budget = 48
+    lp, ids = tie_heavy_logprobs(2, D, K, rng, levels=3)
+    lp[:, :, 0] = 0.0  # a certain top-1 chain: the tree reaches full depth, deep ties abound
+    got, want = both(lp.to(device), ids.to(device), budget)
+    assert_same_tree(got, want, f"D={D} K={K} words={words}")
+    assert int(got.depth.max()) == D
