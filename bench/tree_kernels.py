@@ -132,13 +132,22 @@ def bench_build(bss, budgets, D, gen, quick):
                                                       validate=False, out=o)
                    for s, o in zip(sets, outs)]
             gpu_med, gpu_min, gpu_max = graph_time_us(fns)
+            from sglang_ddtree.kernels.tree_build import build_tree_triton
+            from sglang_ddtree.kernels.tree_mask import tree_mask_triton
+            build_only = graph_time_us([lambda s=s, o=o: build_tree_triton(
+                s[0], s[1], budget, s[2], out=(o.tokens, o.depth, o.parent, o.num_nodes))
+                for s, o in zip(sets, outs)])[0]
+            mask_only = graph_time_us([lambda o=o: tree_mask_triton(
+                o.parent, D, out=(o.visibility, o.mask_words)) for o in outs])[0]
             lp, ids, roots = sets[0]
             reps = 3 if bs * budget >= 8192 else (5 if quick else 10)
             cpu_med = cpu_time_us(lambda: ddtree.build_tree(lp, ids, budget, root_tokens=roots,
                                                             backend="reference", validate=False), reps)
             rows.append(dict(op="build_tree", bs=bs, budget=budget, D=D, gpu_us=gpu_med, gpu_min_us=gpu_min,
-                             gpu_max_us=gpu_max, cpu_heap_us=cpu_med, speedup=cpu_med / gpu_med, exact=exact))
-            print(f"build_tree bs={bs:4d} budget={budget:4d}: gpu {gpu_med:8.2f} us  cpu heap {cpu_med:10.1f} us"
+                             gpu_max_us=gpu_max, build_kernel_us=build_only, mask_kernel_us=mask_only,
+                             cpu_heap_us=cpu_med, speedup=cpu_med / gpu_med, exact=exact))
+            print(f"build_tree bs={bs:4d} budget={budget:4d}: gpu {gpu_med:8.2f} us "
+                  f"(build {build_only:.2f} + mask {mask_only:.2f})  cpu heap {cpu_med:10.1f} us"
                   f"  x{cpu_med / gpu_med:8.1f}  exact={exact}", flush=True)
     return rows
 
@@ -216,9 +225,11 @@ def to_markdown(info, bw, build, accept, topk):
          f"({REPS} calls per graph, rotating inputs). CPU heap: the exact reference (numpy + heapq per "
          "request, incl. device->host copy), median. `exact`: GPU tree equals the reference node for node.", "",
          "## build_tree (D = 16, K = budget, drafter-like bf16 logits, V = 32000)", "",
-         "| bs | budget | GPU (us) | CPU heap (us) | speed-up | exact |", "|---:|---:|---:|---:|---:|:---:|"]
+         "| bs | budget | GPU (us) | build kernel | mask kernel | CPU heap (us) | speed-up | exact |",
+         "|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in build:
-        L.append(f"| {r['bs']} | {r['budget']} | {r['gpu_us']:.2f} | {r['cpu_heap_us']:.0f} | "
+        L.append(f"| {r['bs']} | {r['budget']} | {r['gpu_us']:.2f} | {r['build_kernel_us']:.2f} | "
+                 f"{r['mask_kernel_us']:.2f} | {r['cpu_heap_us']:.0f} | "
                  f"{r['speedup']:.0f}x | {'yes' if r['exact'] else 'NO'} |")
     L += ["", "## accept_greedy (targets follow the drafter's top-1 chain: long paths)", "",
           "| bs | budget | GPU (us) | CPU reference (us) | mean accept len | exact |",
@@ -252,7 +263,7 @@ def main():
     budgets = [8, 16, 32, 64, 128] if not a.quick else [32]
     build = bench_build(bss, budgets, 16, gen, a.quick)
     accept = bench_accept([1, 64, 256] if not a.quick else [64], [16, 64] if not a.quick else [64], 16, gen)
-    topk_cases = [(64, 16, 32000, 32), (64, 16, 151936, 32), (64, 16, 163840, 32),
+    topk_cases = [(64, 16, 32000, 32), (64, 16, 151936, 32), (64, 16, 163840, 32), (256, 16, 151936, 32),
                   (64, 16, 151936, 8), (64, 16, 151936, 64), (1, 16, 151936, 32), (8, 16, 151936, 32)]
     if a.quick:
         topk_cases = topk_cases[:2]

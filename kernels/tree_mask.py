@@ -5,7 +5,7 @@ mask_words [bs, N, ceil(N/32)] int32)``.  Row ``i`` sees ``i`` and its ancestors
 of word ``w`` is column ``32 * w + j``.  Padding slots (parent -1) see only themselves.
 
 Each program takes a block of rows of one request and walks all of them up the parent
-chain at once (at most ``max_depth + 1`` hops, since a node's depth is <= the draft depth),
+chain at once, gathering from the request's parent array held in registers (at most ``max_depth + 1`` hops, since a node's depth is <= the draft depth),
 so the whole mask is built in parallel with no sequential dependency between rows.
 
 Reference: ``sglang_ddtree.reference.tree_visibility_ref`` / ``pack_visibility``.
@@ -26,12 +26,15 @@ def _tree_mask_kernel(
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, NP)
     in_rows = rows < N
-    cur = rows
+    # the request's parent array stays in registers: the walk gathers from it, no memory
+    # round trip per hop
+    parent = tl.load(parent_ptr + b * N + cols, mask=cols < N, other=-1)
+    cur = tl.where(in_rows, rows, 0)
     alive = in_rows
     vis = tl.zeros([BLOCK_R, NP], tl.int32)
     for _hop in range(0, max_depth + 1):
         vis = vis | ((cols[None, :] == cur[:, None]) & alive[:, None]).to(tl.int32)
-        nxt = tl.load(parent_ptr + b * N + cur, mask=alive, other=-1)
+        nxt = tl.gather(parent, cur, 0)
         alive = alive & (nxt >= 0)
         cur = tl.where(alive, nxt, 0)
     vis_mask = in_rows[:, None] & (cols[None, :] < N)

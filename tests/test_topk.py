@@ -12,6 +12,7 @@ def check(logits, k, atol=2e-5):
     lp, ids = ddtree.topk_logprobs(logits, k)
     assert lp.shape == (*logits.shape[:2], k) and lp.dtype == torch.float32
     assert ids.shape == lp.shape and ids.dtype == torch.int64
+    assert (lp[..., 1:] <= lp[..., :-1]).all(), "rows must come out sorted descending"
     want_lp, want_ids = topk_logprobs_torch(logits, k)
     # selection and order are exact (they depend only on the logits and ids)
     assert torch.equal(ids.cpu(), want_ids.cpu())
@@ -40,6 +41,14 @@ def test_random_rows(dtype, k, rng, device):
 def test_large_vocab(V, dtype, rng, device):
     bs, D = (8, 16) if HAS_CUDA else (1, 2)
     check(drafter_logits(bs, D, V, rng, dtype=dtype).to(device), 32)
+
+
+@pytest.mark.parametrize("k", [8, 64, 128, 256])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_split_rows(k, bs, rng, device):
+    """Few rows: each row is split over several programs and merged (every k width)."""
+    V = 151936 if HAS_CUDA else 9000
+    check(drafter_logits(bs, 16 if HAS_CUDA else 1, V, rng).to(device), k)
 
 
 def test_ties_take_smaller_id(device):
