@@ -12,8 +12,8 @@ to fill the GPU); one program streams one segment once, in chunks of ``BLOCK_V``
   max can beat the current k-th key; then its own top-``KP`` (bitonic top-k) is merged into
   the running one (elementwise max with the reversed list, then a bitonic merge);
 * the next chunk's load is issued before the current chunk is processed.
-With ``S > 1`` each program writes its partial (m, sum, sorted top keys) and a second
-kernel merges the ``S`` partials of a row, one bitonic merge per partial.
+With ``S > 1`` each program writes its partial (m, sum, top keys) and a second kernel
+merges the ``S`` partials of a row.
 
 Reference: ``topk_logprobs_torch`` below (stable sort on the values + torch.logsumexp) and
 the numpy reference ``sglang_ddtree.reference.topk_logprobs_ref``.
@@ -105,7 +105,11 @@ def _topk_segment_kernel(
 @triton.jit
 def _topk_merge_kernel(part_m_ptr, part_s_ptr, part_key_ptr, out_lp_ptr, out_id_ptr, nseg,
                        K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr):
-    """Merge the S sorted partial top-KP lists and the partial logsumexps of one row."""
+    """Merge the S partial top-KP key sets and the partial logsumexps of one row.
+
+    The k largest keys are taken one at a time (k plain max-reductions over S * KP keys),
+    which keeps this rarely-hot kernel free of bitonic networks over loaded data.
+    """
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SP)
     in_row = offs_s < nseg
@@ -114,11 +118,17 @@ def _topk_merge_kernel(part_m_ptr, part_s_ptr, part_key_ptr, out_lp_ptr, out_id_
     m = tl.max(pm, 0)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
     s = tl.sum(ps * tl.exp2((pm - m_safe) * 1.4426950408889634), 0)
-    offs_k = tl.arange(0, KP)
-    top = tl.load(part_key_ptr + row * nseg * KP + offs_k)
-    for seg in range(1, nseg):
-        top = _merge_top(top, tl.load(part_key_ptr + (row * nseg + seg) * KP + offs_k), KP)
-    _store_final(top, m, s, out_lp_ptr, out_id_ptr, row, K, KP)
+    logz = m + tl.log(s)
+    offs = tl.arange(0, SP * KP)
+    keys = tl.load(part_key_ptr + row * nseg * KP + offs, mask=offs < nseg * KP,
+                   other=-9223372036854775808)
+    for i in range(0, K):
+        best = tl.max(keys, 0)
+        keys = tl.where(keys == best, -9223372036854775808, keys)
+        ordered = (best >> 32).to(tl.int32)
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        tl.store(out_lp_ptr + row * K + i, bits.to(tl.float32, bitcast=True) - logz)
+        tl.store(out_id_ptr + row * K + i, 4294967295 - (best & 4294967295))
 
 
 def _block_v(V: int, KP: int) -> int:
@@ -126,7 +136,7 @@ def _block_v(V: int, KP: int) -> int:
 
 
 def _num_segments(R: int, V: int, block_v: int, KP: int, device) -> int:
-    cap = 64
+    cap = max(1, min(64, 8192 // KP))  # the merge kernel holds S * KP keys in registers
     if device.type != "cuda":
         return 1 if V < 4 * block_v else 2  # the interpreter still exercises the split path
     if device.index not in _SM_COUNT:

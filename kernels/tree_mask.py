@@ -58,7 +58,7 @@ def tree_mask_triton(parent: torch.Tensor, max_depth: int, out=None):
     if bs == 0:
         return out
     NP = max(32, triton.next_power_of_2(N))
-    BLOCK_R = min(NP, max(1, 4096 // NP))
+    BLOCK_R = min(NP, max(16, 1024 // NP))
     grid = (bs, triton.cdiv(N, BLOCK_R))
     _tree_mask_kernel[grid](parent, vis.view(torch.int8), words, N, NW, max_depth,
                             NP=NP, NWP=NP // 32, BLOCK_R=BLOCK_R, num_warps=4)
