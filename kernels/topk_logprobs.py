@@ -9,8 +9,8 @@ to fill the GPU); one program streams one segment once, in chunks of ``BLOCK_V``
 * online logsumexp: running max ``m`` (one reduction per chunk) and a per-lane rescaled sum;
 * running top-``KP`` as packed int64 keys ``(orderable fp32 bits << 32) | (2^32 - 1 - id)``,
   so one integer compare orders by (value desc, id asc).  A chunk is looked at only when its
-  max can beat the current k-th key; then its own top-``KP`` (bitonic top-k) is merged into
-  the running one (elementwise max with the reversed list, then a bitonic merge);
+  max can beat the current k-th key; its keys are then inserted largest first until none
+  beats the k-th key (each insertion: one max over the chunk, one min over k);
 * the next chunk's load is issued before the current chunk is processed.
 With ``S > 1`` each program writes its partial (m, sum, top keys) and a second kernel
 merges the ``S`` partials of a row.
@@ -37,22 +37,15 @@ def _packed_key(x, ids):
 
 
 @triton.jit
-def _merge_top(top, cand, KP: tl.constexpr):
-    """top, cand: [KP] keys sorted descending -> the KP largest of both, sorted descending."""
-    return tl.bitonic_merge(tl.maximum(top, tl.flip(cand, 0)), 0, descending=True)
-
-
-@triton.jit
-def _store_final(top, m, s, out_lp_ptr, out_id_ptr, row, K: tl.constexpr, KP: tl.constexpr):
-    offs_k = tl.arange(0, KP)
-    logz = m + tl.log(s)
-    ordered = (top >> 32).to(tl.int32)
-    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    val = bits.to(tl.float32, bitcast=True)
-    ids = 4294967295 - (top & 4294967295)
-    keep = offs_k < K
-    tl.store(out_lp_ptr + row * K + offs_k, val - logz, mask=keep)
-    tl.store(out_id_ptr + row * K + offs_k, ids, mask=keep)
+def _store_sorted(keys, logz, out_lp_ptr, out_id_ptr, row, K: tl.constexpr):
+    """Write the K largest of ``keys`` in descending order (K plain max-reductions)."""
+    for i in range(0, K):
+        best = tl.max(keys, 0)
+        keys = tl.where(keys == best, -9223372036854775808, keys)
+        ordered = (best >> 32).to(tl.int32)
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        tl.store(out_lp_ptr + row * K + i, bits.to(tl.float32, bitcast=True) - logz)
+        tl.store(out_id_ptr + row * K + i, 4294967295 - (best & 4294967295))
 
 
 @triton.jit
@@ -69,8 +62,12 @@ def _topk_segment_kernel(
     hi = tl.minimum(lo + seg_len, V)
     offs_v = tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, KP)
-    top = tl.full([KP], -9223372036854775808, tl.int64)  # sorted descending
-    thr = tl.full([], -9223372036854775808, tl.int64)    # the k-th largest key so far
+    key_min = tl.full([KP], -9223372036854775808, tl.int64)
+    # The running top-k is an unsorted set.  Distinct sentinels below every real key fill
+    # the k slots (so `top == thr` names one slot); padding slots k..KP-1 hold the max key
+    # so they are never the minimum.
+    top = tl.where(offs_k < K, key_min + offs_k.to(tl.int64), 9223372036854775807)
+    thr = tl.min(top, 0)
     m = tl.full([], -float("inf"), tl.float32)
     s_lane = tl.zeros([BLOCK_V], tl.float32)
     zero_id = tl.full([], 0, tl.int32)
@@ -89,17 +86,22 @@ def _topk_segment_kernel(
         m = m_new
         if _packed_key(cmax, zero_id) > thr:  # the chunk may hold a key above the k-th
             ck = tl.where(in_seg, _packed_key(x, idx), -9223372036854775808)
-            top = _merge_top(top, tl.topk(ck, KP, 0), KP)
-            thr = tl.min(tl.where(offs_k < K, top, 9223372036854775807), 0)
+            best = tl.max(ck, 0)
+            while best > thr:  # insert largest first: exactly the chunk keys that stay
+                top = tl.where(top == thr, best, top)
+                thr = tl.min(top, 0)
+                ck = tl.where(ck == best, -9223372036854775808, ck)
+                best = tl.max(ck, 0)
         x = x_next
     s = tl.sum(s_lane, 0)
+    top = tl.where(offs_k < K, top, -9223372036854775808)
     if SPLIT:
         part = row * nseg + seg
         tl.store(part_m_ptr + part, m)
         tl.store(part_s_ptr + part, s)
         tl.store(part_key_ptr + part * KP + offs_k, top)
     else:
-        _store_final(top, m, s, out_lp_ptr, out_id_ptr, row, K, KP)
+        _store_sorted(top, m + tl.log(s), out_lp_ptr, out_id_ptr, row, K)
 
 
 @triton.jit
@@ -107,8 +109,7 @@ def _topk_merge_kernel(part_m_ptr, part_s_ptr, part_key_ptr, out_lp_ptr, out_id_
                        K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr):
     """Merge the S partial top-KP key sets and the partial logsumexps of one row.
 
-    The k largest keys are taken one at a time (k plain max-reductions over S * KP keys),
-    which keeps this rarely-hot kernel free of bitonic networks over loaded data.
+    The k largest keys are taken one at a time (k plain max-reductions over S * KP keys).
     """
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SP)
@@ -122,17 +123,11 @@ def _topk_merge_kernel(part_m_ptr, part_s_ptr, part_key_ptr, out_lp_ptr, out_id_
     offs = tl.arange(0, SP * KP)
     keys = tl.load(part_key_ptr + row * nseg * KP + offs, mask=offs < nseg * KP,
                    other=-9223372036854775808)
-    for i in range(0, K):
-        best = tl.max(keys, 0)
-        keys = tl.where(keys == best, -9223372036854775808, keys)
-        ordered = (best >> 32).to(tl.int32)
-        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        tl.store(out_lp_ptr + row * K + i, bits.to(tl.float32, bitcast=True) - logz)
-        tl.store(out_id_ptr + row * K + i, 4294967295 - (best & 4294967295))
+    _store_sorted(keys, logz, out_lp_ptr, out_id_ptr, row, K)
 
 
 def _block_v(V: int, KP: int) -> int:
-    return max(2 * KP, min(2048, triton.next_power_of_2(V)))
+    return max(KP, min(1024, triton.next_power_of_2(V)))
 
 
 def _num_segments(R: int, V: int, block_v: int, KP: int, device) -> int:
