@@ -47,3 +47,15 @@ def test_fixture_trees_match_reference(path, device, rng):
         a = ddtree.accept_greedy(got, target)
         r = ddtree.accept_greedy(want, target.cpu(), backend="reference")
         assert torch.equal(a.path.cpu(), r.path.cpu()) and torch.equal(a.bonus.cpu(), r.bonus.cpu())
+        if "target_greedy" in meta:  # walk the target's true continuation of each root
+            from sglang_ddtree.demo import true_path_targets
+            greedy = torch.tensor(meta["target_greedy"], dtype=torch.int64)
+            target = true_path_targets(got, greedy).to(device)
+            a = ddtree.accept_greedy(got, target)
+            r = ddtree.accept_greedy(want, target.cpu(), backend="reference")
+            assert torch.equal(a.path.cpu(), r.path.cpu()) and torch.equal(a.bonus.cpu(), r.bonus.cpu())
+            # every accepted token is the target's own next token
+            new = a.new_tokens(got).cpu()
+            for b in range(bs):
+                n = min(int(a.accept_len[b]) + 1, D)  # the bonus after depth D is unknown here
+                assert new[b, :n].tolist() == greedy[b, :n].tolist()
