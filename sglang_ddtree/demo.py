@@ -229,7 +229,7 @@ def main(argv=None):
     print(f"\n[2] tiny GQA target + trained DFlash drafter, budget {a.budget}, {a.new_tokens} new tokens")
     pair = TinyPair(a.drafter)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, pair.vocab - 1, (int(n),), generator=g).tolist() for n in (12, 20, 28, 16)]
+    prompts = [torch.randint(3, pair.vocab - 1, (int(n),), generator=g).tolist() for n in (3, 5, 8, 6)]
     t0 = time.perf_counter()
     outs, stats = run_pipeline(pair, prompts, a.budget, a.new_tokens, dev)
     t_spec = time.perf_counter() - t0
