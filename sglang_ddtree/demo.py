@@ -107,28 +107,7 @@ class TinyPair:
 
     def target_logits(self, ids, pos, mask):
         """Target forward of ids [T] at positions pos [T] with a boolean mask [T, T] -> logits [T, V]."""
-        T, M, sd = self.T, self.M, self.sd
-        c = M.QWEN3
-        hd, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-        x = sd["model.embed_tokens.weight"][ids][None]
-        cos, sin = T.rope_cos_sin(pos, hd, c["rope_theta"])
-        L = x.shape[1]
-        for i in range(c["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            h = T.rms(x, sd[p + "input_layernorm.weight"])
-            q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(1, L, nq, hd)
-            k = (h @ sd[p + "self_attn.k_proj.weight"].T).view(1, L, nkv, hd)
-            v = (h @ sd[p + "self_attn.v_proj.weight"].T).view(1, L, nkv, hd)
-            q = T.apply_rope(T.rms(q, sd[p + "self_attn.q_norm.weight"]), cos, sin)
-            k = T.apply_rope(T.rms(k, sd[p + "self_attn.k_norm.weight"]), cos, sin)
-            k, v = k.repeat_interleave(nq // nkv, 2), v.repeat_interleave(nq // nkv, 2)
-            a = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-            x = x + a.transpose(1, 2).reshape(1, L, nq * hd) @ sd[p + "self_attn.o_proj.weight"].T
-            h = T.rms(x, sd[p + "post_attention_layernorm.weight"])
-            x = x + (torch.nn.functional.silu(h @ sd[p + "mlp.gate_proj.weight"].T)
-                     * (h @ sd[p + "mlp.up_proj.weight"].T)) @ sd[p + "mlp.down_proj.weight"].T
-        return (T.rms(x, sd["model.norm.weight"]) @ self.W.T)[0]
+        return self.T.target_logits(self.sd, ids[None], pos, mask)[0]
 
     def greedy(self, prompt, n_new):
         seq = list(prompt)

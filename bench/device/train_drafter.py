@@ -50,15 +50,18 @@ def apply_rope(x, cos, sin):  # x [B, T, H, hd]; cos [B?, T, hd]
 
 
 # ---------------------------------------------------------------- target (Qwen3 reference, fp32)
-def target_features(sd, ids, upto_layers):
-    """Causal Qwen3 forward; returns {layer_id: hidden after that layer} for layer_id in upto_layers."""
+def target_features(sd, ids, upto_layers, pos=None, mask=None):
+    """Qwen3 forward; returns {layer_id: hidden after that layer} for layer_id in upto_layers.
+
+    pos [T] / mask [T, T] bool default to 0..T-1 and causal (a tree verify passes its own)."""
     c = M.QWEN3
     hd, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
     B, T = ids.shape
     x = sd["model.embed_tokens.weight"][ids]
-    cos, sin = rope_cos_sin(torch.arange(T), hd, c["rope_theta"])
+    cos, sin = rope_cos_sin(torch.arange(T) if pos is None else pos, hd, c["rope_theta"])
     out = {}
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
     for i in range(max(upto_layers) + 1):
         p = f"model.layers.{i}."
         h = rms(x, sd[p + "input_layernorm.weight"])
@@ -79,6 +82,13 @@ def target_features(sd, ids, upto_layers):
         if i in upto_layers:
             out[i] = x
     return out
+
+
+def target_logits(sd, ids, pos=None, mask=None):
+    """Full Qwen3 forward -> logits [B, T, V] (same arguments as target_features)."""
+    last = M.QWEN3["num_hidden_layers"] - 1
+    x = target_features(sd, ids, [last], pos, mask)[last]
+    return rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T
 
 
 # ---------------------------------------------------------------- drafter (SGLang DFlash forward)
