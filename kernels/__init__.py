@@ -3,6 +3,7 @@ from .accept_greedy import accept_greedy_triton
 from .topk_logprobs import topk_logprobs_torch, topk_logprobs_triton
 from .tree_build import build_tree_triton, key_layout
 from .tree_mask import tree_mask_torch, tree_mask_triton
+from .verify_mask import verify_mask_size, verify_mask_torch, verify_mask_triton
 
 __all__ = [
     "accept_greedy_triton",
@@ -12,4 +13,7 @@ __all__ = [
     "topk_logprobs_triton",
     "tree_mask_torch",
     "tree_mask_triton",
+    "verify_mask_size",
+    "verify_mask_torch",
+    "verify_mask_triton",
 ]

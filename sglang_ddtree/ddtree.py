@@ -24,7 +24,8 @@ import torch
 
 from . import reference as _ref
 
-__all__ = ["Tree", "Accept", "topk_logprobs", "build_tree", "tree_mask", "accept_greedy"]
+__all__ = ["Tree", "Accept", "topk_logprobs", "build_tree", "tree_mask", "verify_mask",
+           "accept_greedy"]
 
 _BACKENDS = ("triton", "reference")
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -217,6 +218,49 @@ def tree_mask(parent: torch.Tensor, max_depth: int, *, backend: str = "triton"):
                 torch.from_numpy(_ref.pack_visibility(vis)).to(parent.device))
     from .kernels.tree_mask import tree_mask_triton
     return tree_mask_triton(parent, max_depth)
+
+
+def verify_mask(tree: Tree, seq_lens: torch.Tensor, *, mode: str = "full",
+                out: Optional[torch.Tensor] = None, backend: str = "triton",
+                validate: bool = True) -> torch.Tensor:
+    """The tree's verify mask, flattened the way SGLang's attention backends read it.
+
+    seq_lens [bs] int32/int64: committed prefix length of each request (the tokens before the
+    root's block).  ``mode="full"``: per request ``N`` rows of ``seq_len + N`` (prefix all
+    visible, then the ancestor-only tree part), requests back to back (SGLang's FULL_MASK /
+    triton-backend ``custom_mask`` with ``mask_indptr``); ``mode="qlen"``: the tree part only.
+    Returns ``out`` (bool; allocated when None, which needs the total size: a host sync).
+    """
+    if not isinstance(tree, Tree):
+        raise ValueError(f"tree must be a Tree, got {type(tree).__name__}")
+    if mode not in ("full", "qlen"):
+        raise ValueError(f"mode must be 'full' or 'qlen', got {mode!r}")
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int32, torch.int64))
+    bs, N = tree.tokens.shape
+    if seq_lens.shape[0] != bs:
+        raise ValueError(f"seq_lens must have shape [{bs}], got {tuple(seq_lens.shape)}")
+    if seq_lens.device != tree.tokens.device:
+        raise ValueError("seq_lens must be on the tree's device")
+    _check_backend(backend, seq_lens)
+    from .kernels.verify_mask import verify_mask_size
+    need = None
+    if out is None or validate:
+        if (seq_lens < 0).any():
+            raise ValueError("seq_lens must be >= 0")
+        need = verify_mask_size(int(seq_lens.sum()), bs, N, mode)
+    if out is None:
+        out = torch.empty(need, dtype=torch.bool, device=seq_lens.device)
+    elif out.dim() != 1 or out.dtype not in (torch.bool, torch.uint8):
+        raise ValueError("out must be a 1-D bool or uint8 tensor")
+    elif need is not None and out.numel() < need:
+        raise ValueError(f"out has {out.numel()} elements, the mask needs {need}")
+    if backend == "reference":
+        from .kernels.verify_mask import verify_mask_torch
+        ref = verify_mask_torch(tree.visibility.cpu(), seq_lens.cpu(), mode)
+        out[: ref.numel()] = ref.to(out.device, out.dtype)
+        return out
+    from .kernels.verify_mask import verify_mask_triton
+    return verify_mask_triton(tree.mask_words, seq_lens, out, mode)
 
 
 def accept_greedy(tree: Tree, target_tokens: torch.Tensor, *, backend: str = "triton",
