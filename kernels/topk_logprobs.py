@@ -51,7 +51,7 @@ def _store_sorted(keys, logz, out_lp_ptr, out_id_ptr, row, K: tl.constexpr):
 @triton.jit
 def _topk_segment_kernel(
     logits_ptr, out_lp_ptr, out_id_ptr, part_m_ptr, part_s_ptr, part_key_ptr,
-    V, stride_row, seg_len,
+    V, stride_row, seg_len, id_offset,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -85,7 +85,7 @@ def _topk_segment_kernel(
             (x - m_safe) * 1.4426950408889634)
         m = m_new
         if _packed_key(cmax, zero_id) > thr:  # the chunk may hold a key above the k-th
-            ck = tl.where(in_seg, _packed_key(x, idx), -9223372036854775808)
+            ck = tl.where(in_seg, _packed_key(x, idx + id_offset), -9223372036854775808)
             best = tl.max(ck, 0)
             while best > thr:  # insert largest first: exactly the chunk keys that stay
                 top = tl.where(top == thr, best, top)
@@ -163,19 +163,64 @@ def topk_logprobs_triton(logits: torch.Tensor, k: int, out=None):
     num_warps = 4 if BLOCK_V <= 1024 else 8
     if S == 1:
         _topk_segment_kernel[(R, 1)](
-            logits, out_lp, out_id, out_lp, out_lp, out_id, V, logits.stride(0), seg_len,
+            logits, out_lp, out_id, out_lp, out_lp, out_id, V, logits.stride(0), seg_len, 0,
             K=k, KP=KP, BLOCK_V=BLOCK_V, SPLIT=False, num_warps=num_warps)
         return out_lp, out_id
     part_m = torch.empty((R, S), dtype=torch.float32, device=dev)
     part_s = torch.empty((R, S), dtype=torch.float32, device=dev)
     part_key = torch.empty((R, S, KP), dtype=torch.int64, device=dev)
     _topk_segment_kernel[(R, S)](
-        logits, out_lp, out_id, part_m, part_s, part_key, V, logits.stride(0), seg_len,
+        logits, out_lp, out_id, part_m, part_s, part_key, V, logits.stride(0), seg_len, 0,
         K=k, KP=KP, BLOCK_V=BLOCK_V, SPLIT=True, num_warps=num_warps)
     SP = triton.next_power_of_2(S)
     _topk_merge_kernel[(R,)](part_m, part_s, part_key, out_lp, out_id, S, K=k, KP=KP, SP=SP,
                              num_warps=4)
     return out_lp, out_id
+
+
+def topk_partial_triton(logits: torch.Tensor, k: int, vocab_start: int):
+    """One vocabulary shard (tensor parallelism): logits [R, V_shard] holding the columns
+    ``vocab_start .. vocab_start + V_shard - 1`` of the full vocabulary.
+
+    Returns the shard's partial ``(m [R] fp32, s [R] fp32, keys [R, KP] int64)``: max logit,
+    sum of exp(logit - m), and its top-k as packed keys with global token ids (padding keys
+    are the int64 minimum).  All shards' partials, gathered in any order, go to
+    ``topk_merge_triton``.  Fixed shapes, no host sync: all-gather friendly.
+    """
+    R, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    KP = max(2, triton.next_power_of_2(k))
+    m = torch.empty((R,), dtype=torch.float32, device=dev)
+    s = torch.empty((R,), dtype=torch.float32, device=dev)
+    keys = torch.empty((R, KP), dtype=torch.int64, device=dev)
+    if R == 0:
+        return m, s, keys
+    BLOCK_V = _block_v(V, KP)
+    _topk_segment_kernel[(R, 1)](
+        logits, m, keys, m, s, keys, V, logits.stride(0), triton.cdiv(V, BLOCK_V) * BLOCK_V,
+        vocab_start, K=k, KP=KP, BLOCK_V=BLOCK_V, SPLIT=True,
+        num_warps=4 if BLOCK_V <= 1024 else 8)
+    return m, s, keys
+
+
+def topk_merge_triton(m: torch.Tensor, s: torch.Tensor, keys: torch.Tensor, k: int, out=None):
+    """Merge P shards' partials (m [P, R], s [P, R], keys [P, R, KP]) ->
+    (log_probs [R, k] fp32, token_ids [R, k] int64), exactly as one pass over the full row."""
+    P, R, KP = keys.shape
+    dev = keys.device
+    if out is None:
+        out = (torch.empty((R, k), dtype=torch.float32, device=dev),
+               torch.empty((R, k), dtype=torch.int64, device=dev))
+    if R == 0:
+        return out
+    # the merge kernel reads row-major [R, P, ...] partials
+    m_r, s_r = m.t().contiguous(), s.t().contiguous()
+    keys_r = keys.transpose(0, 1).contiguous()
+    _topk_merge_kernel[(R,)](m_r, s_r, keys_r, out[0], out[1], P, K=k, KP=KP,
+                             SP=max(2, triton.next_power_of_2(P)), num_warps=4)
+    return out
 
 
 def topk_logprobs_torch(logits: torch.Tensor, k: int):

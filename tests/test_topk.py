@@ -94,3 +94,23 @@ def test_non_contiguous_rows(rng, device):
     big = drafter_logits(2, 3, 1200, rng).to(device)
     logits = big[:, :, :1000]  # row stride 1200
     check(logits, 16)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 8])
+def test_vocab_shards_merge_like_one_pass(P, rng, device):
+    """Tensor parallelism: per-shard partials (any shard order) merge to the full-row result."""
+    from sglang_ddtree.kernels.topk_logprobs import topk_merge_triton, topk_partial_triton
+    R, V, k = 6, 4000, 32
+    logits = drafter_logits(1, R, V, rng)[0].to(device)
+    cuts = sorted(torch.randperm(V - 1, generator=rng)[:P - 1].add(1).tolist())
+    bounds = list(zip([0] + cuts, cuts + [V]))
+    order = torch.randperm(P, generator=rng).tolist()  # gather order does not matter
+    parts = [topk_partial_triton(logits[:, lo:hi].contiguous(), k, lo)
+             for lo, hi in (bounds[i] for i in order)]
+    m = torch.stack([p[0] for p in parts])
+    s = torch.stack([p[1] for p in parts])
+    keys = torch.stack([p[2] for p in parts])
+    lp, ids = topk_merge_triton(m, s, keys, k)
+    want_lp, want_ids = topk_logprobs_torch(logits, k)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(lp.cpu(), want_lp.cpu(), atol=2e-5, rtol=0)
