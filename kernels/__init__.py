@@ -1,6 +1,7 @@
 """DDTree GPU kernels (Triton), one op per file; each module documents its reference."""
 from .accept_greedy import accept_greedy_triton
-from .topk_logprobs import topk_logprobs_torch, topk_logprobs_triton
+from .topk_logprobs import (topk_logprobs_torch, topk_logprobs_triton, topk_merge_triton,
+                            topk_partial_triton)
 from .tree_build import build_tree_triton, key_layout
 from .tree_mask import tree_mask_torch, tree_mask_triton
 from .verify_mask import verify_mask_size, verify_mask_torch, verify_mask_triton
@@ -11,6 +12,8 @@ __all__ = [
     "key_layout",
     "topk_logprobs_torch",
     "topk_logprobs_triton",
+    "topk_merge_triton",
+    "topk_partial_triton",
     "tree_mask_torch",
     "tree_mask_triton",
     "verify_mask_size",
