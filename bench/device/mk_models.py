@@ -87,15 +87,12 @@ def _lin(g, out_f, in_f):
     return torch.randn(out_f, in_f, generator=g) * STD
 
 
-def qwen3_target_state():
-    E, W, perm = shared_head()
-    g = torch.Generator().manual_seed(SEED + 1)
-    c = QWEN3
+def _qwen3_layers(sd, g, c, prefix):
+    """Add the Qwen3 decoder layers of config c to sd (norms ones, linears N(0, STD^2) from g,
+    drawn in a fixed order so the seeded weights never change)."""
     hd, nq, nkv, inter = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
-    sd = {"model.embed_tokens.weight": E.clone(), "lm_head.weight": W.clone(),
-          "model.norm.weight": torch.ones(HIDDEN)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
+        p = f"{prefix}{i}."
         sd[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
         sd[p + "self_attn.q_proj.weight"] = _lin(g, nq * hd, HIDDEN)
@@ -107,6 +104,14 @@ def qwen3_target_state():
         sd[p + "mlp.gate_proj.weight"] = _lin(g, inter, HIDDEN)
         sd[p + "mlp.up_proj.weight"] = _lin(g, inter, HIDDEN)
         sd[p + "mlp.down_proj.weight"] = _lin(g, HIDDEN, inter)
+
+
+def qwen3_target_state():
+    E, W, perm = shared_head()
+    g = torch.Generator().manual_seed(SEED + 1)
+    sd = {"model.embed_tokens.weight": E.clone(), "lm_head.weight": W.clone(),
+          "model.norm.weight": torch.ones(HIDDEN)}
+    _qwen3_layers(sd, g, QWEN3, "model.layers.")
     return sd, perm
 
 
@@ -154,23 +159,9 @@ def dsv3_target_state():
 
 def random_drafter_state():
     g = torch.Generator().manual_seed(SEED + 3)
-    c = DRAFTER
-    hd, nq, nkv, inter = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
     sd = {"norm.weight": torch.ones(HIDDEN), "hidden_norm.weight": torch.ones(HIDDEN),
           "fc.weight": _lin(g, HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-        sd[p + "self_attn.q_proj.weight"] = _lin(g, nq * hd, HIDDEN)
-        sd[p + "self_attn.k_proj.weight"] = _lin(g, nkv * hd, HIDDEN)
-        sd[p + "self_attn.v_proj.weight"] = _lin(g, nkv * hd, HIDDEN)
-        sd[p + "self_attn.o_proj.weight"] = _lin(g, HIDDEN, nq * hd)
-        sd[p + "self_attn.q_norm.weight"] = torch.ones(hd)
-        sd[p + "self_attn.k_norm.weight"] = torch.ones(hd)
-        sd[p + "mlp.gate_proj.weight"] = _lin(g, inter, HIDDEN)
-        sd[p + "mlp.up_proj.weight"] = _lin(g, inter, HIDDEN)
-        sd[p + "mlp.down_proj.weight"] = _lin(g, HIDDEN, inter)
+    _qwen3_layers(sd, g, DRAFTER, "layers.")
     return sd
 
 
