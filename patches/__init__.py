@@ -1,5 +1,16 @@
-"""Hooks into SGLang internals, one module per hooked function (none yet).
+"""Hooks into SGLang internals, one module per hooked function.
 
-Each module must say why the hook is needed and which SGLang versions it was checked against,
-and should be installed through SGLang's HookRegistry from ``sglang_ddtree.plugin.register``.
+Each module says why the hook is needed and which SGLang versions it was checked against; each
+exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applied by SGLang's
+``load_plugins()`` right after the plugins ran).
+
+* ``decode_graph_spec_info``: capture the target's verify CUDA graph with a tree mask.
 """
+from . import decode_graph_spec_info
+
+ALL = (decode_graph_spec_info,)
+
+
+def install_all() -> None:
+    for mod in ALL:
+        mod.install()

@@ -3,12 +3,22 @@
 usage: python bench/device/stage.py NAME MODELS_DIR RESULTS_JSONL PORT
        python bench/device/stage.py summarize RESULTS_JSONL        (token-identity table)
 
-NAME = <pair>_<algo>_<mode>[_<backend>]:  pair gqa | mla;  backend triton (default) | flashinfer;  algo base (plain target) | dflash (stock DFLASH);
-       mode eager (disable_cuda_graph) | graph (decode CUDA graphs, prefill graph off).
+NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla;  backend triton (default) |
+       flashinfer;  algo base (plain target) | dflash (stock DFLASH) | ddtree (DDTREE-GPU) |
+       ddtreecpu (DDTREE-CPU);  mode eager (disable_cuda_graph) | graph (decode CUDA graphs, prefill
+       graph off);  b<budget>: the DDTree tree budget (verify width budget + 1; default 16).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
-greedy chain perm^k(last prompt token) (see mk_models.py), so base and DFLASH outputs are compared
-token for token with the plain target's greedy output.  DFLASH stages also report the acceptance
-length per verify round (completion_tokens / spec_verify_ct).
+greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
+token for token with the plain target's greedy output.  Checks (each recorded):
+  * bs16: 16 prompts of different lengths, 96 new tokens each (batch >= 16);
+  * repeat: the same again (radix-cache prefix hits), identical;
+  * bs1: one request, 256 new tokens;
+  * mixed: 16 requests with max_new_tokens 1..33 and stop_token_ids inside the chain, so requests
+    finish inside an accepted path (expected: the chain cut at max_new_tokens / the stop token);
+  * sampled (speculative algorithms): temperature 0.7, top_k 20; the toy target's logit margin
+    (~200) makes sampling pick the greedy chain with probability 1 - 1e-80, so it must match too.
+Speculative stages also report the acceptance length per verify round (completion_tokens /
+spec_verify_ct, what SGLang's meta info spec_accept_length holds) at batch 16 and 1.
 """
 import json
 import os
@@ -26,13 +36,29 @@ PROMPTS = [
     [1, 1000, 11, 111],
     [1, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261],
 ]
+PROMPTS += [  # 8 more (batch 16), lengths 2..40
+    [1, 2 + 17 * i % 1000] + [(37 * i + 11 * j) % 1000 + 3 for j in range(5 * i)] for i in range(8)
+]
 MAX_NEW = 96
+ALGOS = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "DDTREE-CPU"}
+
+
+def parse_name(name):
+    parts = name.split("_")
+    pair, algo, mode = parts[:3]
+    budget, backend = 16, "triton"
+    for p in parts[3:]:
+        if p.startswith("b") and p[1:].isdigit():
+            budget = int(p[1:])
+        else:
+            backend = p
+    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla"):
+        raise ValueError(f"bad stage name {name!r}")
+    return pair, algo, mode, budget, backend
 
 
 def stage_kwargs(name, models, port):
-    parts = name.split("_")
-    pair, algo, mode = parts[:3]
-    backend = parts[3] if len(parts) > 3 else "triton"
+    pair, algo, mode, budget, backend = parse_name(name)
     kw = dict(
         model_path=os.path.join(models, f"{pair}_target"),
         attention_backend=backend,
@@ -52,10 +78,12 @@ def stage_kwargs(name, models, port):
         kw["disable_cuda_graph"] = True
     else:
         kw.update(cuda_graph_max_bs_decode=16, disable_prefill_cuda_graph=True)
-    if algo == "dflash":
-        kw.update(speculative_algorithm="DFLASH",
+    if algo != "base":
+        kw.update(speculative_algorithm=ALGOS[algo],
                   speculative_draft_model_path=os.path.join(models, "drafter"))
-    return pair, algo, mode, kw
+    if algo in ("ddtree", "ddtreecpu"):
+        kw["speculative_num_draft_tokens"] = budget + 1
+    return pair, algo, mode, budget, kw
 
 
 def expected_chain(perm, prompt, n):
@@ -66,13 +94,35 @@ def expected_chain(perm, prompt, n):
     return out
 
 
+def mixed_requests(perm):
+    """16 requests finishing inside a round: max_new_tokens 1..33, every other one also stopped
+    by a token id its chain reaches early.  Returns (prompts, sampling params, expected)."""
+    prompts, params, exp = [], [], []
+    for i in range(16):
+        p = PROMPTS[i]
+        n = 1 + 2 * i
+        sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        chain = expected_chain(perm, p, n)
+        if i % 2 == 1 and n >= 4:
+            stop_at = (i * 5) % (n - 1) + 1          # stop after the (stop_at+1)-th token
+            tok = chain[stop_at]
+            if tok not in chain[:stop_at]:
+                sp["stop_token_ids"] = [tok]
+                chain = chain[: stop_at + 1]
+        prompts.append(p)
+        params.append(sp)
+        exp.append(chain)
+    return prompts, params, exp
+
+
 def run(name, models, results, port):
     t0 = time.time()
     rec = {"stage": name, "ok": False, "pid": os.getpid()}
     eng = None
     try:
-        pair, algo, mode, kw = stage_kwargs(name, models, port)
-        rec.update(pair=pair, algo=algo, mode=mode)
+        pair, algo, mode, budget, kw = stage_kwargs(name, models, port)
+        rec.update(pair=pair, algo=algo, mode=mode, budget=budget if algo.startswith("ddtree") else None,
+                   backend=kw["attention_backend"])
         import sglang as sgl
         rec["import_s"] = round(time.time() - t0, 1)
         t1 = time.time()
@@ -82,22 +132,24 @@ def run(name, models, results, port):
         exp = [expected_chain(perm, p, MAX_NEW) for p in PROMPTS]
         sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
 
+        def first_mismatch(a, b):
+            if len(a) != len(b):
+                return f"len {len(a)} != {len(b)}"
+            return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
         t2 = time.time()
         outs = eng.generate(input_ids=PROMPTS, sampling_params=sp)
-        rec["gen1_bs8_s"] = round(time.time() - t2, 2)  # first generate: includes JIT compiles
+        rec["gen1_bs16_s"] = round(time.time() - t2, 2)  # first generate: includes JIT compiles
         ids = [o["output_ids"] for o in outs]
         rec["output_ids_head"] = [x[:12] for x in ids]
         rec["matches_target_greedy"] = ids == exp
         rec["n_mismatch_reqs"] = sum(a != b for a, b in zip(ids, exp))
         if ids != exp:
-            firsts = []
-            for a, b in zip(ids, exp):
-                firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
-            rec["first_mismatch_pos"] = firsts
+            rec["first_mismatch_pos"] = [first_mismatch(a, b) for a, b in zip(ids, exp)]
 
         t3 = time.time()
         outs2 = eng.generate(input_ids=PROMPTS, sampling_params=sp)  # radix-cache hits on prompts
-        rec["gen2_bs8_s"] = round(time.time() - t3, 3)
+        rec["gen2_bs16_s"] = round(time.time() - t3, 3)
         rec["repeat_identical"] = [o["output_ids"] for o in outs2] == ids
 
         t4 = time.time()
@@ -105,6 +157,18 @@ def run(name, models, results, port):
         dt = time.time() - t4
         rec["bs1_256tok_s"] = round(dt, 3)
         rec["bs1_matches"] = o1[0]["output_ids"] == expected_chain(perm, PROMPTS[0], 256)
+
+        mp, mparams, mexp = mixed_requests(perm)
+        mo = eng.generate(input_ids=mp, sampling_params=mparams)
+        mids = [o["output_ids"] for o in mo]
+        rec["mixed_matches"] = mids == mexp
+        rec["mixed_finish"] = [str(o.get("meta_info", {}).get("finish_reason", {}).get("type"))
+                               for o in mo][:6]
+        if mids != mexp:
+            rec["mixed_first_mismatch"] = [first_mismatch(a, b) for a, b in zip(mids, mexp)]
+            rec["mixed_lens"] = [[len(a), len(b)] for a, b in zip(mids, mexp)]
+        checks = [rec["matches_target_greedy"], rec["repeat_identical"], rec["bs1_matches"],
+                  rec["mixed_matches"]]
 
         def acc(mi):
             v = mi.get("spec_verify_ct")
@@ -115,15 +179,21 @@ def run(name, models, results, port):
         rec["spec_verify_ct"] = [mi.get("spec_verify_ct") for mi in mis]
         if algo != "base":
             al = [acc(mi) for mi in mis]
-            rec["accept_len_bs8"] = al
+            rec["accept_len_bs16"] = al
             tot_c = sum(mi.get("completion_tokens", 0) for mi in mis)
             tot_v = sum(mi.get("spec_verify_ct", 0) or 0 for mi in mis)
-            rec["accept_len_bs8_mean"] = round(tot_c / tot_v, 3) if tot_v else None
+            rec["accept_len_bs16_mean"] = round(tot_c / tot_v, 3) if tot_v else None
             rec["accept_len_bs1"] = acc(o1[0].get("meta_info", {}))
             rec["rounds_bs1"] = o1[0].get("meta_info", {}).get("spec_verify_ct")
+            rec["meta_spec_accept_length"] = mis[0].get("spec_accept_length")
+            # sampled requests (the tree's lossless target-only sampling path for DDTree)
+            ssp = {"max_new_tokens": 48, "temperature": 0.7, "top_k": 20, "ignore_eos": True}
+            so = eng.generate(input_ids=PROMPTS[:4], sampling_params=ssp)
+            rec["sampled_matches"] = [o["output_ids"] for o in so] == [e[:48] for e in exp[:4]]
+            checks.append(rec["sampled_matches"])
         rec["ms_per_round_bs1"] = round(1000 * dt / (rec.get("rounds_bs1") or 256), 3)
         rec["meta_info_keys"] = sorted(mis[0].keys())
-        rec["ok"] = bool(rec["matches_target_greedy"] and rec["repeat_identical"] and rec["bs1_matches"])
+        rec["ok"] = bool(all(checks))
     except BaseException as e:  # noqa
         rec["error"] = repr(e)[:2000]
         rec["traceback"] = traceback.format_exc()[-4000:]
@@ -147,9 +217,10 @@ def summarize(results):
         recs[r["stage"]] = r
     rows = []
     for name, r in sorted(recs.items()):
-        rows.append(f"{name:22s} ok={r.get('ok')} match={r.get('matches_target_greedy', r.get('up'))} "
-                    f"start={r.get('engine_start_s')}s gen1={r.get('gen1_bs8_s')}s "
-                    f"accept_bs8={r.get('accept_len_bs8_mean')} accept_bs1={r.get('accept_len_bs1')} "
+        rows.append(f"{name:26s} ok={r.get('ok')} match={r.get('matches_target_greedy', r.get('up'))} "
+                    f"rep={r.get('repeat_identical')} bs1={r.get('bs1_matches')} mixed={r.get('mixed_matches')} "
+                    f"sampled={r.get('sampled_matches')} start={r.get('engine_start_s')}s gen1={r.get('gen1_bs16_s')}s "
+                    f"accept_bs16={r.get('accept_len_bs16_mean')} accept_bs1={r.get('accept_len_bs1')} "
                     f"ms/round_bs1={r.get('ms_per_round_bs1')} err={str(r.get('error', ''))[:150]}")
     for pair in ("gqa", "mla"):
         outs = {n: r.get("output_ids_head") for n, r in recs.items()

@@ -1,0 +1,163 @@
+"""The speculative-algorithm classes SGLang dispatches on: ``DDTREE-GPU`` and ``DDTREE-CPU``.
+
+SGLang 0.5.16 resolves ``--speculative-algorithm NAME`` through ``SpeculativeAlgorithm.from_string``,
+which returns the registered ``CustomSpecAlgo`` instance; every caller then asks it ``is_*()`` /
+``supports_*()`` questions.  DDTree rides on DFlash's plumbing (drafter worker, aux-hidden capture of
+the target, draft KV pool, FutureMap relay of the bonus token, request validation), so these classes
+answer like DFLASH, and add what 0.5.16's ``CustomSpecAlgo`` lacks but the scheduler calls
+(``carries_draft_hidden_states``, ``create_future_map``, ``need_topk``).
+
+``handle_server_args`` replaces SGLang's ``_handle_dflash`` (which only runs for the DFLASH enum):
+it resolves the tree settings (:mod:`sglang_ddtree.config`) and writes them into the server
+arguments during argument resolution, in the launcher process, so bad values fail at startup
+with a ValueError instead of inside a scheduler process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from .config import SUPPORTED_TARGET_BACKENDS, DDTreeSettings, resolve_settings
+
+logger = logging.getLogger(__name__)
+
+GPU_NAME = "DDTREE-GPU"
+CPU_NAME = "DDTREE-CPU"
+
+
+class DDTreeSpecAlgo(CustomSpecAlgo):
+    """DFlash-family algorithm with a tree verify.  ``tree_backend`` picks where top-k, tree build,
+    verify mask and accept run: "triton" (GPU kernels) or "reference" (the CPU heap, the baseline)."""
+
+    tree_backend = "triton"
+
+    # --- DFlash plumbing ------------------------------------------------------------------
+    def is_dflash(self) -> bool:
+        return True
+
+    def is_dflash_family(self) -> bool:
+        return True
+
+    def supports_target_verify_for_draft(self) -> bool:
+        return True
+
+    # --- methods 0.5.16's scheduler calls that CustomSpecAlgo does not define -------------
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def get_platform_worker_cls(self):
+        return None
+
+    def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
+                          needs_confidence_relay: bool = False):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens,
+                         needs_confidence_relay)
+
+    # --- server arguments -----------------------------------------------------------------
+    def handle_server_args(self, server_args) -> None:
+        settings = resolve_from_server_args(server_args, self.name)
+        server_args.speculative_num_draft_tokens = settings.num_verify_tokens
+        server_args.speculative_num_steps = 1
+        server_args.speculative_eagle_topk = 1
+        if server_args.attention_backend is None and server_args.decode_attention_backend is None \
+                and server_args.prefill_attention_backend is None:
+            server_args.attention_backend = SUPPORTED_TARGET_BACKENDS[0]
+            logger.info("%s: attention backend set to %s (the tree-mask verify path)", self.name,
+                        server_args.attention_backend)
+        from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
+
+        _resolve_dflash_draft_attention_backend(server_args)
+        if server_args.max_running_requests is None:
+            server_args.max_running_requests = 48
+        if server_args.enable_mixed_chunk:
+            server_args.enable_mixed_chunk = False
+            logger.warning("%s: mixed chunked prefill disabled", self.name)
+        logger.info("%s: budget=%d (verify width %d), drafter block=%d (depth %d), top-k=%d, "
+                    "tree backend=%s", self.name, settings.budget, settings.num_verify_tokens,
+                    settings.block_size, settings.draft_depth, settings.topk, self.tree_backend)
+
+
+class DDTreeGPUSpecAlgo(DDTreeSpecAlgo):
+    tree_backend = "triton"
+
+
+class DDTreeCPUSpecAlgo(DDTreeSpecAlgo):
+    tree_backend = "reference"
+
+
+def drafter_block_size(server_args) -> Optional[int]:
+    """The drafter's block size: --speculative-dflash-block-size, else its config.json."""
+    if server_args.speculative_dflash_block_size is not None:
+        return int(server_args.speculative_dflash_block_size)
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    try:
+        cfg = get_config(server_args.speculative_draft_model_path,
+                         trust_remote_code=server_args.trust_remote_code,
+                         revision=server_args.speculative_draft_model_revision,
+                         model_override_args=json.loads(server_args.json_model_override_args or "{}"))
+    except Exception as e:  # noqa: BLE001 - reported as a clear startup error below
+        raise ValueError(f"cannot read the drafter config at "
+                         f"{server_args.speculative_draft_model_path!r}: {e}") from e
+    return parse_dflash_draft_config(draft_hf_config=cfg).resolve_block_size(default=None)
+
+
+def _target_vocab_size(server_args) -> Optional[int]:
+    try:
+        from sglang.srt.utils.hf_transformers_utils import get_config
+
+        cfg = get_config(server_args.model_path, trust_remote_code=server_args.trust_remote_code,
+                         revision=getattr(server_args, "revision", None))
+        cfg = getattr(cfg, "text_config", None) or cfg
+        return int(cfg.vocab_size)
+    except Exception:  # noqa: BLE001 - the vocab only bounds the default top-k
+        return None
+
+
+def resolve_from_server_args(server_args, algo: str) -> DDTreeSettings:
+    if server_args.speculative_draft_model_path is None:
+        raise ValueError(f"{algo} needs a DFlash drafter: pass --speculative-draft-model-path")
+    return resolve_settings(algo=algo, num_draft_tokens=server_args.speculative_num_draft_tokens,
+                            block_size=drafter_block_size(server_args),
+                            vocab_size=_target_vocab_size(server_args))
+
+
+def validate_server_args(server_args) -> None:
+    """Reject what DDTree cannot run (called by SGLang before handle_server_args)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    algo = (server_args.speculative_algorithm or GPU_NAME).upper()
+    if server_args.speculative_draft_model_path is None:
+        raise ValueError(f"{algo} needs a DFlash drafter: pass --speculative-draft-model-path")
+    if not str(server_args.device).startswith("cuda"):
+        raise ValueError(f"{algo} runs on CUDA devices only (device={server_args.device!r})")
+    if server_args.pp_size != 1:
+        raise ValueError(f"{algo} supports pp_size == 1 only (got {server_args.pp_size})")
+    if resolved_view(server_args).enable_dp_attention:
+        raise ValueError(f"{algo} does not support --enable-dp-attention")
+    if server_args.speculative_draft_window_size is not None:
+        raise ValueError(f"{algo} does not support --speculative-draft-window-size (the compact "
+                         "draft cache)")
+    if server_args.page_size not in (None, 1):
+        raise ValueError(f"{algo} is validated with --page-size 1 only (got {server_args.page_size})")
+    if getattr(server_args, "enable_lora", False):
+        raise ValueError(f"{algo} does not support LoRA")
+    mode = getattr(server_args, "speculative_attention_mode", "prefill")
+    chosen = [b for b in (server_args.prefill_attention_backend if mode == "prefill"
+                          else server_args.decode_attention_backend,
+                          server_args.attention_backend) if b is not None]
+    if chosen and chosen[0] not in SUPPORTED_TARGET_BACKENDS:
+        raise ValueError(
+            f"{algo} verifies a tree with a custom attention mask; the target attention backend "
+            f"{chosen[0]!r} is not one whose TARGET_VERIFY path applies it under CUDA graphs in "
+            f"SGLang 0.5.16. Use --attention-backend {' or '.join(SUPPORTED_TARGET_BACKENDS)} "
+            "(or leave it unset)")

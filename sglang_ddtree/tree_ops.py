@@ -1,0 +1,76 @@
+"""Small static-shape tensor ops the worker applies between the kernels (no host sync, any device).
+
+Shapes: ``bs`` requests, ``N`` tree slots (root = slot 0), ``W = D + 1`` path width.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def verify_input_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Tree tokens [bs, N] (-1 = padding slot) -> ids the target can embed: padding -> 0.
+    A padding slot's row attends to the prefix and itself only; its logits are never read."""
+    return tokens.clamp(min=0)
+
+
+def accept_index_from_path(path: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Accepted slots per request [bs, W] (-1 padded) -> flat verify-row indices ``b * N + slot``
+    (-1 kept): the ``accept_index`` of SGLang's ``move_accept_tokens_to_target_kvcache``. int32."""
+    bs = path.shape[0]
+    base = torch.arange(bs, device=path.device, dtype=torch.int64).unsqueeze(1) * num_slots
+    flat = base + path.to(torch.int64)
+    return torch.where(path >= 0, flat, torch.full_like(flat, -1)).to(torch.int32)
+
+
+def gather_path_rows(rows: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """rows [bs * N, H] (per-slot target hidden states) -> [bs * W, H]: row ``path[b, i]`` of
+    request b at position i (padding positions repeat the root row; callers commit only
+    ``accept_len + 1`` of them)."""
+    bs, W = path.shape
+    H = rows.shape[-1]
+    N = rows.shape[0] // bs
+    idx = path.clamp(min=0).to(torch.int64)
+    return torch.gather(rows.view(bs, N, H), 1, idx.unsqueeze(-1).expand(bs, W, H)).reshape(bs * W, H)
+
+
+def committed_tokens(tree_tokens: torch.Tensor, path: torch.Tensor, accept_len: torch.Tensor,
+                     bonus: torch.Tensor) -> torch.Tensor:
+    """The round's output [bs, W] int64: tokens of the accepted non-root path slots, then the
+    bonus; zeros after it (the scheduler reads the first ``accept_len + 1``)."""
+    bs, W = path.shape
+    idx = path[:, 1:].clamp(min=0).to(torch.int64)
+    toks = torch.gather(tree_tokens, 1, idx)
+    cols = torch.arange(W - 1, device=toks.device).unsqueeze(0)
+    alen = accept_len.to(torch.int64).unsqueeze(1)
+    out = torch.zeros((bs, W), dtype=torch.int64, device=toks.device)
+    out[:, :-1] = torch.where(cols < alen, toks, torch.zeros_like(toks))
+    out.scatter_(1, alen, bonus.to(torch.int64).unsqueeze(1))
+    return out
+
+
+def lcrs_links(parent: torch.Tensor):
+    """Parent array [bs, N] (-1 = root / padding) -> (first_child [bs, N], next_sibling [bs, N])
+    int64, -1 = none, children in slot order: the ``retrive_next_token`` /
+    ``retrive_next_sibling`` links of SGLang's tree verify kernels."""
+    bs, N = parent.shape
+    par = parent.to(torch.int64)
+    j = torch.arange(N, device=parent.device, dtype=torch.int64)
+    none = torch.full((), N, device=parent.device, dtype=torch.int64)
+    # first_child[b, p] = min{j : parent[b, j] == p}
+    is_child = par.unsqueeze(1) == j.view(1, N, 1)                       # [bs, p, j]
+    first = torch.where(is_child, j.view(1, 1, N), none).amin(-1)
+    # next_sibling[b, i] = min{j > i : parent[b, j] == parent[b, i] >= 0}
+    same = (par.unsqueeze(2) == par.unsqueeze(1)) & (par.unsqueeze(2) >= 0)  # [bs, i, j]
+    later = j.view(1, 1, N) > j.view(1, N, 1)
+    nxt = torch.where(same & later, j.view(1, 1, N), none).amin(-1)
+    first = torch.where(first == N, torch.full_like(first, -1), first)
+    nxt = torch.where(nxt == N, torch.full_like(nxt, -1), nxt)
+    return first, nxt
+
+
+def path_from_accept_index(accept_index: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Inverse of :func:`accept_index_from_path`: flat rows [bs, W] (-1 padded) -> slots int32."""
+    bs = accept_index.shape[0]
+    base = torch.arange(bs, device=accept_index.device, dtype=torch.int64).unsqueeze(1) * num_slots
+    slots = accept_index.to(torch.int64) - base
+    return torch.where(accept_index >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)

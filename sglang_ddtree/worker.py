@@ -1,0 +1,316 @@
+"""The DDTree speculative worker for SGLang 0.5.16 (``DDTREE-GPU``; ``DDTREE-CPU`` = same worker,
+CPU-heap tree).
+
+It is SGLang's ``DFlashWorkerV2`` (drafter worker, prefill, idle batches, draft KV materialisation,
+overlap relay) with the decode round replaced.  One round, for ``bs`` requests, drafter block ``B``
+(depth ``D = B - 1``), tree budget ``b`` (``N = b + 1`` verify slots), top-``K``:
+
+1. draft: the block ``[bonus, mask x D]`` at positions ``prefix + 0..D`` through the drafter (its
+   CUDA graph), whose folded head (``draft_head.DDTreeDraftHead``) leaves top-K log-probs
+   ``[bs, D, K]``;
+2. tree: ``build_tree`` (best-first, ``b`` nodes + root = bonus) -> tokens / depth / parent / mask;
+3. verify input: ids = tree tokens, positions = ``prefix + depth``, KV slots ``prefix + 0..N-1``
+   (pre-reserved rows of ``req_to_token``), the ancestor-only mask in SGLang's FULL_MASK layout
+   written straight into the target backend's CUDA-graph mask buffer;
+4. the target's TARGET_VERIFY forward over ``bs * N`` tokens (its CUDA graph, captured with a mask:
+   ``patches/decode_graph_spec_info.py``);
+5. accept: greedy -> ``accept_greedy`` on the target argmax; sampled batches -> SGLang's target-only
+   tree sampling kernel over the tree's first-child / next-sibling links (lossless);
+6. commit: the accepted slots' target KV moves to ``prefix + 0..a`` (SGLang's
+   ``move_accept_tokens_to_target_kvcache``), the drafter's context K/V for those positions is
+   materialised from the accepted slots' target hidden states, and the bonus token is relayed.
+
+No step reads a device value on the host: KV-buffer sizes come from the scheduler's host-side upper
+bounds, exactly like DFLASH.  ``DDTREE-CPU`` copies the top-k to the host, builds the tree with
+the reference heap, and walks the accept on the host (the published ports' recipe).
+"""
+from __future__ import annotations
+
+import logging
+from copy import deepcopy
+from typing import Optional
+
+import torch
+
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
+from sglang.srt.configs.hybrid_arch import mambaish_config
+from sglang.srt.distributed import get_tp_group
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+
+from . import ddtree, tree_ops
+from .config import resolve_settings
+from .draft_head import DDTreeDraftHead
+from .spec_algo import drafter_block_size
+
+logger = logging.getLogger(__name__)
+
+
+def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
+    """The target backend's CUDA-graph custom-mask buffer (triton: ``cuda_graph_custom_mask``)."""
+    b = attn_backend
+    for _ in range(4):
+        buf = getattr(b, "cuda_graph_custom_mask", None)
+        if buf is not None:
+            return buf
+        nxt = getattr(b, "full_attn_backend", None) or getattr(b, "decode_backend", None)
+        if nxt is None:
+            return None
+        b = nxt
+    return None
+
+
+class DDTreeWorker(DFlashWorkerV2):
+    """Spec-v2 worker (overlap and non-overlap).  Constructed by SGLang's scheduler with exactly
+    ``(server_args, gpu_id, ps, nccl_port, target_worker)``."""
+
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
+        self.algo_name = algo.name
+        self.tree_backend = getattr(algo, "tree_backend", "triton")
+        mc = target_worker.model_runner.model_config
+        if mambaish_config(mc) is not None:
+            raise ValueError(f"{self.algo_name} does not support hybrid (Mamba / linear-attention) "
+                             "targets: their verify state commit is chain-only")
+        self.settings = resolve_settings(
+            algo=self.algo_name, num_draft_tokens=server_args.speculative_num_draft_tokens,
+            block_size=drafter_block_size(server_args), vocab_size=mc.vocab_size)
+        self.budget = self.settings.budget
+        self.num_verify = self.settings.num_verify_tokens
+        self.topk = self.settings.topk
+        # The drafter runs its own block width: give it (and its attention backend / graphs) a copy
+        # of the server arguments with speculative_num_draft_tokens = block size; the target keeps
+        # N = budget + 1.  DFlashWorkerV2 reads its block size from the same field.
+        draft_args = deepcopy(server_args)
+        draft_args.override("sglang_ddtree.drafter_block",
+                            speculative_num_draft_tokens=self.settings.block_size)
+        self.target_server_args = server_args
+        super().__init__(server_args=draft_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
+                         target_worker=target_worker)
+        assert self.block_size == self.settings.block_size
+        self._eager_head: Optional[DDTreeDraftHead] = None
+        self._own_mask_buf: Optional[torch.Tensor] = None
+        self._rounds = 0
+        if self.ps.tp_rank == 0:
+            logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
+                        "tree backend=%s", self.algo_name, self.budget, self.num_verify,
+                        self.block_size, self.topk, self.tree_backend)
+
+    # ------------------------------------------------------------------ the drafter's head
+    def _make_head(self, max_bs: int) -> DDTreeDraftHead:
+        lm_head = getattr(self._target_worker.model_runner.model, "lm_head", None)
+        if lm_head is None or not hasattr(lm_head, "weight"):
+            raise RuntimeError(f"{self.algo_name} needs the target's lm_head weight")
+        if not torch.is_floating_point(lm_head.weight):
+            raise RuntimeError(f"{self.algo_name}: a quantized target lm_head is not supported")
+        tp_group = get_tp_group()
+        if hasattr(lm_head, "shard_indices"):
+            shard = lm_head.shard_indices
+            if int(shard.num_added_elements) != 0 and tp_group.world_size > 1:
+                raise RuntimeError(f"{self.algo_name}: an lm_head with added vocabulary under "
+                                   "tensor parallelism is not supported")
+            num_org, start = int(shard.num_org_elements), int(shard.org_vocab_start_index)
+        else:
+            if tp_group.world_size != 1:
+                raise RuntimeError(f"{self.algo_name}: lm_head without shard metadata under TP")
+            num_org, start = int(lm_head.weight.shape[0]), 0
+        return DDTreeDraftHead(weight=lm_head.weight, block_size=self.block_size, topk=self.topk,
+                               num_org=num_org, org_vocab_start=start, max_bs=max_bs,
+                               tp_group=tp_group if tp_group.world_size > 1 else None,
+                               exact_topk=self.tree_backend == "triton")
+
+    def _maybe_build_draft_sampler(self):
+        """Called by DFlashWorkerV2.init_cuda_graphs before the draft graph capture: the returned
+        callable is folded into the graph (capture_tail_hooks)."""
+        return self._make_head(max(self.server_args.cuda_graph_config.decode.bs))
+
+    def _eager_topk(self, draft_hidden: torch.Tensor, bs: int) -> DDTreeDraftHead:
+        if self._eager_head is None:
+            self._eager_head = self._make_head(max(bs, 8))
+        self._eager_head.ensure_capacity(bs)
+        self._eager_head(draft_hidden)
+        return self._eager_head
+
+    # ------------------------------------------------------------------ the decode round
+    def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish=on_publish)
+        return self._forward_tree_round(batch, on_publish)
+
+    def _host_prefix_bound(self, batch, draft_input, bs: int):
+        """(seq_lens_cpu upper bound [bs] int32 CPU, its sum): the committed prefix on the host
+        lags by at most one round (<= B tokens), as in DFLASH."""
+        buf = self._draft_seq_lens_cpu_buf[:bs]
+        if batch.seq_lens_cpu is not None:
+            buf.copy_(batch.seq_lens_cpu)
+            buf.add_(self.block_size)
+        elif draft_input.reserved_seq_lens_cpu is not None:
+            buf.copy_(draft_input.reserved_seq_lens_cpu)
+        else:  # no host mirror at all (not reached by the spec-v2 scheduler)
+            buf.copy_(batch.seq_lens.to("cpu", dtype=torch.int32))
+        return buf, int(buf.sum())
+
+    def _mask_out_buffer(self, bs: int, need: int) -> torch.Tensor:
+        """Where the verify mask is written.  When the verify will replay the target's CUDA graph,
+        write straight into the backend's graph mask buffer (the backend's own copy of
+        spec_info.custom_mask into it becomes a same-address no-op); else a private buffer."""
+        runner = self._target_worker.model_runner.decode_cuda_graph_runner
+        graph_buf = _find_graph_mask_buffer(self._target_worker.model_runner.attn_backend)
+        if graph_buf is not None and runner is not None and bs <= int(getattr(runner, "max_bs", 0)):
+            return graph_buf[: min(need, graph_buf.numel())]
+        if self._own_mask_buf is None or self._own_mask_buf.numel() < need:
+            cap = max(need, 2 * (0 if self._own_mask_buf is None else self._own_mask_buf.numel()))
+            self._own_mask_buf = torch.empty((cap,), dtype=torch.bool, device=self.device)
+        return self._own_mask_buf[:need]
+
+    def _forward_tree_round(self, batch, on_publish) -> GenerationBatchResult:
+        if batch.spec_info is None:
+            batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
+        draft_input = batch.spec_info
+        if not isinstance(draft_input, DFlashDraftInputV2):
+            raise RuntimeError(f"{self.algo_name} expected DFlashDraftInputV2 on the running batch")
+        batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
+
+        bs = len(batch.seq_lens)
+        B, N, K, D = self.block_size, self.num_verify, self.topk, self.block_size - 1
+        dev = self.device
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        prefix = batch.seq_lens
+        target_model = self._target_worker.model_runner.model
+
+        # 1) draft block [bonus, mask x D] at prefix + 0..D -----------------------------------
+        self._ensure_draft_block_buffers(bs)
+        block_ids = self._draft_block_ids_buf[:bs]
+        block_pos = self._draft_block_positions_buf[:bs]
+        block_loc = self._draft_verify_out_cache_loc_buf[:bs]
+        _prepare_dflash_draft_block_unchecked(
+            bonus_tokens=draft_input.bonus_tokens.view(-1), prefix_lens=prefix.view(-1),
+            req_pool_indices=batch.req_pool_indices.view(-1), req_to_token=req_to_token,
+            block_ids_out=block_ids, positions_out=block_pos, cache_loc_out=block_loc,
+            mask_token_id=int(self._mask_token_id))
+        embeds = target_model.get_input_embeddings()(block_ids)
+        host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
+        draft_fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.flatten(),
+            req_pool_indices=batch.req_pool_indices, seq_lens=prefix,
+            out_cache_loc=block_loc.reshape(-1), seq_lens_sum=host_bound_sum,
+            seq_lens_cpu=host_bound, positions=block_pos.reshape(-1),
+            input_embeds=embeds.view(-1, embeds.shape[-1]), spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_block_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
+        with torch.inference_mode():
+            draft_out = self.draft_model_runner.forward(draft_fb)
+        if self._draft_sampler is not None and draft_out.can_run_graph:
+            head = self._draft_sampler
+        else:
+            hidden = draft_out.logits_output.hidden_states
+            if hidden is None:
+                raise RuntimeError(f"{self.algo_name}: the drafter returned no hidden states")
+            head = self._eager_topk(hidden, bs)
+        lp = head.lp[: bs * D].view(bs, D, K)
+        ids = head.ids[: bs * D].view(bs, D, K)
+
+        # 2) tree ------------------------------------------------------------------------------
+        tree = ddtree.build_tree(lp, ids, self.budget, root_tokens=draft_input.bonus_tokens.view(-1),
+                                 backend=self.tree_backend, validate=False)
+
+        # 3) verify inputs -----------------------------------------------------------------------
+        verify_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=req_to_token,
+            start_offset=prefix, end_offset=prefix + N, batch_size=bs, draft_token_num=N,
+            device=dev)
+        need = N * N * bs + N * host_bound_sum
+        mask = ddtree.verify_mask(tree, prefix, out=self._mask_out_buffer(bs, need),
+                                  backend=self.tree_backend, validate=False)
+        verify_input = DFlashVerifyInput(
+            draft_token=tree_ops.verify_input_ids(tree.tokens).reshape(-1),
+            positions=tree.positions(prefix).reshape(-1), draft_token_num=N, custom_mask=mask,
+            capture_hidden_mode=CaptureHiddenMode.FULL)
+        batch.out_cache_loc = verify_loc
+        seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
+        batch.seq_lens_cpu, batch.seq_lens_sum = host_bound.clone(), host_bound_sum
+        verify_fb, _ = verify_input.prepare_for_verify(batch, self._target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+
+        # 4) target verify -------------------------------------------------------------------------
+        target_out = self._target_worker.forward_batch_generation(
+            batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
+        logits_output = target_out.logits_output
+        sampling_info = batch.sampling_info
+        if sampling_info is not None:
+            apply_dflash_verify_logits_adjustments(
+                next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info,
+                draft_token_num=N)
+
+        # 5) accept ----------------------------------------------------------------------------------
+        if sampling_info is not None and not sampling_info.is_all_greedy:
+            accept_len, path, bonus = self._accept_sampled(tree, logits_output.next_token_logits,
+                                                           sampling_info, draft_input, bs)
+        else:
+            target_top1 = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, N)
+            acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
+            accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
+
+        # 6) commit --------------------------------------------------------------------------------
+        commit_lens = (accept_len + 1).to(torch.int32)
+        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
+        out_tokens = tree_ops.committed_tokens(tree.tokens, path, accept_len, bonus)
+        move_accept_tokens_to_target_kvcache(
+            batch, tree_ops.accept_index_from_path(path, N), accept_len.to(torch.int64),
+            batch.token_to_kv_pool_allocator)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError(f"{self.algo_name}: the target verify returned no hidden states")
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=tree_ops.gather_path_rows(hidden, path), cache_loc=block_loc.reshape(-1),
+            cache_loc_2d=block_loc, positions=block_pos.reshape(-1), commit_lens=commit_lens)
+        logits_output.hidden_states = None
+        self._rounds += 1
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=out_tokens.reshape(-1),
+            accept_lens=commit_lens, can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=B, new_seq_lens=new_seq_lens)
+
+    def _accept_sampled(self, tree, logits, sampling_info, draft_input, bs):
+        """Lossless sampled accept: SGLang's target-only tree speculative sampling (draft probs = 0)
+        over the tree's first-child / next-sibling links."""
+        from sglang.srt.runtime_context import get_server_args
+        from sglang.srt.speculative.dflash_utils import (build_dflash_verify_target_probs,
+                                                         tree_speculative_sampling_target_only)
+        if tree_speculative_sampling_target_only is None:
+            raise RuntimeError(f"{self.algo_name}: sampled verification needs sgl_kernel's "
+                               "tree_speculative_sampling_target_only")
+        N, W, dev = self.num_verify, self.block_size, self.device
+        first_child, next_sibling = tree_ops.lcrs_links(tree.parent)
+        retrive_index = torch.arange(bs * N, device=dev, dtype=torch.int64).view(bs, N)
+        target_probs = build_dflash_verify_target_probs(
+            next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N, bs=bs,
+            max_top_k=draft_input.max_top_k, uniform_top_k_value=draft_input.uniform_top_k_value)
+        predicts = torch.empty((bs * N,), dtype=torch.int32, device=dev)
+        accept_index = torch.full((bs, W), -1, dtype=torch.int32, device=dev)
+        accept_num = torch.empty((bs,), dtype=torch.int32, device=dev)
+        sa = get_server_args()
+        tree_speculative_sampling_target_only(
+            predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
+            candidates=tree.tokens.contiguous(), retrive_index=retrive_index,
+            retrive_next_token=first_child, retrive_next_sibling=next_sibling,
+            uniform_samples=torch.rand((bs, N), dtype=torch.float32, device=dev),
+            uniform_samples_for_final_sampling=torch.rand((bs,), dtype=torch.float32, device=dev),
+            target_probs=target_probs, draft_probs=torch.zeros_like(target_probs),
+            threshold_single=float(sa.speculative_accept_threshold_single),
+            threshold_acc=max(float(sa.speculative_accept_threshold_acc), 1e-9),
+            deterministic=True)
+        rows = torch.arange(bs, device=dev)
+        last = accept_index[rows, accept_num.to(torch.int64)].to(torch.int64)
+        bonus = predicts[last].to(torch.int64)
+        return accept_num, tree_ops.path_from_accept_index(accept_index, N), bonus
