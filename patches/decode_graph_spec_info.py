@@ -33,7 +33,17 @@ def get_spec_info_with_tree_mask(original, self, *args, **kwargs):
     return spec_info
 
 
+# Test switch: leave the hook out, reproducing the mask-dropping graph (the GPU test bed's
+# ``*_nomaskpatch`` stages check that the lossless check then catches it).
+DISABLE_ENV = "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"
+
+
 def install() -> None:
+    import os
+
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if os.environ.get(DISABLE_ENV) == "1":
+        return
 
     HookRegistry.register(TARGET, get_spec_info_with_tree_mask, HookType.AROUND)

@@ -21,6 +21,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 server_args_mod = pytest.importorskip("sglang.srt.server_args")
+# DDTREE-* configs need the project's plugin registered in this process, as SGLang's launcher does
+pytest.importorskip("sglang.srt.plugins").load_plugins()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -92,7 +94,8 @@ def _local(path, standins):
 def test_configs_exist():
     names = {os.path.basename(c) for c in CONFIGS}
     assert {"tiny_gqa_dflash.yaml", "tiny_mla_dflash.yaml", "qwen3_8b_dflash.yaml",
-            "kimi_k26_tp8_dflash.yaml"} <= names
+            "kimi_k26_tp8_dflash.yaml", "tiny_gqa_ddtree.yaml", "tiny_mla_ddtree.yaml",
+            "qwen3_8b_ddtree.yaml", "kimi_k26_tp8_ddtree.yaml"} <= names
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[os.path.basename(c) for c in CONFIGS])
@@ -123,3 +126,8 @@ def test_config_parses_into_server_args(cfg, standins):
         assert sa.speculative_num_steps == 1 and sa.speculative_eagle_topk == 1
         assert sa.speculative_num_draft_tokens == raw.get("speculative-num-draft-tokens",
                                                           sa.speculative_num_draft_tokens)
+    if raw.get("speculative-algorithm", "").startswith("DDTREE"):
+        # verify width = budget + 1 as written; the drafter sets the depth; the tree path is triton
+        assert sa.speculative_num_draft_tokens == raw["speculative-num-draft-tokens"]
+        assert sa.speculative_num_steps == 1 and sa.speculative_eagle_topk == 1
+        assert sa.attention_backend == "triton"

@@ -1,9 +1,17 @@
-"""HTTP stage client: wait for an SGLang server, then check /generate and /v1/completions.
+"""HTTP stage client: wait for an SGLang server, then check it end to end.
 
 usage: python bench/device/http_client.py BASE_URL LIMIT_S SERVER_PID PERM_JSON STAGE RESULTS_JSONL
-/generate is sent token ids and must return exactly the toy target's greedy chain (perm^k); the text
-form of /generate and /v1/completions must answer 200 with text.  One JSON record is appended to
-RESULTS_JSONL; exit 0 only when everything passed.
+STAGE = http_<pair>[_<algo>].  Checks (all must pass):
+  * /generate with token ids returns exactly the toy target's greedy chain (perm^k);
+  * the text form of /generate and /v1/completions answer 200 with text;
+  * 16 concurrent requests with staggered starts (requests join a running batch mid-flight) and
+    different lengths all return their exact chains;
+  * a long request aborted through /abort_request ends with finish_reason abort, and the server
+    still answers exactly afterwards;
+  * streaming returns the same tokens;
+  * bad input gets a 4xx or an abort with a message (return_logprob, which the DFlash family does
+    not support; a negative temperature), never a dead server.
+One JSON record is appended to RESULTS_JSONL; exit 0 only when everything passed.
 """
 import json
 import os
@@ -12,9 +20,101 @@ import time
 
 import requests
 
+EXTRA_KEYS = ("concurrent_match", "abort_ok", "after_abort_match", "stream_match", "bad_logprob_rejected",
+              "bad_temperature_rejected", "healthy_after_bad_input")
+
+
+def chain(perm, prompt, n):
+    t, out = prompt[-1], []
+    for _ in range(n):
+        t = perm[t]
+        out.append(t)
+    return out
+
+
+def extra_checks(base, perm):
+    """Concurrency with mid-flight joins, abort, streaming, bad input."""
+    import threading
+    r = {}
+    prompts = [[1] + [(13 * i + 7 * j) % 1000 + 3 for j in range(1 + 3 * i)] for i in range(16)]
+    lens = [8 + 11 * i for i in range(16)]
+    outs = [None] * 16
+
+    def one(i):
+        time.sleep(0.02 * i)  # staggered: later requests join a batch already decoding
+        try:
+            d = requests.post(base + "/generate", json={"input_ids": prompts[i], "sampling_params": {
+                "max_new_tokens": lens[i], "temperature": 0, "ignore_eos": True}}, timeout=300).json()
+            outs[i] = d.get("output_ids")
+        except Exception as e:  # noqa
+            outs[i] = repr(e)
+    th = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    [t.start() for t in th]
+    [t.join() for t in th]
+    exp = [chain(perm, p, n) for p, n in zip(prompts, lens)]
+    r["concurrent_match"] = outs == exp
+    if outs != exp:
+        r["concurrent_mismatch"] = [i for i in range(16) if outs[i] != exp[i]]
+    # abort a long request mid-flight
+    res = {}
+
+    def long_req():
+        try:
+            res["d"] = requests.post(base + "/generate", json={"rid": "ddtree-abort-me", "input_ids": [1, 5, 6],
+                                     "sampling_params": {"max_new_tokens": 1900, "temperature": 0,
+                                                         "ignore_eos": True}}, timeout=300).json()
+        except Exception as e:  # noqa
+            res["d"] = {"error": repr(e)}
+    t = threading.Thread(target=long_req)
+    t.start()
+    time.sleep(0.4)
+    a = requests.post(base + "/abort_request", json={"rid": "ddtree-abort-me"}, timeout=30)
+    t.join(120)
+    d = res.get("d", {})
+    fr = (d.get("meta_info") or {}).get("finish_reason") or {}
+    r["abort_status"] = a.status_code
+    r["abort_finish"] = fr
+    n_out = len(d.get("output_ids") or [])
+    r["abort_ok"] = a.status_code == 200 and fr.get("type") == "abort" and n_out < 1900
+    r["abort_prefix_exact"] = (d.get("output_ids") or []) == chain(perm, [1, 5, 6], n_out)
+    r["abort_ok"] = r["abort_ok"] and r["abort_prefix_exact"]
+    p = [1, 77, 78]
+    d = requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
+    r["after_abort_match"] = d.get("output_ids") == chain(perm, p, 40)
+    # streaming
+    toks = []
+    with requests.post(base + "/generate", json={"input_ids": p, "stream": True, "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=120, stream=True) as s:
+        last = None
+        for line in s.iter_lines():
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                last = json.loads(line[5:])
+        toks = (last or {}).get("output_ids") or []
+    r["stream_match"] = toks == chain(perm, p, 40)
+    # bad input
+    b1 = requests.post(base + "/generate", json={"input_ids": p, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0}}, timeout=60)
+    j1 = b1.json() if b1.headers.get("content-type", "").startswith("application/json") else {}
+    fr1 = (j1.get("meta_info") or {}).get("finish_reason") or {}
+    r["bad_logprob"] = {"status": b1.status_code, "finish": fr1, "body": b1.text[:200]}
+    r["bad_logprob_rejected"] = b1.status_code >= 400 or fr1.get("type") == "abort"
+    b2 = requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
+        "max_new_tokens": 8, "temperature": -1}}, timeout=60)
+    r["bad_temperature"] = {"status": b2.status_code, "body": b2.text[:200]}
+    r["bad_temperature_rejected"] = 400 <= b2.status_code < 500
+    d = requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
+    r["healthy_after_bad_input"] = d.get("output_ids") == chain(perm, p, 40)
+    print("extra checks", json.dumps({k: r.get(k) for k in EXTRA_KEYS}), flush=True)
+    return r
+
+
 base, limit, pid, perm_path, stage, results = sys.argv[1:7]
 limit, pid = float(limit), int(pid)
-rec = {"stage": stage, "ok": False, "pair": stage.split("_")[-1], "algo": "dflash", "mode": "http"}
+_parts = stage.split("_")
+rec = {"stage": stage, "ok": False, "pair": _parts[1], "algo": _parts[2] if len(_parts) > 2 else "dflash",
+       "mode": "http"}
 t0 = time.time()
 up = False
 while time.time() - t0 < limit:
@@ -72,8 +172,10 @@ if up:
                                                          "attention_backend", "version", "model_path")}
         except Exception as e:  # noqa
             rec["server_info_error"] = repr(e)
+        rec.update(extra_checks(base, perm))
         rec["ok"] = (rec["generate_ids_status"] == 200 and rec["generate_ids_match"] is not False
-                     and rec["generate_text_status"] == 200 and rec["completions_status"] == 200)
+                     and rec["generate_text_status"] == 200 and rec["completions_status"] == 200
+                     and all(rec.get(k) for k in EXTRA_KEYS))
     except Exception as e:  # noqa
         rec["error"] = repr(e)[:1000]
 with open(results, "a") as f:

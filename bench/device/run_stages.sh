@@ -8,7 +8,7 @@
 # (one process each, sharing the GPU).  Stages:
 #   <gqa|mla>_<base|dflash>_<eager|graph>   stage.py (offline Engine, token check vs target greedy)
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
-#   http_<gqa|mla>                          python -m sglang.launch_server --config configs/tiny_<pair>_dflash.yaml
+#   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
 # $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: copy to .kit/ to
 # reuse next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
@@ -74,8 +74,9 @@ run_stage() {  # name port limit
       timeout -k 5 $lim python3 $DEV/capture_fixtures.py ${st#capture_} /tmp/models $OUT/fixtures $port > $LOG/$st.log 2>&1; rc=$?
       grep -a CAPTURE_STATS $LOG/$st.log | cut -c1-1500 > $LOG/$st.res ;;
     http_*)
-      local pair=${st#http_}
-      python3 -m sglang.launch_server --config $REPO/configs/tiny_${pair}_dflash.yaml --port $port \
+      local rest=${st#http_}; local pair=${rest%%_*}; local algo=dflash
+      [ "$rest" != "$pair" ] && algo=${rest#*_}
+      python3 -m sglang.launch_server --config $REPO/configs/tiny_${pair}_${algo}.yaml --port $port \
         --mem-fraction-static 0.5 --max-total-tokens 32768 --nccl-port $((port+7)) > $LOG/$st.log 2>&1 &
       local sp=$!
       timeout -k 5 $lim python3 $DEV/http_client.py http://127.0.0.1:$port $((lim-15)) $sp /tmp/models/${pair}_target/perm.json $st $R > $LOG/$st.res 2>&1; rc=$?

@@ -6,7 +6,10 @@ usage: python bench/device/stage.py NAME MODELS_DIR RESULTS_JSONL PORT
 NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla;  backend triton (default) |
        flashinfer;  algo base (plain target) | dflash (stock DFLASH) | ddtree (DDTREE-GPU) |
        ddtreecpu (DDTREE-CPU);  mode eager (disable_cuda_graph) | graph (decode CUDA graphs, prefill
-       graph off);  b<budget>: the DDTree tree budget (verify width budget + 1; default 16).
+       graph off);  b<budget>: the DDTree tree budget (verify width budget + 1; default 16);
+       nomaskpatch: without patches/decode_graph_spec_info (the target verify graph is captured
+       without a mask, the classic mask-dropping bug; such a stage is expected to FAIL when the
+       target's attention matters).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
 token for token with the plain target's greedy output.  Checks (each recorded):
@@ -40,6 +43,7 @@ PROMPTS += [  # 8 more (batch 16), lengths 2..40
     [1, 2 + 17 * i % 1000] + [(37 * i + 11 * j) % 1000 + 3 for j in range(5 * i)] for i in range(8)
 ]
 MAX_NEW = 96
+EOS = 2  # mk_models.EOS
 ALGOS = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "DDTREE-CPU"}
 
 
@@ -50,6 +54,8 @@ def parse_name(name):
     for p in parts[3:]:
         if p.startswith("b") and p[1:].isdigit():
             budget = int(p[1:])
+        elif p == "nomaskpatch":  # leave the graph-mask hook out (must then FAIL on a real model)
+            os.environ["SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"] = "1"
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla"):
@@ -106,9 +112,12 @@ def mixed_requests(perm):
         if i % 2 == 1 and n >= 4:
             stop_at = (i * 5) % (n - 1) + 1          # stop after the (stop_at+1)-th token
             tok = chain[stop_at]
-            if tok not in chain[:stop_at]:
-                sp["stop_token_ids"] = [tok]
-                chain = chain[: stop_at + 1]
+            if tok not in chain[:stop_at] and tok != EOS:
+                # stop_token_ids only act with ignore_eos off; then EOS (2) stops the chain too.
+                # The stop token itself is part of output_ids.
+                sp.update(stop_token_ids=[tok], ignore_eos=False)
+                cut = next(j for j, t in enumerate(chain) if t in (tok, EOS))
+                chain = chain[: cut + 1]
         prompts.append(p)
         params.append(sp)
         exp.append(chain)
