@@ -64,7 +64,7 @@ def target_init(seed=SEED):
     """Seeded initial target state, tied head (lm_head is the embedding; materialize writes a copy)."""
     import torch
     M, _ = install()
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     sd = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.02,
           "model.norm.weight": torch.ones(HIDDEN)}
     M._qwen3_layers(sd, g, TARGET, "model.layers.")
@@ -74,7 +74,7 @@ def target_init(seed=SEED):
 def drafter_init(seed=SEED + 1):
     import torch
     M, _ = install()
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     sd = {"norm.weight": torch.ones(HIDDEN), "hidden_norm.weight": torch.ones(HIDDEN),
           "fc.weight": torch.randn(HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN, generator=g) * 0.02}
     M._qwen3_layers(sd, g, DRAFTER, "layers.")

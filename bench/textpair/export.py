@@ -1,0 +1,43 @@
+"""Convert the trainer's target.pt / drafter.pt (bf16 state dicts) into the committed safetensors.
+
+    python bench/textpair/export.py RUN_DIR [--dest bench/textpair/weights]
+
+RUN_DIR holds target.pt, drafter.pt and log.json (train.py --out). The safetensors metadata keeps
+the seed, step counts and held-out numbers of that run.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run")
+    ap.add_argument("--dest", default=C.WEIGHTS_DIR)
+    a = ap.parse_args()
+    log = json.load(open(os.path.join(a.run, "log.json")))
+    os.makedirs(a.dest, exist_ok=True)
+    for name in ("target", "drafter"):
+        sd = torch.load(os.path.join(a.run, f"{name}.pt"))
+        sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(sd.items())}
+        meta = {"format": "pt", "script": "bench/textpair/train.py", "seed": str(log["args"]["seed"]),
+                "steps": str(log[name]["steps"]), "device": log["device"], "torch": log["torch"]}
+        if name == "target":
+            meta["tied_head"] = "lm_head.weight = model.embed_tokens.weight (materialize.py writes the copy)"
+            meta["heldout"] = json.dumps(log["target"]["heldout_fp32_bf16weights"])
+        else:
+            meta["dflash_sim_heldout"] = json.dumps(log["dflash_sim_heldout"])
+        p = os.path.join(a.dest, f"{name}.safetensors")
+        save_file(sd, p, metadata=meta)
+        print("wrote", p, os.path.getsize(p), "bytes", sum(v.numel() for v in sd.values()), "params")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Training and evaluation pieces of the text pair (torch + stdlib only; CPU or CUDA).
+
+Every forward is the test bed's reference (bench/device/train_drafter.py) with this pair's configs
+installed (common.install()); call torch.set_default_device(dev) first so its internal tensors
+(positions, masks, the draft block) land on the right device.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+import common as C
+
+M, TD = C.install()
+LAST = C.N_TARGET_LAYERS - 1
+
+
+def bf16_round(sd):
+    return {k: v.detach().to(torch.bfloat16).float() for k, v in sd.items()}
+
+
+def bf16_ulp(x):
+    """Spacing of bf16 numbers at |x| (8 significant bits)."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
+    return torch.exp2(e - 7)
+
+
+def head(T, x):
+    """Final norm + tied head on hidden states x (what target_logits does after the last layer)."""
+    return TD.rms(x, T["model.norm.weight"]) @ T["model.embed_tokens.weight"].T
+
+
+def logits(T, ids):
+    return TD.target_logits(C.with_head(T), ids)
+
+
+def lm_loss(T, x, y):
+    lg = logits(T, x)
+    return F.cross_entropy(lg.float().reshape(-1, C.VOCAB), y.reshape(-1))
+
+
+def windows(stream, starts, T):
+    idx = starts[:, None] + torch.arange(T + 1, device=starts.device)
+    w = stream[idx]
+    return w[:, :-1], w[:, 1:]
+
+
+@torch.no_grad()
+def heldout_eval(T, stream, seq=512, batch=32, max_windows=None):
+    """Mean next-token loss over non-overlapping windows of the held-out stream, and the greedy
+    stability numbers at every teacher-forced position: fraction whose top-1 / top-2 logit margin
+    is below the bf16 spacing at the top-1 logit, plus the margin quantiles."""
+    n = (stream.numel() - 1) // seq
+    if max_windows:
+        n = min(n, max_windows)
+    starts = torch.arange(n, device=stream.device) * seq
+    tot, cnt, tie, margins = 0.0, 0, 0, []
+    for i in range(0, n, batch):
+        x, y = windows(stream, starts[i:i + batch], seq)
+        lg = logits(T, x).float()
+        tot += F.cross_entropy(lg.reshape(-1, C.VOCAB), y.reshape(-1), reduction="sum").item()
+        cnt += y.numel()
+        top2 = lg.topk(2, -1).values
+        m = top2[..., 0] - top2[..., 1]
+        tie += (m < bf16_ulp(top2[..., 0])).sum().item()
+        margins.append(m.flatten()[::7].cpu())
+    loss = tot / cnt
+    mq = torch.cat(margins).quantile(torch.tensor([0.01, 0.1, 0.5], device="cpu")).tolist()
+    return {"heldout_loss": round(loss, 4), "heldout_ppl": round(math.exp(loss), 3),
+            "positions": cnt, "bf16_tie_frac_teacher_forced": round(tie / cnt, 5),
+            "margin_q01_q10_q50": [round(v, 4) for v in mq]}
+
+
+@torch.no_grad()
+def greedy(T, prompts, G):
+    """Greedy continuation of G tokens for same-length prompts [B, p] (full recompute per step).
+    Returns (seqs [B, p+G], tie count, steps) where a tie is a top-2 margin below bf16 spacing."""
+    seq = prompts
+    tie = 0
+    for _ in range(G):
+        x = TD.target_features(C.with_head(T), seq, [LAST])[LAST][:, -1:]
+        lg = head(T, x)[:, 0].float()
+        top2 = lg.topk(2, -1)
+        tie += (top2.values[:, 0] - top2.values[:, 1] < bf16_ulp(top2.values[:, 0])).sum().item()
+        seq = torch.cat([seq, top2.indices[:, :1]], 1)
+    return seq, tie, prompts.shape[0] * G
+
+
+@torch.no_grad()
+def features(T, seqs, batch=256):
+    """Context features as SGLang's DFLASH captures them: hidden after target layers
+    TARGET_LAYER_IDS, concatenated -> [B, L, 2H]."""
+    out = []
+    for i in range(0, seqs.shape[0], batch):
+        f = TD.target_features(C.with_head(T), seqs[i:i + batch], C.TARGET_LAYER_IDS)
+        out.append(torch.cat([f[k] for k in C.TARGET_LAYER_IDS], -1))
+    return torch.cat(out)
+
+
+def drafter_logits(D, T, feats, root, n):
+    E = T["model.embed_tokens.weight"]
+    return TD.drafter_forward(D, E, E, feats, root, n)
+
+
+def drafter_loss(D, T, seqs, feats, n):
+    lg = drafter_logits(D, T, feats[:, :n].float(), seqs[:, n], n)
+    tgt = seqs[:, n + 1:n + C.BLOCK_SIZE]
+    ce = F.cross_entropy(lg.float().reshape(-1, C.VOCAB), tgt.reshape(-1))
+    return ce, (lg.argmax(-1) == tgt)
+
+
+@torch.no_grad()
+def dflash_sim(D, T, seqs, feats, p, batch=256):
+    """Offline DFLASH on greedy sequences seqs [S, p+G] (prompt length p): for every anchor n in
+    [p, p+G-B] the drafter's block at root seqs[:, n] is compared with the target's greedy tokens.
+    Returns per-depth top-1 accuracy over all anchors, the mean accepted+1 per anchor, and the chain
+    simulation SGLang runs (first root = the token prefill emits at position p; a round commits the
+    accepted drafts + the bonus token; rounds while the whole block fits): mean tokens per round."""
+    S, L = seqs.shape
+    B = C.BLOCK_SIZE
+    anchors = list(range(p, L - B + 1))
+    acc = torch.zeros(S, L, dtype=torch.long, device="cpu")
+    depth_ok = torch.zeros(B - 1, device="cpu")
+    for n in anchors:
+        ok_all = []
+        for i in range(0, S, batch):
+            _, ok = drafter_loss(D, T, seqs[i:i + batch], feats[i:i + batch], n)
+            ok_all.append(ok.cpu())
+        ok = torch.cat(ok_all)
+        depth_ok += ok.float().sum(0)
+        acc[:, n] = ok.long().cumprod(1).sum(1)
+    rounds, toks = 0, 0
+    per_seq = []
+    for s in range(S):
+        n, r0, t0 = p, rounds, toks
+        while n <= L - B:
+            a = int(acc[s, n])
+            rounds += 1
+            toks += a + 1
+            n += a + 1
+        per_seq.append((toks - t0) / max(1, rounds - r0))
+    anchor_mean = acc[:, p:L - B + 1].float().mean().item() + 1
+    return {"depth_top1": [round(v, 3) for v in (depth_ok / (S * len(anchors))).tolist()],
+            "accept_per_anchor": round(anchor_mean, 3),
+            "dflash_tokens_per_round": round(toks / rounds, 3), "rounds": rounds,
+            "per_seq_min_max": [round(min(per_seq), 2), round(max(per_seq), 2)]}
+
+
+def cosine_lr(step, steps, peak, warm, floor=0.1):
+    if step < warm:
+        return peak * (step + 1) / warm
+    f = (step - warm) / max(1, steps - warm)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
+
+
+def adamw(params, lr, wd, fused):
+    decay = [p for p in params if p.ndim == 2]
+    keep = [p for p in params if p.ndim != 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": keep, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=fused)

@@ -1,0 +1,258 @@
+"""Train the text pair: the Qwen3 target on the stdlib train split, then the DFlash drafter on the
+target's own features and greedy continuations. torch + stdlib only (runs on the device).
+
+    python bench/textpair/train.py --data bench/textpair/cache --out OUT      # the committed pair
+    python bench/textpair/train.py --data bench/textpair/cache --out OUT --smoke --device cpu
+
+--data holds train.pt / heldout.pt (int16 token streams, made here by corpus.py cache).
+OUT gets target.pt and drafter.pt (bf16 state dicts; export.py converts them to safetensors) and
+log.json (every setting, step count, loss curve and evaluation).
+--target-steps / --drafter-steps 0 mean: time the first steps, then take as many as fit in
+--target-seconds / --drafter-seconds (the number chosen is printed and logged; pass it back to
+reproduce the run from the seed without the timing).
+
+Target: random windows of --seq tokens, AdamW, warm-up + cosine, bf16 autocast (TF32 matmuls),
+tied head. Drafter data: prompts = random train windows of lengths --prompt-lens, continued
+greedily for --gen tokens by the bf16-rounded target; features after TARGET_LAYER_IDS of the whole
+sequence (bf16). Drafter step: one anchor position n for the batch (SGLang's block: root = token n,
+context = features of 0..n-1, mask x 7 at n+1..n+7), loss = CE on the target's greedy tokens
+n+1..n+7, with n drawn so the labels are greedy tokens. The drafter's final norm starts from the
+target's final norm (it feeds the same tied head).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+import pairlib as L  # noqa: E402
+
+
+def rint(lo, hi, shape, g):
+    """Seeded integers from a CPU generator whatever the default device is."""
+    with torch.device("cpu"):
+        return torch.randint(lo, hi, shape, generator=g)
+
+
+def cpu_init(fn, seed):
+    with torch.device("cpu"):
+        return fn(seed)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def _sync():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed_steps(step, t_start, steps, seconds, calib=(20, 60)):
+    """Auto step count: after calib[1] steps, fix steps = what fits in `seconds`."""
+    if steps == 0 and step in calib:
+        _sync()
+    if steps == 0 and step == calib[1]:
+        dt = (time.time() - t_start[1]) / (calib[1] - calib[0])
+        steps = max(calib[1] + 1, int((seconds - (time.time() - t_start[0])) / dt) + calib[1])
+        log(f"  timing: {dt*1e3:.1f} ms/step -> {steps} steps")
+    if step == calib[0]:
+        t_start[1] = time.time()
+    return steps
+
+
+def train_target(a, train, held, dev, res):
+    T = {k: v.to(dev).requires_grad_(True) for k, v in cpu_init(C.target_init, a.seed).items()}
+    opt = L.adamw(list(T.values()), a.target_lr, 0.1, dev.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(a.seed + 2)
+    steps, step, t0, curve = a.target_steps, 0, time.time(), []
+    ts = [t0, t0]
+    est = steps or 10 ** 9
+    while step < (steps or 10 ** 9):
+        starts = rint(0, train.numel() - a.seq - 1, (a.batch,), g).to(dev)
+        x, y = L.windows(train, starts, a.seq)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+            loss = L.lm_loss(T, x, y)
+        lr = L.cosine_lr(step, est, a.target_lr, a.warmup)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(T.values(), 1.0)
+        opt.step()
+        step += 1
+        new = timed_steps(step, ts, steps, a.target_seconds)
+        if new != steps:
+            steps = est = new
+        if step % a.log_every == 0 or step == steps:
+            with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+                ev = L.heldout_eval(T, held, a.seq, 32, a.eval_windows)["heldout_loss"]
+            curve.append([step, round(loss.item(), 4), ev])
+            log(f"  target step {step}/{steps} t={time.time()-t0:.0f}s lr {lr:.2e} train {loss.item():.3f} heldout {ev:.3f}")
+    res["target"] = {"steps": step, "seconds": round(time.time() - t0, 1), "curve": curve,
+                     "params": C.n_params(T)}
+    return {k: v.detach() for k, v in T.items()}
+
+
+def make_drafter_data(a, Tb, train, dev, res):
+    t0 = time.time()
+    g = torch.Generator(device="cpu").manual_seed(a.seed + 3)
+    buckets, ties, steps = [], 0, 0
+    for p in a.prompt_lens:
+        starts = rint(0, train.numel() - p - 1, (a.gen_seqs,), g).to(dev)
+        prompts = L.windows(train, starts, p)[0]
+        seqs = []
+        for i in range(0, a.gen_seqs, a.gen_batch):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+                s, t, n = L.greedy(Tb, prompts[i:i + a.gen_batch], a.gen)
+            seqs.append(s)
+            ties, steps = ties + t, steps + n
+        seqs = torch.cat(seqs)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+            feats = L.features(Tb, seqs).to(torch.bfloat16)
+        buckets.append((p, seqs, feats))
+        log(f"  drafter data: prompt {p}: {tuple(seqs.shape)} greedy t={time.time()-t0:.0f}s")
+    res["drafter_data"] = {"prompt_lens": a.prompt_lens, "gen": a.gen, "seqs_per_len": a.gen_seqs,
+                           "greedy_tokens": steps, "bf16_tie_frac_greedy_autocast": round(ties / max(1, steps), 5),
+                           "seconds": round(time.time() - t0, 1)}
+    return buckets
+
+
+def train_drafter(a, Tb, buckets, dev, res):
+    init = cpu_init(C.drafter_init, a.seed + 1)
+    init["norm.weight"] = Tb["model.norm.weight"].detach().cpu().clone()
+    D = {k: v.to(dev).requires_grad_(True) for k, v in init.items()}
+    opt = L.adamw(list(D.values()), a.drafter_lr, 0.0, dev.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(a.seed + 4)
+    steps, step, t0, curve = a.drafter_steps, 0, time.time(), []
+    ts = [t0, t0]
+    est = steps or 10 ** 9
+    B = C.BLOCK_SIZE
+    while step < (steps or 10 ** 9):
+        b = int(rint(0, len(buckets), (1,), g))
+        p, seqs, feats = buckets[b]
+        n = int(rint(p - 1, seqs.shape[1] - B + 1, (1,), g))
+        sel = rint(0, seqs.shape[0], (a.drafter_batch,), g).to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+            loss, ok = L.drafter_loss(D, Tb, seqs[sel], feats[sel], n)
+        lr = L.cosine_lr(step, est, a.drafter_lr, a.warmup // 2)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(D.values(), 1.0)
+        opt.step()
+        step += 1
+        new = timed_steps(step, ts, steps, a.drafter_seconds)
+        if new != steps:
+            steps = est = new
+        if step % a.log_every == 0 or step == steps:
+            acc = ok.float().mean(0).tolist()
+            curve.append([step, round(loss.item(), 4)] + [round(v, 3) for v in acc])
+            log(f"  drafter step {step}/{steps} t={time.time()-t0:.0f}s loss {loss.item():.3f} acc/depth "
+                + " ".join(f"{v:.2f}" for v in acc))
+    res["drafter"] = {"steps": step, "seconds": round(time.time() - t0, 1), "curve": curve,
+                      "params": C.n_params(D)}
+    return {k: v.detach() for k, v in D.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=C.CACHE)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=C.SEED)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--target-lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--target-steps", type=int, default=0)
+    ap.add_argument("--target-seconds", type=float, default=160)
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 48, 96, 144, 200])
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--gen-seqs", type=int, default=2048)
+    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--drafter-batch", type=int, default=256)
+    ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--drafter-steps", type=int, default=0)
+    ap.add_argument("--drafter-seconds", type=float, default=110)
+    ap.add_argument("--deadline", type=float, default=470,
+                    help="auto drafter steps end this many seconds after the start, less 45 s for the evaluation")
+    ap.add_argument("--eval-windows", type=int, default=64, help="held-out windows for the curve")
+    ap.add_argument("--eval-seqs", type=int, default=256, help="held-out prompts for the DFLASH sim")
+    ap.add_argument("--log-every", type=int, default=250)
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU-sized run of every phase")
+    a = ap.parse_args()
+    if a.smoke:
+        a.seq, a.batch, a.target_steps, a.prompt_lens, a.gen, a.gen_seqs, a.gen_batch = 64, 8, 30, [16, 24], 24, 16, 16
+        a.drafter_batch, a.drafter_steps, a.eval_windows, a.eval_seqs, a.log_every, a.warmup = 16, 30, 4, 8, 10, 10
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    torch.set_default_device(dev)
+    torch.manual_seed(a.seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    os.makedirs(a.out, exist_ok=True)
+    res = {"args": vars(a), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    t_all = time.time()
+    train = torch.load(os.path.join(a.data, "train.pt")).long().to(dev)
+    held = torch.load(os.path.join(a.data, "heldout.pt")).long().to(dev)
+    log(f"data: train {train.numel()} tokens, held-out {held.numel()}; device {res['device']}")
+
+    log("== target")
+    T = train_target(a, train, held, dev, res)
+    Tb = L.bf16_round(T)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ev = L.heldout_eval(Tb, held, a.seq, 32, None if not a.smoke else a.eval_windows)
+    res["target"]["heldout_fp32_bf16weights"] = ev
+    log("  held-out (bf16 weights, fp32 forward):", ev)
+    torch.save({k: v.to(torch.bfloat16).cpu() for k, v in T.items()}, os.path.join(a.out, "target.pt"))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dump(a, res)
+
+    log("== drafter data")
+    buckets = make_drafter_data(a, Tb, train, dev, res)
+    dump(a, res)
+    log("== drafter")
+    if a.drafter_steps == 0:
+        a.drafter_seconds = max(10.0, min(a.drafter_seconds, a.deadline - (time.time() - t_all) - 45))
+        log(f"  drafter budget {a.drafter_seconds:.0f}s")
+    D = train_drafter(a, Tb, buckets, dev, res)
+    Db = L.bf16_round(D)
+    torch.save({k: v.to(torch.bfloat16).cpu() for k, v in D.items()}, os.path.join(a.out, "drafter.pt"))
+    del buckets
+
+    log("== offline DFLASH on held-out prompts (bf16 weights, fp32 forward)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cpu").manual_seed(a.seed + 5)
+    p = 64 if not a.smoke else 16
+    starts = rint(0, held.numel() - p - 1, (a.eval_seqs,), g).to(dev)
+    seqs, ties, n = L.greedy(Tb, L.windows(held, starts, p)[0], a.gen)
+    feats = L.features(Tb, seqs)
+    sim = L.dflash_sim(Db, Tb, seqs, feats, p)
+    sim.update({"prompt_len": p, "gen": a.gen, "seqs": a.eval_seqs, "bf16_tie_frac_greedy": round(ties / n, 5)})
+    res["dflash_sim_heldout"] = sim
+    log("  ", sim)
+    res["total_seconds"] = round(time.time() - t_all, 1)
+    res["reproduce"] = (f"python bench/textpair/train.py --data DATA --out OUT --seed {a.seed} "
+                        f"--target-steps {res['target']['steps']} --drafter-steps {res['drafter']['steps']}")
+    dump(a, res)
+    log(f"done in {res['total_seconds']}s; reproduce: {res['reproduce']}")
+
+
+def dump(a, res):
+    with open(os.path.join(a.out, "log.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
