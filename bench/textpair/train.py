@@ -171,7 +171,7 @@ def main():
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--target-steps", type=int, default=0)
-    ap.add_argument("--target-seconds", type=float, default=160)
+    ap.add_argument("--target-seconds", type=float, default=150)
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 48, 96, 144, 200])
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--gen-seqs", type=int, default=2048)
@@ -179,8 +179,8 @@ def main():
     ap.add_argument("--drafter-batch", type=int, default=256)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
     ap.add_argument("--drafter-steps", type=int, default=0)
-    ap.add_argument("--drafter-seconds", type=float, default=110)
-    ap.add_argument("--deadline", type=float, default=470,
+    ap.add_argument("--drafter-seconds", type=float, default=100)
+    ap.add_argument("--deadline", type=float, default=400,
                     help="auto drafter steps end this many seconds after the start, less 45 s for the evaluation")
     ap.add_argument("--eval-windows", type=int, default=64, help="held-out windows for the curve")
     ap.add_argument("--eval-seqs", type=int, default=256, help="held-out prompts for the DFLASH sim")
