@@ -1,0 +1,211 @@
+"""Registration through the ``sglang.srt.plugins`` entry point (fresh processes, real SGLang 0.5.16
+classes, no GPU), the graph-mask hook, and server-argument handling: settings, defaults, every
+rejected value with its message, and a rejected launch of ``python -m sglang.launch_server``."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("sglang.srt.plugins")
+
+from sglang_ddtree import config as C  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _py(code, env=None, timeout=300):
+    """Run code in a fresh interpreter outside the repo root (it must import the installed package)."""
+    e = dict(os.environ, **(env or {}))
+    e.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", env=e, capture_output=True, text=True,
+                       timeout=timeout)
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    subprocess.run([sys.executable, os.path.join(REPO, "bench", "device", "mk_models.py"), str(d),
+                    "--configs-only"], check=True, capture_output=True)
+    return str(d)
+
+
+REGISTRATION = r'''
+import json
+from importlib.metadata import entry_points
+eps = [(e.name, e.value) for e in entry_points(group="sglang.srt.plugins")]
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+import sglang_ddtree.plugin as plugin
+plugin.register()  # a second call is a no-op
+out = {"eps": eps, "patched": sorted(HookRegistry._patched)}
+for name in ("DDTREE-GPU", "ddtree-cpu"):
+    a = SpeculativeAlgorithm.from_string(name)
+    out[name] = dict(cls=type(a).__name__, name=a.name, backend=a.tree_backend,
+                     overlap=a.supports_overlap, dflash=a.is_dflash(), family=a.is_dflash_family(),
+                     tv_draft=a.supports_target_verify_for_draft(), eagle=a.is_eagle(),
+                     carries=a.carries_draft_hidden_states(), need_topk=a.need_topk(),
+                     fm=callable(a.create_future_map), worker=a.factory(None).__name__,
+                     width_target=a.get_num_tokens_per_req_for_target_verify(17, False))
+print("RESULT" + json.dumps(out))
+'''
+
+
+def test_entry_point_registers_both_algorithms_in_a_fresh_process():
+    r = _py(REGISTRATION)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert ("ddtree", "sglang_ddtree.plugin:register") in [tuple(e) for e in out["eps"]]
+    assert "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info" \
+        in out["patched"]
+    g, c = out["DDTREE-GPU"], out["ddtree-cpu"]
+    assert g["cls"] == "DDTreeGPUSpecAlgo" and g["backend"] == "triton" and g["name"] == "DDTREE-GPU"
+    assert c["cls"] == "DDTreeCPUSpecAlgo" and c["backend"] == "reference" and c["name"] == "DDTREE-CPU"
+    for a in (g, c):
+        assert a["overlap"] and a["dflash"] and a["family"] and a["tv_draft"] and a["fm"]
+        assert not a["eagle"] and not a["carries"] and not a["need_topk"]
+        assert a["worker"] == "DDTreeWorker" and a["width_target"] == 17
+
+
+def test_without_the_plugin_the_name_is_unknown():
+    r = _py("from sglang.srt.plugins import load_plugins; load_plugins()\n"
+            "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
+            "SpeculativeAlgorithm.from_string('DDTREE-GPU')", env={"SGLANG_PLUGINS": "not_ddtree"})
+    assert r.returncode != 0 and "Unknown speculative algorithm" in r.stderr
+
+
+def test_graph_mask_hook_only_touches_the_ddtree_target_runner():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_ddtree.patches.decode_graph_spec_info import get_spec_info_with_tree_mask
+    from sglang_ddtree.spec_algo import DDTreeGPUSpecAlgo
+
+    ddtree_algo = DDTreeGPUSpecAlgo("DDTREE-GPU", lambda sa: None, supports_overlap=True)
+    mask = object()
+
+    def runner(algo, draft):
+        return types.SimpleNamespace(model_runner=types.SimpleNamespace(spec_algorithm=algo,
+                                                                        is_draft_worker=draft),
+                                     buffers=types.SimpleNamespace(custom_mask=mask))
+
+    def original(self, num_tokens):
+        return types.SimpleNamespace(custom_mask=None)
+
+    assert get_spec_info_with_tree_mask(original, runner(ddtree_algo, False), 8).custom_mask is mask
+    assert get_spec_info_with_tree_mask(original, runner(ddtree_algo, True), 8).custom_mask is None
+    assert get_spec_info_with_tree_mask(original, runner(SpeculativeAlgorithm.DFLASH, False),
+                                        8).custom_mask is None
+    assert get_spec_info_with_tree_mask(lambda s, n: None, runner(ddtree_algo, False), 8) is None
+
+
+# ---------------------------------------------------------------- settings (pure)
+def test_settings_defaults_and_sources():
+    s = C.resolve_settings(algo="X", num_draft_tokens=None, block_size=8, env={})
+    assert (s.budget, s.num_verify_tokens, s.draft_depth, s.topk) == (28, 29, 7, 28)
+    s = C.resolve_settings(algo="X", num_draft_tokens=None, block_size=16, vocab_size=32, env={})
+    assert (s.budget, s.topk) == (60, 32)  # top-k bounded by the vocabulary
+    s = C.resolve_settings(algo="X", num_draft_tokens=33, block_size=16, env={})
+    assert (s.budget, s.topk) == (32, 32)
+    s = C.resolve_settings(algo="X", num_draft_tokens=None, block_size=16,
+                           env={C.ENV_BUDGET: "12", C.ENV_TOPK: "4"})
+    assert (s.budget, s.topk) == (12, 4)
+    s = C.resolve_settings(algo="X", num_draft_tokens=13, block_size=16, env={C.ENV_BUDGET: "12"})
+    assert s.budget == 12
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(num_draft_tokens=1, block_size=8), "must be >= 2"),
+    (dict(num_draft_tokens=258, block_size=8), "must be in [1, 256]"),
+    (dict(num_draft_tokens=3, block_size=8), "too small for the drafter's block size"),
+    (dict(num_draft_tokens=17, block_size=None), "block size is unknown"),
+    (dict(num_draft_tokens=17, block_size=1), "block size must be >= 2"),
+    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_BUDGET: "20"}), "disagrees"),
+    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_BUDGET: "abc"}), "must be an integer"),
+    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_TOPK: "0"}), "must be in [1, 256]"),
+    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_TOPK: "300"}), "must be in [1, 256]"),
+    (dict(num_draft_tokens=17, block_size=8, vocab_size=10, env={C.ENV_TOPK: "11"}), "exceeds the vocabulary"),
+    (dict(num_draft_tokens=65, block_size=40, env={C.ENV_TOPK: "256"}), "key words"),
+])
+def test_settings_rejections(kw, msg):
+    kw.setdefault("env", {})
+    with pytest.raises(ValueError) as ei:
+        C.resolve_settings(algo="DDTREE-GPU", **kw)
+    assert msg in str(ei.value)
+
+
+# ---------------------------------------------------------------- server args (real ServerArgs)
+SERVER_ARGS = r'''
+import json, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+models = sys.argv[1]
+base = ["--model-path", f"{models}/gqa_target", "--speculative-draft-model-path", f"{models}/drafter",
+        "--device", "cuda"]
+cases = json.loads(sys.argv[2])
+out = []
+for algo, extra, env in cases:
+    os.environ.update(env)
+    try:
+        sa = prepare_server_args(base + ["--speculative-algorithm", algo] + extra)
+        out.append({"ok": True, "n": sa.speculative_num_draft_tokens, "attn": sa.attention_backend,
+                    "draft_attn": sa.speculative_draft_attention_backend, "steps": sa.speculative_num_steps,
+                    "topk": sa.speculative_eagle_topk, "mrr": sa.max_running_requests,
+                    "algo": sa.speculative_algorithm})
+    except Exception as e:
+        out.append({"ok": False, "type": type(e).__name__, "msg": str(e)})
+    for k in env:
+        os.environ.pop(k)
+print("RESULT" + json.dumps(out))
+'''
+
+CASES = [
+    ("DDTREE-GPU", [], {}),
+    ("ddtree-cpu", ["--speculative-num-draft-tokens", "65"], {}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUDGET": "8"}),
+    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "1"], {}),
+    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "3"], {}),
+    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "400"], {}),
+    ("DDTREE-GPU", ["--attention-backend", "flashinfer"], {}),
+    ("DDTREE-GPU", ["--page-size", "16"], {}),
+    ("DDTREE-GPU", ["--speculative-draft-window-size", "64"], {}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_TOPK": "nope"}),
+    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "17"], {"SGLANG_DDTREE_BUDGET": "32"}),
+]
+
+
+def test_server_args_resolution_and_rejections(tiny_models):
+    r = _py(SERVER_ARGS.replace("sys.argv[1]", repr(tiny_models)).replace("sys.argv[2]", repr(json.dumps(CASES))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT", 1)[1])
+    ok = out[0]
+    assert ok["ok"] and ok["n"] == 29 and ok["attn"] == "triton" and ok["draft_attn"] == "triton"
+    assert ok["steps"] == 1 and ok["topk"] == 1 and ok["mrr"] == 48 and ok["algo"] == "DDTREE-GPU"
+    assert out[1]["ok"] and out[1]["n"] == 65 and out[1]["algo"] == "DDTREE-CPU"
+    assert out[2]["ok"] and out[2]["n"] == 9
+    expect = ["must be >= 2", "too small for the drafter's block size", "must be in [1, 256]",
+              "'flashinfer' is not one whose TARGET_VERIFY", "--page-size 1 only",
+              "--speculative-draft-window-size", "SGLANG_DDTREE_TOPK must be an integer",
+              "disagrees"]
+    for res, msg in zip(out[3:], expect):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert msg in res["msg"], (msg, res["msg"])
+
+
+def test_launch_server_rejects_bad_budget_before_starting(tiny_models):
+    """The CLI exits with the message (argument resolution), before any scheduler process exists."""
+    e = dict(os.environ)
+    e.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path",
+                        f"{tiny_models}/gqa_target", "--speculative-algorithm", "DDTREE-GPU",
+                        "--speculative-draft-model-path", f"{tiny_models}/drafter", "--device", "cuda",
+                        "--speculative-num-draft-tokens", "2"], cwd="/", env=e, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0
+    assert "tree budget 1 is too small for the drafter's block size 8" in r.stderr
