@@ -27,6 +27,7 @@ the reference heap, and walks the accept on the host (the published ports' recip
 from __future__ import annotations
 
 import logging
+import os
 from copy import deepcopy
 from typing import Optional
 
@@ -49,9 +50,13 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from . import ddtree, tree_ops
 from .config import resolve_settings
 from .draft_head import DDTreeDraftHead
+from .profiling import RoundProfiler
 from .spec_algo import drafter_block_size
 
 logger = logging.getLogger(__name__)
+
+# Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
+_SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
 
 
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
@@ -99,6 +104,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._eager_head: Optional[DDTreeDraftHead] = None
         self._own_mask_buf: Optional[torch.Tensor] = None
         self._rounds = 0
+        self._prof = RoundProfiler(dict(algo=self.algo_name, budget=self.budget,
+                                        block_size=self.block_size, topk=self.topk))
         if self.ps.tp_rank == 0:
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
@@ -143,7 +150,31 @@ class DDTreeWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
             return super().forward_batch_generation(batch, on_publish=on_publish)
+        if _SYNC_CHECK_FILE:
+            return self._sync_checked_round(batch, on_publish)
         return self._forward_tree_round(batch, on_publish)
+
+    def _sync_checked_round(self, batch, on_publish):
+        """SGLANG_DDTREE_SYNC_CHECK_FILE=path: run the round under torch's CUDA sync debug mode
+        ("warn") and append {algo, bs, syncs, sites} per round: every device->host synchronisation
+        inside the round (the worker's and SGLang's code it calls) is counted with its call site."""
+        import json
+        import warnings
+
+        bs = len(batch.seq_lens)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                res = self._forward_tree_round(batch, on_publish)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        sites = [f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+                 if "synchroniz" in str(w.message)]
+        with open(_SYNC_CHECK_FILE, "a") as f:
+            f.write(json.dumps({"algo": self.algo_name, "bs": bs, "syncs": len(sites),
+                                "sites": sorted(set(sites))[:8]}) + "\n")
+        return res
 
     def _host_prefix_bound(self, batch, draft_input, bs: int):
         """(seq_lens_cpu upper bound [bs] int32 CPU, its sum): the committed prefix on the host
@@ -186,6 +217,8 @@ class DDTreeWorker(DFlashWorkerV2):
         prefix = batch.seq_lens
         target_model = self._target_worker.model_runner.model
 
+        prof = self._prof
+        prof.begin()
         # 1) draft block [bonus, mask x D] at prefix + 0..D -----------------------------------
         self._ensure_draft_block_buffers(bs)
         block_ids = self._draft_block_ids_buf[:bs]
@@ -216,10 +249,12 @@ class DDTreeWorker(DFlashWorkerV2):
             head = self._eager_topk(hidden, bs)
         lp = head.lp[: bs * D].view(bs, D, K)
         ids = head.ids[: bs * D].view(bs, D, K)
+        prof.mark()
 
         # 2) tree ------------------------------------------------------------------------------
         tree = ddtree.build_tree(lp, ids, self.budget, root_tokens=draft_input.bonus_tokens.view(-1),
                                  backend=self.tree_backend, validate=False)
+        prof.mark()
 
         # 3) verify inputs -----------------------------------------------------------------------
         verify_loc = assign_extend_cache_locs_func(
@@ -238,11 +273,13 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.seq_lens_cpu, batch.seq_lens_sum = host_bound.clone(), host_bound_sum
         verify_fb, _ = verify_input.prepare_for_verify(batch, self._target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+        prof.mark()
 
         # 4) target verify -------------------------------------------------------------------------
         target_out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
         logits_output = target_out.logits_output
+        prof.mark()
         sampling_info = batch.sampling_info
         if sampling_info is not None:
             apply_dflash_verify_logits_adjustments(
@@ -257,6 +294,7 @@ class DDTreeWorker(DFlashWorkerV2):
             target_top1 = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, N)
             acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
+        prof.mark()
 
         # 6) commit --------------------------------------------------------------------------------
         commit_lens = (accept_len + 1).to(torch.int32)
@@ -275,6 +313,8 @@ class DDTreeWorker(DFlashWorkerV2):
             cache_loc_2d=block_loc, positions=block_pos.reshape(-1), commit_lens=commit_lens)
         logits_output.hidden_states = None
         self._rounds += 1
+        prof.mark()
+        prof.end(bs)
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1),
             accept_lens=commit_lens, can_run_cuda_graph=target_out.can_run_cuda_graph,

@@ -9,7 +9,8 @@ NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla;  backend t
        graph off);  b<budget>: the DDTree tree budget (verify width budget + 1; default 16);
        nomaskpatch: without patches/decode_graph_spec_info (the target verify graph is captured
        without a mask, the classic mask-dropping bug; such a stage is expected to FAIL when the
-       target's attention matters).
+       target's attention matters);  synccheck: count host synchronisations inside every DDTree
+       round (torch CUDA sync debug mode; recorded, reported, not a pass/fail check).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
 token for token with the plain target's greedy output.  Checks (each recorded):
@@ -56,6 +57,8 @@ def parse_name(name):
             budget = int(p[1:])
         elif p == "nomaskpatch":  # leave the graph-mask hook out (must then FAIL on a real model)
             os.environ["SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"] = "1"
+        elif p == "synccheck":  # count host syncs per DDTree round (worker writes one line per round)
+            os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla"):
@@ -202,6 +205,13 @@ def run(name, models, results, port):
             checks.append(rec["sampled_matches"])
         rec["ms_per_round_bs1"] = round(1000 * dt / (rec.get("rounds_bs1") or 256), 3)
         rec["meta_info_keys"] = sorted(mis[0].keys())
+        sc = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE")
+        if sc and os.path.exists(sc):
+            lines = [json.loads(x) for x in open(sc)]
+            rec["sync_check_rounds"] = len(lines)
+            rec["sync_check_rounds_with_sync"] = sum(1 for x in lines if x["syncs"])
+            rec["sync_check_total_syncs"] = sum(x["syncs"] for x in lines)
+            rec["sync_check_sites"] = sorted({s for x in lines for s in x["sites"]})[:12]
         rec["ok"] = bool(all(checks))
     except BaseException as e:  # noqa
         rec["error"] = repr(e)[:2000]

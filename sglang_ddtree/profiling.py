@@ -1,0 +1,87 @@
+"""Per-stage timing of DDTree rounds with CUDA events, no host sync (opt-in).
+
+``SGLANG_DDTREE_PROFILE_FILE=/path/x.jsonl`` makes every scheduler process's worker record one CUDA
+event at each stage boundary of a round and, every ``SGLANG_DDTREE_PROFILE_EVERY`` (default 64)
+completed rounds, append one JSON line::
+
+  {"pid", "algo", "budget", "block_size", "topk", "rounds", "bs_mean",
+   "stage_ms": {stage: {"median", "mean"}}, "round_ms": {...}, "host_ms": {...}}
+
+Stages (GPU timeline between consecutive events, so GPU idle time spent waiting for the host, as
+in DDTREE-CPU's heap, counts in the stage that waited):
+  draft        drafter block forward + its folded top-k head
+  tree         build_tree (+ tree mask)
+  verify_prep  KV slots, verify mask, verify batch / graph inputs
+  verify       the target's TARGET_VERIFY forward
+  accept       argmax + accept walk (or the sampled accept)
+  commit       output tokens, target KV move, drafter context K/V
+``host_ms`` is the host wall time of the worker call.  Events are read only once ``query()``
+reports them complete, so timing never blocks the round.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import List, Optional
+
+STAGES = ("draft", "tree", "verify_prep", "verify", "accept", "commit")
+ENV_FILE = "SGLANG_DDTREE_PROFILE_FILE"
+ENV_EVERY = "SGLANG_DDTREE_PROFILE_EVERY"
+
+
+def _stats(xs: List[float]) -> dict:
+    return {"median": round(statistics.median(xs), 4), "mean": round(sum(xs) / len(xs), 4)}
+
+
+class RoundProfiler:
+    def __init__(self, meta: dict):
+        self.path: Optional[str] = os.environ.get(ENV_FILE) or None
+        self.every = int(os.environ.get(ENV_EVERY, "64"))
+        self.meta = dict(meta, pid=os.getpid())
+        self._cur = None
+        self._pending = []
+        self._done = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def begin(self) -> None:
+        if not self.path:
+            return
+        import torch
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self._cur = ([e], time.perf_counter())
+
+    def mark(self) -> None:
+        if self._cur is None:
+            return
+        import torch
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self._cur[0].append(e)
+
+    def end(self, bs: int) -> None:
+        if self._cur is None:
+            return
+        events, t0 = self._cur
+        self._cur = None
+        self._pending.append((events, (time.perf_counter() - t0) * 1e3, bs))
+        while self._pending and self._pending[0][0][-1].query():
+            ev, host_ms, b = self._pending.pop(0)
+            self._done.append(([ev[i].elapsed_time(ev[i + 1]) for i in range(len(ev) - 1)],
+                               ev[0].elapsed_time(ev[-1]), host_ms, b))
+        if len(self._done) >= self.every:
+            self._flush()
+
+    def _flush(self) -> None:
+        done, self._done = self._done, []
+        rec = dict(self.meta, rounds=len(done), bs_mean=round(sum(d[3] for d in done) / len(done), 3),
+                   stage_ms={s: _stats([d[0][i] for d in done]) for i, s in enumerate(STAGES)
+                             if all(len(d[0]) > i for d in done)},
+                   round_ms=_stats([d[1] for d in done]), host_ms=_stats([d[2] for d in done]))
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
