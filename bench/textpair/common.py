@@ -90,3 +90,26 @@ def with_head(sd):
 
 def n_params(sd):
     return sum(v.numel() for v in sd.values())
+
+
+def read_safetensors(path):
+    """{name: tensor} from a .safetensors file with torch + stdlib only (the device may lack the
+    safetensors package): 8-byte little-endian header length, JSON header, raw little-endian data."""
+    import json
+    import struct
+    import torch
+    dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+          "I32": torch.int32, "I16": torch.int16, "U8": torch.uint8}
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    hdr = json.loads(raw[8:8 + n])
+    body = bytearray(raw[8 + n:])
+    out = {}
+    for k, v in hdr.items():
+        if k == "__metadata__":
+            continue
+        a, b = v["data_offsets"]
+        t = torch.frombuffer(body, dtype=dt[v["dtype"]], count=(b - a) // torch.empty((), dtype=dt[v["dtype"]]).element_size(),
+                             offset=a) if b > a else torch.empty(0, dtype=dt[v["dtype"]])
+        out[k] = t.reshape(v["shape"]).clone()
+    return out

@@ -2,7 +2,8 @@
 
     python bench/textpair/export.py RUN_DIR [--dest bench/textpair/weights]
 
-RUN_DIR holds target.pt, drafter.pt and log.json (train.py --out). The safetensors metadata keeps
+RUN_DIR holds target.pt, drafter.pt and log.json (train.py --out; a --target-init run has no
+target.pt, and the committed target stays). The safetensors metadata keeps
 the seed, step counts and held-out numbers of that run.
 """
 import argparse
@@ -25,6 +26,9 @@ def main():
     log = json.load(open(os.path.join(a.run, "log.json")))
     os.makedirs(a.dest, exist_ok=True)
     for name in ("target", "drafter"):
+        if not os.path.exists(os.path.join(a.run, f"{name}.pt")):
+            print(f"no {name}.pt in {a.run}: {name} left as it is")
+            continue
         sd = torch.load(os.path.join(a.run, f"{name}.pt"))
         sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(sd.items())}
         meta = {"format": "pt", "script": "bench/textpair/train.py", "seed": str(log["args"]["seed"]),

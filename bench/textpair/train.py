@@ -7,9 +7,11 @@ target's own features and greedy continuations. torch + stdlib only (runs on the
 --data holds train.pt / heldout.pt (int16 token streams, made here by corpus.py cache).
 OUT gets target.pt and drafter.pt (bf16 state dicts; export.py converts them to safetensors) and
 log.json (every setting, step count, loss curve and evaluation).
+The default step counts are those of the committed pair (GPU run 1, see MODEL_CARD.md).
 --target-steps / --drafter-steps 0 mean: time the first steps, then take as many as fit in
 --target-seconds / --drafter-seconds (the number chosen is printed and logged; pass it back to
-reproduce the run from the seed without the timing).
+reproduce the run from the seed without the timing). --target-init trains only the drafter against
+a given (e.g. the committed) target.
 
 Target: random windows of --seq tokens, AdamW, warm-up + cosine, bf16 autocast (TF32 matmuls),
 tied head. Drafter data: prompts = random train windows of lengths --prompt-lens, continued
@@ -147,7 +149,7 @@ def train_drafter(a, Tb, buckets, dev, res):
         torch.nn.utils.clip_grad_norm_(D.values(), 1.0)
         opt.step()
         step += 1
-        new = timed_steps(step, ts, steps, a.drafter_seconds)
+        new = timed_steps(step, ts, steps, a.drafter_seconds, (200, 400))
         if new != steps:
             steps = est = new
         if step % a.log_every == 0 or step == steps:
@@ -170,7 +172,9 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--target-steps", type=int, default=0)
+    ap.add_argument("--target-steps", type=int, default=4861, help="0: as many as fit in --target-seconds")
+    ap.add_argument("--target-init", default="", help="skip the target phase: load this target "
+                    "(.safetensors as committed, or the trainer's target.pt) and train only the drafter")
     ap.add_argument("--target-seconds", type=float, default=150)
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 48, 96, 144, 200])
     ap.add_argument("--gen", type=int, default=128)
@@ -178,7 +182,7 @@ def main():
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--drafter-batch", type=int, default=256)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
-    ap.add_argument("--drafter-steps", type=int, default=0)
+    ap.add_argument("--drafter-steps", type=int, default=769, help="0: as many as fit in --drafter-seconds")
     ap.add_argument("--drafter-seconds", type=float, default=100)
     ap.add_argument("--deadline", type=float, default=400,
                     help="auto drafter steps end this many seconds after the start, less 45 s for the evaluation")
@@ -208,14 +212,22 @@ def main():
     held = torch.load(os.path.join(a.data, "heldout.pt")).long().to(dev)
     log(f"data: train {train.numel()} tokens, held-out {held.numel()}; device {res['device']}")
 
-    log("== target")
-    T = train_target(a, train, held, dev, res)
+    if a.target_init:
+        log(f"== target: loaded {a.target_init}")
+        sd = (C.read_safetensors(a.target_init) if a.target_init.endswith(".safetensors")
+              else torch.load(a.target_init, map_location="cpu"))
+        T = {k: v.float().to(dev) for k, v in sd.items() if k != "lm_head.weight"}
+        res["target"] = {"init": a.target_init, "steps": 0, "params": C.n_params(T)}
+    else:
+        log("== target")
+        T = train_target(a, train, held, dev, res)
     Tb = L.bf16_round(T)
     torch.backends.cuda.matmul.allow_tf32 = False
     ev = L.heldout_eval(Tb, held, a.seq, 32, None if not a.smoke else a.eval_windows)
     res["target"]["heldout_fp32_bf16weights"] = ev
     log("  held-out (bf16 weights, fp32 forward):", ev)
-    torch.save({k: v.to(torch.bfloat16).cpu() for k, v in T.items()}, os.path.join(a.out, "target.pt"))
+    if not a.target_init:
+        torch.save({k: v.to(torch.bfloat16).cpu() for k, v in T.items()}, os.path.join(a.out, "target.pt"))
     torch.backends.cuda.matmul.allow_tf32 = True
     dump(a, res)
 
@@ -243,8 +255,9 @@ def main():
     res["dflash_sim_heldout"] = sim
     log("  ", sim)
     res["total_seconds"] = round(time.time() - t_all, 1)
-    res["reproduce"] = (f"python bench/textpair/train.py --data DATA --out OUT --seed {a.seed} "
-                        f"--target-steps {res['target']['steps']} --drafter-steps {res['drafter']['steps']}")
+    tgt = f"--target-init {a.target_init}" if a.target_init else f"--target-steps {res['target']['steps']}"
+    res["reproduce"] = (f"python bench/textpair/train.py --data DATA --out OUT --seed {a.seed} {tgt} "
+                        f"--drafter-steps {res['drafter']['steps']} --drafter-lr {a.drafter_lr}")
     dump(a, res)
     log(f"done in {res['total_seconds']}s; reproduce: {res['reproduce']}")
 
