@@ -313,6 +313,10 @@ class DDTreeWorker(DFlashWorkerV2):
             cache_loc_2d=block_loc, positions=block_pos.reshape(-1), commit_lens=commit_lens)
         logits_output.hidden_states = None
         self._rounds += 1
+        if self._rounds in (1, 100, 1000) and self.ps.tp_rank == 0:
+            logger.info("%s tree round %d: bs=%d draft cuda graph=%s target verify cuda graph=%s",
+                        self.algo_name, self._rounds, bs, bool(draft_out.can_run_graph),
+                        bool(target_out.can_run_cuda_graph))
         prof.mark()
         prof.end(bs)
         return GenerationBatchResult(

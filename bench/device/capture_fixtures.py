@@ -1,7 +1,7 @@
 """Capture top-k fixtures from a real SGLang DFLASH drafter forward (GPU host).
 
 usage: python bench/device/capture_fixtures.py PAIR MODELS_DIR OUT_DIR PORT
-  PAIR: gqa | mla.  Starts sglang.Engine (stock DFLASH, eager) on the pair with the test-bed plugin's
+  PAIR: gqa | mla | text.  Starts sglang.Engine (stock DFLASH, eager) on the pair with the test-bed plugin's
   capture hook on (DDTREE_CAPTURE_DIR, see testbed_hooks.py; the plugin must be on PYTHONPATH, as
   run_stages.sh arranges), greedy-decodes the 8 stage prompts at batch 8, then turns the dumped draft
   hidden states into fixtures:
@@ -58,15 +58,24 @@ def main():
     import torch
 
     t0 = time.time()
-    _, _, _, kw = S.stage_kwargs(f"{pair}_dflash_eager", models, port)
+    _, _, _, _, kw = S.stage_kwargs(f"{pair}_dflash_eager", models, port)
     import sglang as sgl
     eng = sgl.Engine(**kw)
     t1 = time.time()
     sp = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}
-    outs = eng.generate(input_ids=S.PROMPTS, sampling_params=sp)
+    prompts = S.text_prompts(models)[:8] if pair == "text" else S.PROMPTS[:8]
+    outs = eng.generate(input_ids=prompts, sampling_params=sp)
+    outputs = [o["output_ids"] for o in outs]
+    if pair == "text":
+        # the text target has no closed-form chain: its truth is its own greedy output (the plain
+        # target, same engine settings without speculation is what the stages compare against;
+        # here DFLASH's output, which the text stages check against the plain target)
+        perm = None
+        ok = all(len(o) == 64 for o in outputs)
+    else:
+        perm = json.load(open(os.path.join(kw["model_path"], "perm.json")))
+        ok = outputs == [S.expected_chain(perm, p, 64) for p in prompts]
     eng.shutdown()
-    perm = json.load(open(os.path.join(kw["model_path"], "perm.json")))
-    ok = [o["output_ids"] for o in outs] == [S.expected_chain(perm, p, 64) for p in S.PROMPTS]
     files = sorted(glob.glob(os.path.join(raw, "*.pt")))
     print(f"capture {pair}: engine {t1-t0:.0f}s, {len(files)} draft forwards dumped, outputs exact={ok}", flush=True)
     head = None
@@ -76,7 +85,7 @@ def main():
             head = r["lm_head"].cuda()
     assert head is not None, "no lm_head dumped"
     V = head.shape[0]
-    perm_t = np.array(perm)
+    perm_t = np.array(perm) if perm is not None else None
     dev = torch.cuda.get_device_name(0)
     ranks_all, rounds_bs8 = [], 0
     stats = {"pair": pair, "n_forwards": len(files), "outputs_exact": ok}
@@ -90,16 +99,27 @@ def main():
             lf = logits.float()
             lp = (lf - torch.logsumexp(lf, dim=-1, keepdim=True)).cpu().numpy()  # [bs, D, V]
         roots = ids[:, 0].numpy()
-        truth = np.zeros((bs, D), dtype=np.int64)
-        for b in range(bs):
-            t = roots[b]
-            for d in range(D):
-                t = perm_t[t]
-                truth[b, d] = t
+        truth = np.full((bs, D), -1, dtype=np.int64)
+        if perm_t is not None:
+            for b in range(bs):
+                t = roots[b]
+                for d in range(D):
+                    t = perm_t[t]
+                    truth[b, d] = t
+        else:  # find the request: the root is output token k at position len(prompt) + k
+            pos0 = r["positions"][:, 0].numpy()
+            for b in range(bs):
+                for p, o in zip(prompts, outputs):
+                    k = int(pos0[b]) - len(p)
+                    if 0 <= k < len(o) and o[k] == roots[b]:
+                        cont = o[k + 1: k + 1 + D]
+                        truth[b, : len(cont)] = cont
+                        break
         # rank of the true token (0 = drafter's top-1), ties broken by smaller id like the fixtures
-        tv = np.take_along_axis(lp, truth[..., None], -1)
+        known = (truth >= 0).all(1)  # rows whose whole D-token continuation is known
+        tv = np.take_along_axis(lp, np.maximum(truth, 0)[..., None], -1)
         rk = (lp > tv).sum(-1) + ((lp == tv) & (np.arange(V) < truth[..., None])).sum(-1)
-        ranks_all.append(rk)
+        ranks_all.append(rk[known])
         if bs == 8:
             rounds_bs8 += 1
             if rounds_bs8 in SAVE_ROUNDS:
@@ -107,9 +127,12 @@ def main():
                 meta = {
                     "logits_dtype": str(logits.dtype).replace("torch.", ""), "vocab_size": int(V),
                     "budget": BUDGET, "K": K, "D": int(D),
-                    "source": f"tiny {pair} pair (bench/device/mk_models.py: {pair}_target + DFlash drafter "
-                              f"bench/device/weights/drafter.safetensors, block_size {L}), SGLang 0.5.16 "
-                              f"DFlashWorkerV2 draft forward, decode round {rounds_bs8} of a batch-8 greedy run",
+                    "source": (f"text pair (bench/textpair: Qwen3 target + DFlash drafter trained on the "
+                               f"Python stdlib; held-out prompts), block_size {L}, " if pair == "text" else
+                               f"tiny {pair} pair (bench/device/mk_models.py: {pair}_target + DFlash drafter "
+                               f"bench/device/weights/drafter.safetensors, block_size {L}), ")
+                              + f"SGLang 0.5.16 DFlashWorkerV2 draft forward, decode round {rounds_bs8} of a "
+                              "batch-8 greedy run",
                     "captured_by": f"bench/device/capture_fixtures.py {pair} /tmp/models $OUT/fixtures PORT "
                                    f"(via bench/device/run_stages.sh capture_{pair})",
                     "date": datetime.date.today().isoformat(), "device": dev,

@@ -65,6 +65,12 @@ python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;pr
 # 3. tiny models -----------------------------------------------------------------------------
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
+# the text-trained pair (bench/textpair), when its weights are in the checkout
+if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/bench/textpair/weights/*.safetensors >/dev/null 2>&1; then
+  python3 $REPO/bench/textpair/materialize.py /tmp/models > $LOG/materialize_text.log 2>&1 \
+    && echo "text pair at $(el)s: $(tail -1 $LOG/materialize_text.log | cut -c1-200)" | tee -a $S \
+    || tail -5 $LOG/materialize_text.log | tee -a $S
+fi
 
 # 4. stages ----------------------------------------------------------------------------------
 run_stage() {  # name port limit
@@ -99,6 +105,7 @@ run_stage() {  # name port limit
          "($sched spawned by SGLang); project entry point ddtree: loaded x$dd, load failed x$df (either = discovered)," \
          "register() ran x$dx, raised x$de"
     cat $LOG/$st.res 2>/dev/null
+    grep -a -o "DDTREE-[A-Z]* tree round [0-9]*: bs=[0-9]* draft cuda graph=[A-Za-z]* target verify cuda graph=[A-Za-z]*" $LOG/$st.log | head -3
     if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
   } > $LOG/$st.sum
 }

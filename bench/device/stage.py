@@ -3,7 +3,8 @@
 usage: python bench/device/stage.py NAME MODELS_DIR RESULTS_JSONL PORT
        python bench/device/stage.py summarize RESULTS_JSONL        (token-identity table)
 
-NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla;  backend triton (default) |
+NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla | text (the text-trained pair
+       of bench/textpair; its reference is text_base_graph's output, run in an earlier group);  backend triton (default) |
        flashinfer;  algo base (plain target) | dflash (stock DFLASH) | ddtree (DDTREE-GPU) |
        ddtreecpu (DDTREE-CPU);  mode eager (disable_cuda_graph) | graph (decode CUDA graphs, prefill
        graph off);  b<budget>: the DDTree tree budget (verify width budget + 1; default 16);
@@ -61,7 +62,7 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         else:
             backend = p
-    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla"):
+    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla", "text"):
         raise ValueError(f"bad stage name {name!r}")
     return pair, algo, mode, budget, backend
 
@@ -89,7 +90,8 @@ def stage_kwargs(name, models, port):
         kw.update(cuda_graph_max_bs_decode=16, disable_prefill_cuda_graph=True)
     if algo != "base":
         kw.update(speculative_algorithm=ALGOS[algo],
-                  speculative_draft_model_path=os.path.join(models, "drafter"))
+                  speculative_draft_model_path=os.path.join(
+                      models, "text_drafter" if pair == "text" else "drafter"))
     if algo in ("ddtree", "ddtreecpu"):
         kw["speculative_num_draft_tokens"] = budget + 1
     return pair, algo, mode, budget, kw
@@ -101,6 +103,40 @@ def expected_chain(perm, prompt, n):
         t = perm[t]
         out.append(t)
     return out
+
+
+TEXT_REF = "/tmp/text_reference_{mode}.json"   # written by text_base_<mode>, read by the others
+
+
+def text_prompts(models):
+    """16 held-out prompts of the text pair (token ids, 16-200 tokens; bench/textpair)."""
+    return [p["ids"] for p in json.load(open(os.path.join(models, "heldout_prompts.json")))[:16]]
+
+
+def cut_expected(ref, n, stop=None):
+    """The reference continuation cut at n tokens, or at the stop token / EOS (inclusive)."""
+    out = ref[:n]
+    if stop is not None:
+        j = next((i for i, t in enumerate(out) if t in (stop, EOS)), None)
+        if j is not None:
+            out = out[: j + 1]
+    return out
+
+
+def text_mixed(prompts, ref):
+    params, exp = [], []
+    for i, p in enumerate(prompts):
+        n = 1 + 2 * i
+        sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        e = ref[i][:n]
+        if i % 2 == 1 and n >= 4:
+            tok = ref[i][(i * 5) % (n - 1) + 1]
+            if tok != EOS:
+                sp.update(stop_token_ids=[tok], ignore_eos=False)
+                e = cut_expected(ref[i], n, tok)
+        params.append(sp)
+        exp.append(e)
+    return prompts, params, exp
 
 
 def mixed_requests(perm):
@@ -140,9 +176,23 @@ def run(name, models, results, port):
         t1 = time.time()
         eng = sgl.Engine(**kw)
         rec["engine_start_s"] = round(time.time() - t1, 1)
-        perm = json.load(open(os.path.join(kw["model_path"], "perm.json")))
-        exp = [expected_chain(perm, p, MAX_NEW) for p in PROMPTS]
         sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+        if pair == "text":
+            # The reference is the plain target's own greedy output in this run (text_base_graph,
+            # an earlier group); the base stage itself writes it.
+            prompts = text_prompts(models)
+            if algo == "base":
+                ref = {"bs16": [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)],
+                       "bs1": eng.generate(input_ids=[prompts[0]], sampling_params=dict(
+                           sp, max_new_tokens=256))[0]["output_ids"]}
+                json.dump(ref, open(TEXT_REF.format(mode=mode), "w"))
+            ref = json.load(open(TEXT_REF.format(mode="graph")))
+            exp, exp_bs1 = ref["bs16"], ref["bs1"]
+        else:
+            prompts = PROMPTS
+            perm = json.load(open(os.path.join(kw["model_path"], "perm.json")))
+            exp = [expected_chain(perm, p, MAX_NEW) for p in PROMPTS]
+            exp_bs1 = expected_chain(perm, PROMPTS[0], 256)
 
         def first_mismatch(a, b):
             if len(a) != len(b):
@@ -150,7 +200,7 @@ def run(name, models, results, port):
             return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
         t2 = time.time()
-        outs = eng.generate(input_ids=PROMPTS, sampling_params=sp)
+        outs = eng.generate(input_ids=prompts, sampling_params=sp)
         rec["gen1_bs16_s"] = round(time.time() - t2, 2)  # first generate: includes JIT compiles
         ids = [o["output_ids"] for o in outs]
         rec["output_ids_head"] = [x[:12] for x in ids]
@@ -160,17 +210,19 @@ def run(name, models, results, port):
             rec["first_mismatch_pos"] = [first_mismatch(a, b) for a, b in zip(ids, exp)]
 
         t3 = time.time()
-        outs2 = eng.generate(input_ids=PROMPTS, sampling_params=sp)  # radix-cache hits on prompts
+        outs2 = eng.generate(input_ids=prompts, sampling_params=sp)  # radix-cache hits on prompts
         rec["gen2_bs16_s"] = round(time.time() - t3, 3)
         rec["repeat_identical"] = [o["output_ids"] for o in outs2] == ids
 
         t4 = time.time()
-        o1 = eng.generate(input_ids=[PROMPTS[0]], sampling_params=dict(sp, max_new_tokens=256))
+        o1 = eng.generate(input_ids=[prompts[0]], sampling_params=dict(sp, max_new_tokens=256))
         dt = time.time() - t4
         rec["bs1_256tok_s"] = round(dt, 3)
-        rec["bs1_matches"] = o1[0]["output_ids"] == expected_chain(perm, PROMPTS[0], 256)
+        rec["bs1_matches"] = o1[0]["output_ids"] == exp_bs1
+        if not rec["bs1_matches"]:
+            rec["bs1_first_mismatch"] = first_mismatch(o1[0]["output_ids"], exp_bs1)
 
-        mp, mparams, mexp = mixed_requests(perm)
+        mp, mparams, mexp = text_mixed(prompts, exp) if pair == "text" else mixed_requests(perm)
         mo = eng.generate(input_ids=mp, sampling_params=mparams)
         mids = [o["output_ids"] for o in mo]
         rec["mixed_matches"] = mids == mexp
@@ -200,8 +252,12 @@ def run(name, models, results, port):
             rec["meta_spec_accept_length"] = mis[0].get("spec_accept_length")
             # sampled requests (the tree's lossless target-only sampling path for DDTree)
             ssp = {"max_new_tokens": 48, "temperature": 0.7, "top_k": 20, "ignore_eos": True}
-            so = eng.generate(input_ids=PROMPTS[:4], sampling_params=ssp)
-            rec["sampled_matches"] = [o["output_ids"] for o in so] == [e[:48] for e in exp[:4]]
+            so = eng.generate(input_ids=prompts[:4], sampling_params=ssp)
+            if pair == "text":  # a real distribution: check the run completes with valid tokens
+                rec["sampled_matches"] = all(len(o["output_ids"]) == 48 for o in so)
+                rec["sampled_differs_from_greedy"] = [o["output_ids"] for o in so] != [e[:48] for e in exp[:4]]
+            else:
+                rec["sampled_matches"] = [o["output_ids"] for o in so] == [e[:48] for e in exp[:4]]
             checks.append(rec["sampled_matches"])
         rec["ms_per_round_bs1"] = round(1000 * dt / (rec.get("rounds_bs1") or 256), 3)
         rec["meta_info_keys"] = sorted(mis[0].keys())
