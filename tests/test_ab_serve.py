@@ -1,0 +1,410 @@
+"""bench/ab_serve.py against a fake SGLang-like HTTP server (no GPU, no real server).
+
+The fake speaks SGLang 0.5.16's streaming /generate: HTTP/1.1 chunked, SSE lines ``data: {json}``
+with cumulative ``output_ids`` (deltas for an --incremental-streaming-output server) and
+``meta_info`` (prompt_tokens, completion_tokens, spec_verify_ct, finish_reason), ending with
+``data: [DONE]``; speculative arms stream several tokens per chunk.  The benchmark's launcher is
+replaced, so the whole run (start, health wait, warm-up, levels, identity, stage profile, report,
+deadline, failed start) is exercised in-process.  One test parses the generated server command
+lines with SGLang's own ``prepare_server_args`` (no GPU: ``--device cuda``, config-only models).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ab = _load("ab_serve")
+ab.HEALTH_POLL_S = 0.05
+
+VOCAB = 1000
+
+
+def chain(last, n):
+    out = []
+    for _ in range(n):
+        last = (last * 5 + 3) % VOCAB
+        out.append(last)
+    return out
+
+
+class FakeSGLang:
+    """One fake server.  algo None | DFLASH | DDTREE-*; ``mismatch``: corrupt token 5 of prompts whose
+    last id is even; ``incremental``: stream output_ids as deltas; ``profile``: write profiling records."""
+
+    def __init__(self, port, algo=None, num_draft=None, mismatch=False, incremental=False, profile=None,
+                 unhealthy_polls=2):
+        self.algo, self.mismatch, self.incremental, self.profile = algo, mismatch, incremental, profile
+        self.unhealthy = unhealthy_polls
+        self.accept = [1] if algo is None else [3, 1, 4, 2, 5]
+        self.rounds = 0
+        self.lock = threading.Lock()
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def handle(self):
+                try:
+                    super().handle()
+                except (ConnectionResetError, BrokenPipeError):
+                    pass  # the client closes after data: [DONE]
+
+            def _send(self, code, body=b""):
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/health_generate":
+                    with fake.lock:
+                        fake.unhealthy -= 1
+                        ok = fake.unhealthy < 0
+                    self._send(200 if ok else 503)
+                else:
+                    self._send(404)
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length", 0))
+                req = json.loads(self.rfile.read(n) or b"{}")
+                if self.path == "/flush_cache":
+                    return self._send(200, b"Cache flushed.")
+                if self.path != "/generate":
+                    return self._send(404)
+                fake.generate(self, req)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), H)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
+        self.thread.start()
+
+    def generate(self, h, req):
+        ids = req.get("input_ids")
+        last = ids[-1] if ids else len(req["text"])
+        sp = req["sampling_params"]
+        assert sp["temperature"] == 0 and sp["ignore_eos"] is True and req.get("stream") is True
+        m = sp["max_new_tokens"]
+        out = chain(last, m)
+        if self.mismatch and last % 2 == 0 and m > 5:
+            out[5] = (out[5] + 1) % VOCAB
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+        def send(b):
+            h.wfile.write(f"{len(b):x}\r\n".encode() + b + b"\r\n")
+            h.wfile.flush()
+
+        sizes, k, r = [1], 0, 0  # the prefill's token, then one chunk per verify round
+        while sum(sizes) < m:
+            sizes.append(min(self.accept[k % len(self.accept)], m - sum(sizes)))
+            k += 1
+        done = 0
+        for j, s in enumerate(sizes):
+            time.sleep(0.001)
+            done += s
+            if j > 0 and self.algo:
+                r += 1
+            meta = {"id": "x", "prompt_tokens": len(ids or req["text"]), "completion_tokens": done,
+                    "cached_tokens": 0, "finish_reason": {"type": "length", "length": m} if done == m else None}
+            if self.algo:
+                meta.update(spec_verify_ct=max(1, r), spec_accept_length=done / max(1, r))
+            ids_out = out[done - s:done] if self.incremental else out[:done]
+            send(b"data: " + json.dumps({"output_ids": ids_out, "meta_info": meta}).encode() + b"\n\n")
+        send(b"data: [DONE]\n\n")
+        send(b"")
+        h.close_connection = True
+        with self.lock:
+            self.rounds += r
+            if self.profile and self.rounds >= 16:
+                rec = {"pid": 7, "algo": self.algo, "budget": 16, "rounds": self.rounds, "bs_mean": 2.0,
+                       "stage_ms": {s: {"median": v, "mean": v} for s, v in
+                                    zip(ab.STAGES, (0.5, 0.1, 0.05, 1.0, 0.02, 0.2))},
+                       "round_ms": {"median": 1.87, "mean": 1.9}, "host_ms": {"median": 0.8, "mean": 0.8}}
+                with open(self.profile, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                self.rounds = 0
+
+    def poll(self):
+        return None
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class DeadServer:
+    def __init__(self, log_path):
+        with open(log_path, "a") as f:
+            f.write("Traceback (most recent call last):\nRuntimeError: fake startup failure\n")
+
+    def poll(self):
+        return 1
+
+    def stop(self):
+        pass
+
+
+def make_launcher(started, broken=(), mismatch=(), incremental=()):
+    def launcher(cmd, env, log_path):
+        def flag(name):
+            return cmd[cmd.index(name) + 1] if name in cmd else None
+        started.append(cmd)
+        algo = flag("--speculative-algorithm")
+        nd = flag("--speculative-num-draft-tokens")
+        name = {None: "base", "DFLASH": "dflash"}.get(algo) or (
+            ("ddtree" if algo == "DDTREE-GPU" else "ddtreecpu") + f"_b{int(nd) - 1}")
+        if name in broken:
+            return DeadServer(log_path)
+        return FakeSGLang(int(flag("--port")), algo, nd, mismatch=name in mismatch, incremental=name in incremental,
+                          profile=env.get("SGLANG_DDTREE_PROFILE_FILE"))
+    return launcher
+
+
+def _args(tmp_path, *extra):
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"input_ids": [1] + [(7 * i + j) % 900 + 3 for j in range(3 + i % 9)]}) + "\n")
+    return ab.build_parser().parse_args([
+        "--model-path", str(tmp_path / "no_model"), "--draft-model-path", str(tmp_path / "no_drafter"),
+        "--prompts", str(prompts), "--num-prompts", "24", "--concurrency", "1,4,8", "--max-new-tokens", "12",
+        "--out", str(tmp_path / "res" / "ab"), "--port", str(_free_port()), "--workdir", str(tmp_path / "work"),
+        "--no-plot", "--no-env-probe", "--no-progress", *extra])
+
+
+def _free_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return 20000 + p % 20000  # the arms use port + 10 i
+
+
+def test_parse_arms_and_commands():
+    arms = ab.parse_arms("dflash,ddtree_b8,base,ddtreecpu_b16")
+    assert [a["name"] for a in arms][0] == "base"  # the reference runs first
+    d = {a["name"]: a for a in arms}
+    assert d["ddtree_b8"]["algo"] == "DDTREE-GPU" and d["ddtree_b8"]["num_draft_tokens"] == 9
+    assert d["ddtreecpu_b16"]["algo"] == "DDTREE-CPU" and d["ddtreecpu_b16"]["num_draft_tokens"] == 17
+    assert d["dflash"]["num_draft_tokens"] is None
+    for bad in ("ddtree", "ddtree_16", "eagle", "base_b8", "base,base"):
+        with pytest.raises(ValueError):
+            ab.parse_arms(bad)
+    opts = dict(python="py", model_path="T", draft_model_path="D", maxc=64, token_ids=True,
+                server_args="--mem-fraction-static 0.5 --tp-size 1")
+    cmd = ab.build_server_cmd(d["ddtree_b8"], opts, 31000)
+    s = " ".join(cmd)
+    assert s.startswith("py -m sglang.launch_server --model-path T --attention-backend triton")
+    for want in ("--port 31000", "--cuda-graph-max-bs-decode 64", "--disable-prefill-cuda-graph",
+                 "--max-running-requests 64", "--skip-tokenizer-init", "--speculative-algorithm DDTREE-GPU",
+                 "--speculative-draft-model-path D", "--speculative-num-draft-tokens 9"):
+        assert want in s, want
+    assert s.endswith("--mem-fraction-static 0.5 --tp-size 1")  # user flags last: they win
+    base = " ".join(ab.build_server_cmd(d["base"], dict(opts, token_ids=False, server_args=""), 31010))
+    assert "--speculative" not in base and "--skip-tokenizer-init" not in base
+    # with a config, the flags it already sets are not added
+    cmd = ab.build_server_cmd(d["dflash"], opts, 1, "c.yaml", {"cuda-graph-config", "attention-backend",
+                                                                "max-running-requests"})
+    s = " ".join(cmd)
+    assert "--config c.yaml" in s and "--cuda-graph" not in s and "--attention-backend" not in s
+    assert "--max-running-requests" not in s and "--speculative-num-draft-tokens" not in s
+
+
+def test_stats_helpers():
+    assert ab.pct([1, 2, 3, 4], 50) == 2.5 and ab.pct([5], 99) == 5 and ab.pct([], 50) is None
+    assert abs(ab.pct(list(range(101)), 99) - 99) < 1e-9
+    assert ab.first_diff([1, 2, 3], [1, 2, 4]) == 2 and ab.first_diff([1, 2], [1, 2, 3]) == 2
+    assert ab.first_diff([1], [1]) is None
+    prof = [{"pid": 1, "rounds": 10, "bs_mean": 1.0, "stage_ms": {"draft": {"median": 1.0}},
+             "round_ms": {"median": 2.0}, "host_ms": {"median": 1.0}},
+            {"pid": 2, "rounds": 30, "bs_mean": 3.0, "stage_ms": {"draft": {"median": 2.0}},
+             "round_ms": {"median": 4.0}, "host_ms": {"median": 1.0}}]
+    a = ab.aggregate_profile(prof)
+    assert a["rounds"] == 40 and a["pids"] == 2 and a["stage_ms"] == {"draft": 1.75}
+    assert a["round_ms"] == 3.5 and a["bs_mean"] == 2.5
+    assert ab.aggregate_profile([]) is None
+
+
+def test_prompts_offline_and_tokenized(tmp_path):
+    ps = ab.make_prompts(300)
+    assert len(ps) == 300 and {p["kind"] for p in ps} == {"code", "prose"}
+    assert len({p["text"] for p in ps}) > 250 and all(len(p["text"]) > 300 for p in ps)
+    assert ab.make_prompts(20) == ps[:20]  # deterministic prefix
+    tj = tmp_path / "m"
+    tj.mkdir()
+    how = ab.tokenize_prompts(ps[:3], str(tj), 64)
+    assert how == "bytes+3" and all(len(p["input_ids"]) == 64 and max(p["input_ids"]) < 259 for p in ps[:3])
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps(["hello", {"prompt": "a"}, {"input_ids": [1, 2]}]))
+    got = ab.load_prompts_file(str(f), "<u>{prompt}</u>")
+    assert got[0]["text"] == "<u>hello</u>" and got[1]["text"] == "<u>a</u>" and got[2]["input_ids"] == [1, 2]
+
+
+def test_stream_parsing_cumulative_and_incremental():
+    port = _free_port()
+    for inc in (False, True):
+        srv = FakeSGLang(port, "DDTREE-GPU", 17, incremental=inc, unhealthy_polls=0)
+        try:
+            r = ab.stream_generate(f"http://127.0.0.1:{port}", ab.request_payload({"input_ids": [1, 9]}, 20))
+        finally:
+            srv.stop()
+        assert r["ok"], r
+        assert r["output_ids"] == chain(9, 20)
+        assert r["meta"]["completion_tokens"] == 20 and r["meta"]["finish_reason"] == "length"
+        # chunks: 1 (prefill) + rounds of 3,1,4,2,5,3,1,1 -> one ITL value per token after the first
+        assert r["n_chunks"] == 1 + r["meta"]["spec_verify_ct"] and len(r["itl"]) == 19
+        assert r["ttft"] is not None and r["latency"] >= r["ttft"]
+        port += 1
+
+
+def test_full_run_against_fake_server(tmp_path):
+    started = []
+    launcher = make_launcher(started, broken={"ddtree_b64"}, mismatch={"ddtree_b8"}, incremental={"dflash"})
+    args = _args(tmp_path, "--arms", "base,dflash,ddtree_b8,ddtree_b16,ddtreecpu_b16,ddtree_b64")
+    t0 = time.time()
+    doc = ab.run(args, launcher=launcher)
+    assert time.time() - t0 < 30
+    assert len(started) == 6
+    arms = {a["name"]: a for a in doc["arms"]}
+    assert arms["ddtree_b64"]["status"] == "failed" and "fake startup failure" in arms["ddtree_b64"]["log_tail"]
+    for name in ("base", "dflash", "ddtree_b8", "ddtree_b16", "ddtreecpu_b16"):
+        a = arms[name]
+        assert a["status"] == "ok", a.get("error")
+        assert [lv["concurrency"] for lv in a["levels"]] == [1, 4, 8]
+        for lv in a["levels"]:
+            n = doc["settings"]["requests_per_level"][str(lv["concurrency"])]
+            assert lv["completed"] == n == min(24, max(16, 4 * lv["concurrency"]))  # auto
+            assert lv["total_output_tokens"] == 12 * n and lv["output_throughput"] > 0
+            assert lv["median_ttft_ms"] > 0 and lv["p99_itl_ms"] >= lv["median_itl_ms"] > 0
+            for k in ("duration", "completed", "total_output_tokens", "output_throughput", "median_ttft_ms",
+                      "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms"):
+                assert k in lv  # sglang.bench_serving's names
+            if name == "base":
+                assert lv["accept_length"] is None and lv["tokens_per_chunk"] == 1.0
+            else:  # the prefill's token, then rounds of 3,1,4,2,(5->)1: 12 tokens, 5 rounds, 6 chunks
+                assert lv["accept_length"] == pytest.approx(12 / 5)
+                assert lv["tokens_per_chunk"] == pytest.approx(12 / 6)
+    # per-stage records only for the DDTREE arms, attributed per level
+    assert arms["base"]["levels"][0].get("stage_profile") is None
+    sp = arms["ddtree_b16"]["levels"][0]["stage_profile"]
+    assert sp and sp["stage_ms"]["verify"] == 1.0 and sp["round_ms"] == 1.87
+    assert "outside_ms" in sp and arms["ddtree_b16"]["env"]["SGLANG_DDTREE_PROFILE_FILE"]
+    # identity
+    idn = doc["identity"]
+    assert idn["reference"] == "base"
+    for name in ("dflash", "ddtree_b16", "ddtreecpu_b16"):
+        assert idn["arms"][name]["identical"] and idn["arms"][name]["compared"] == 16 + 16 + 24
+    bad = idn["arms"]["ddtree_b8"]
+    assert bad["mismatched"] > 0 and not bad["identical"]
+    assert {e["first_diff"] for e in bad["examples"]} == {5}
+    assert "ddtree_b64" not in idn["arms"]
+    # files and the markdown
+    out = str(tmp_path / "res" / "ab")
+    saved = json.load(open(out + ".json"))
+    assert saved["arms"][0]["command_str"].startswith(sys.executable)
+    md = open(out + ".md").read()
+    for want in ("Output tokens per second", "| ddtree_b16 |", "x base", "Token identity against `base`",
+                 "| ddtree_b8 | 56 | **", "Round time split", "fake startup failure", "--speculative-num-draft-tokens 17"):
+        assert want in md, want
+    # --report-only re-renders the same markdown from the JSON
+    os.remove(out + ".md")
+    assert ab.main(["--report-only", out + ".json"]) == 0
+    assert open(out + ".md").read() == md
+
+
+def test_deadline_skips_arms_and_still_writes(tmp_path):
+    started = []
+    args = _args(tmp_path, "--arms", "base,dflash,ddtree_b16", "--deadline", "4", "--min-arm-s", "2.5",
+                 "--reserve-s", "0")
+    orig = FakeSGLang.generate
+
+    def slow(self, h, req):  # base takes ~2.1 s: then < 2.5 s are left, the other arms are skipped
+        time.sleep(0.08)
+        return orig(self, h, req)
+    FakeSGLang.generate = slow
+    try:
+        doc = ab.run(args, launcher=make_launcher(started))
+    finally:
+        FakeSGLang.generate = orig
+    st = [a["status"] for a in doc["arms"]]
+    assert st[0] in ("ok", "partial") and st[1:] == ["skipped", "skipped"] and len(started) == 1
+    md = open(str(tmp_path / "res" / "ab") + ".md").read()
+    assert "skipped" in md and "deadline" in md
+
+
+def test_merge_and_plot(tmp_path):
+    started = []
+    args = _args(tmp_path, "--arms", "base,ddtree_b16", "--concurrency", "1,4", "--requests-per-level", "8")
+    ab.run(args, launcher=make_launcher(started))
+    a = str(tmp_path / "res" / "ab.json")
+    sweep = {"status": "ok", "info": {"gpu": "fake"}, "rows": [
+        {"bs": b, "budget": 16, "D": 15, "gpu_us": 10.0, "cpu_heap_us": 300.0 * b, "speedup": 30.0 * b,
+         "exact": True} for b in (1, 4)]}
+    d = json.load(open(a))
+    d["kernel_sweep"] = sweep
+    json.dump(d, open(a, "w"))
+    out = str(tmp_path / "merged")
+    pytest.importorskip("matplotlib")
+    ab.main(["--merge", out, a, a])
+    md = open(out + ".md").read()
+    assert md.count("A/B serving benchmark: no_model") == 2 and "GPU tree build vs the CPU heap" in md
+    assert os.path.getsize(out + ".png") > 10000
+    plot = _load("ab_plot")
+    plot.main([a])
+    assert os.path.getsize(a[:-5] + ".png") > 10000
+
+
+def test_kernel_sweep_skips_without_cuda(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA: the sweep would run")
+    r = ab.run_kernel_sweep(sys.executable, 60, str(tmp_path))
+    assert r["status"] == "skipped" and "no CUDA" in r["note"] and r["rows"] == []
+
+
+def test_server_commands_parse_in_sglang(tmp_path):
+    """The generated command lines are accepted by SGLang 0.5.16's own parser (CPU: --device cuda)."""
+    sa_mod = pytest.importorskip("sglang.srt.server_args")
+    pytest.importorskip("sglang.srt.plugins").load_plugins()
+    subprocess.run([sys.executable, os.path.join(REPO, "bench", "device", "mk_models.py"), str(tmp_path),
+                    "--configs-only"], check=True, capture_output=True)
+    opts = dict(python="py", model_path=str(tmp_path / "gqa_target"), draft_model_path=str(tmp_path / "drafter"),
+                maxc=64, token_ids=True, server_args="", cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64])
+    for arm in ab.parse_arms("base,dflash,ddtree_b8,ddtreecpu_b64"):
+        cmd = ab.build_server_cmd(arm, opts, 31000)
+        assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+        sa = sa_mod.prepare_server_args(cmd[3:] + ["--device", "cuda"])
+        assert sa.port == 31000 and sa.max_running_requests == 64 and sa.skip_tokenizer_init
+        assert sa.attention_backend == "triton" and sa.skip_server_warmup
+        assert sa.cuda_graph_config.decode.max_bs == 64 and sa.cuda_graph_config.decode.bs == [1, 2, 4, 8, 16, 32, 64]
+        assert str(getattr(sa.cuda_graph_config.prefill.backend, "value", sa.cuda_graph_config.prefill.backend)) \
+            == "disabled"
+        if arm["algo"] is None:
+            assert sa.speculative_algorithm is None
+        else:
+            assert sa.speculative_algorithm == arm["algo"]
+            want = arm["num_draft_tokens"] or 8  # DFLASH: the drafter's block size
+            assert sa.speculative_num_draft_tokens == want
