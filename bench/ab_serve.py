@@ -785,28 +785,30 @@ def identity_check(arm_outputs: Dict[str, Dict[int, List]], ref: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ kernel sweep
-def kernel_sweep_child(jsonl_path: str, bss, budgets, depths, seed: int = 0) -> int:
-    """Runs in its own process: GPU tree build vs the CPU heap, one JSON line per case."""
+def kernel_sweep_child(jsonl_path: str, bss, budgets, depths, seed: int = 0, tk=None) -> int:
+    """Runs in its own process: GPU tree build vs the CPU heap, one JSON line per case.  ``tk``:
+    bench/tree_kernels.py (its input maker and timers; injected by the tests)."""
     try:
         import torch
     except ImportError:
         print("kernel sweep skipped: torch is not importable", flush=True)
         return 2
-    if not torch.cuda.is_available():
+    if tk is None and not torch.cuda.is_available():
         print("kernel sweep skipped: no CUDA device (the GPU tree build needs one)", flush=True)
         with open(jsonl_path, "a") as f:
             f.write(json.dumps({"skipped": "no CUDA device"}) + "\n")
         return 0
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("tree_kernels", os.path.join(HERE, "tree_kernels.py"))
-    tk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tk)  # puts the checkout and tests/ on sys.path: fine, SGLang is never imported here
+    if tk is None:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("tree_kernels", os.path.join(HERE, "tree_kernels.py"))
+        tk = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tk)  # puts the checkout and tests/ on sys.path: fine, SGLang is never imported here
     from sglang_ddtree import ddtree
     import triton
     gen = torch.Generator().manual_seed(seed)
     with open(jsonl_path, "a") as f:
-        f.write(json.dumps({"info": dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                                         triton=triton.__version__)}) + "\n")
+        f.write(json.dumps({"info": dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                         torch=torch.__version__, triton=triton.__version__)}) + "\n")
     for D in depths:
         for bs in bss:
             for budget in budgets:
@@ -931,6 +933,10 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
         rec["error"] = repr(e)[:1000]
         rec["log_tail"] = log_tail(log_path)
         print(f"[{arm['name']}] ERROR {e!r}", flush=True)
+    except KeyboardInterrupt:
+        rec["error"] = "interrupted"
+        rec["status"] = "partial" if rec["levels"] else "failed"
+        rec["_interrupted"] = True
     finally:
         if server is not None:
             ts = time.time()
@@ -940,7 +946,15 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                 rec["stop_error"] = repr(e)
             rec["stop_s"] = round(time.time() - ts, 1)
         rec["total_s"] = round(time.time() - t0, 1)
+    if rec.pop("_interrupted", False):
+        raise _ArmInterrupted(rec, outputs)
     return rec, outputs
+
+
+class _ArmInterrupted(KeyboardInterrupt):
+    def __init__(self, rec, outputs):
+        super().__init__()
+        self.rec, self.outputs = rec, outputs
 
 
 def resolve_inputs(args):
@@ -1037,6 +1051,38 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     reserve = args.reserve_s + (args.sweep_s if args.kernel_sweep else 0)
     print(f"ab_serve: {len(arms)} arms x concurrency {levels}, {N} prompts ({doc['prompts']['kind']}), "
           f"max_new_tokens {args.max_new_tokens}, work dir {tmpdir}", flush=True)
+    if args.dry_run:
+        for i, arm in enumerate(arms):
+            print(f"[{arm['name']}] {shlex.join(build_server_cmd(arm, opts, args.port + 10 * i, cfg_path, cfg_keys))}")
+        print(json.dumps({k: v for k, v in doc["prompts"].items() if k != "sources"}))
+        if cfg_path:
+            os.remove(cfg_path)
+        return doc
+    try:
+        _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadline_at, reserve, launcher,
+                  tmpdir, cfg_path, cfg_keys, t_start)
+    except KeyboardInterrupt:  # SIGINT / SIGTERM: the running server was stopped; keep what was measured
+        doc["interrupted"] = True
+        print("interrupted: writing what was measured", flush=True)
+    if args.kernel_sweep and not doc.get("interrupted"):
+        left = (deadline_at - time.time() - 5) if deadline_at else args.sweep_s * 4
+        if left > 20:
+            print(f"kernel sweep (limit {left:.0f} s)", flush=True)
+            doc["kernel_sweep"] = run_kernel_sweep(python, left, tmpdir)
+        else:
+            doc["kernel_sweep"] = dict(status="skipped", note="deadline", rows=[])
+    doc["identity"] = identity_check(outputs, args.reference_arm)
+    doc["elapsed_s"] = round(time.time() - t_start, 1)
+    if args.save_output_ids:
+        doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in outputs.items()}
+    write_outputs(doc, args.out, plot=not args.no_plot)
+    if cfg_path:
+        os.remove(cfg_path)
+    return doc
+
+
+def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadline_at, reserve, launcher, tmpdir,
+              cfg_path, cfg_keys, t_start):
     for i, arm in enumerate(arms):
         arm_deadline = deadline_at - reserve if deadline_at else None
         if arm_deadline is not None and arm_deadline - time.time() < args.min_arm_s:
@@ -1056,29 +1102,20 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
             env["SGLANG_DDTREE_PROFILE_FILE"] = prof
             env["SGLANG_DDTREE_PROFILE_EVERY"] = str(args.profile_every)
         print(f"[{arm['name']}] ({i + 1}/{len(arms)}) {shlex.join(cmd)}", flush=True)
-        rec, outs = measure_arm(arm, cmd, env, f"http://127.0.0.1:{port}", prompts, levels, per_level, args,
-                                arm_deadline, launcher, tmpdir, prof)
+        try:
+            rec, outs = measure_arm(arm, cmd, env, f"http://127.0.0.1:{port}", prompts, levels, per_level, args,
+                                    arm_deadline, launcher, tmpdir, prof)
+        except _ArmInterrupted as e:
+            doc["arms"].append(e.rec)
+            if e.outputs:
+                outputs[arm["name"]] = e.outputs
+            raise
         doc["arms"].append(rec)
         if outs:
             outputs[arm["name"]] = outs
         doc["identity"] = identity_check(outputs, args.reference_arm)
         doc["elapsed_s"] = round(time.time() - t_start, 1)
         write_outputs(doc, args.out, plot=False)
-    if args.kernel_sweep:
-        left = (deadline_at - time.time() - 5) if deadline_at else args.sweep_s * 4
-        if left > 20:
-            print(f"kernel sweep (limit {left:.0f} s)", flush=True)
-            doc["kernel_sweep"] = run_kernel_sweep(python, left, tmpdir)
-        else:
-            doc["kernel_sweep"] = dict(status="skipped", note="deadline", rows=[])
-    doc["identity"] = identity_check(outputs, args.reference_arm)
-    doc["elapsed_s"] = round(time.time() - t_start, 1)
-    if args.save_output_ids:
-        doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in outputs.items()}
-    write_outputs(doc, args.out, plot=not args.no_plot)
-    if cfg_path:
-        os.remove(cfg_path)
-    return doc
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -1117,22 +1154,26 @@ def render_markdown(doc: dict) -> str:
 def _render_run(doc, top=True):
     s, m, p = doc["settings"], doc.get("meta", {}), doc["prompts"]
     title = s.get("pair") and f"tiny {s['pair']} pair" or os.path.basename(str(s.get("model_path")))
-    L = [("# " if top else "## ") + f"A/B serving benchmark: {title}", ""]
     h = "##" if top else "###"
     v = m.get("versions") or {}
-    L += [f"{m.get('date', '?')} · GPU {', '.join(m.get('gpu') or ['?'])} · torch {v.get('torch')} · triton "
-          f"{v.get('triton')} · sglang {v.get('sglang')} · commit {m.get('git_commit')}"
-          f"{' (dirty)' if m.get('git_dirty') else ''} · {doc.get('elapsed_s')} s", "",
+    stamp = (f"{m.get('date', '?')} · GPU {', '.join(m.get('gpu') or ['?'])} · torch {v.get('torch')} · triton "
+             f"{v.get('triton')} · sglang {v.get('sglang')} · commit {m.get('git_commit')}"
+             f"{' (dirty)' if m.get('git_dirty') else ''}")
+    if not doc["arms"]:  # --kernel-sweep-only
+        L = [("# " if top else "## ") + "Tree build: GPU kernels vs the CPU heap", "", stamp, "",
+             "Command: `" + " ".join(m.get("argv") or []) + "`."]
+        if doc.get("kernel_sweep"):
+            L += _render_sweep(doc["kernel_sweep"], h)
+        return L + [""]
+    L = [("# " if top else "## ") + f"A/B serving benchmark: {title}", ""]
+    kinds = {k: n for k, n in (p.get("kinds") or {}).items() if n}
+    L += [f"{stamp} · {doc.get('elapsed_s')} s", "",
           f"Target `{s['model_path']}`, drafter `{s['draft_model_path']}`. {p['count']} prompts "
-          f"({p['kind']}; {p.get('kinds')}; mean input {p['mean_input_len']} {p.get('input_len_unit', '')}; "
+          f"({p['kind']}{'; ' + ', '.join(f'{n} {k}' for k, n in kinds.items()) if kinds else ''}; mean input {p['mean_input_len']} {p.get('input_len_unit', '')}; "
           f"sha256 {p['sha256_16']}), {p['source']}. Greedy ({s['greedy']}), max_new_tokens "
           f"{s['max_new_tokens']}; requests per level {s['requests_per_level']}. "
           "Command: `" + " ".join(m.get("argv") or []) + "`.", ""]
     arms = doc["arms"]
-    if not arms:
-        if doc.get("kernel_sweep"):
-            L += _render_sweep(doc["kernel_sweep"], h)
-        return L + [""]
     levels = s["concurrency"]
     by = {a["name"]: a for a in arms}
     hdr = "| arm | " + " | ".join(f"c={c}" for c in levels) + " |"
@@ -1158,7 +1199,7 @@ def _render_run(doc, top=True):
                 if rt and a["name"] != ref:
                     r.append(f"{t / rt:.2f}x")
                 elif a["name"] == ref:
-                    r.append("1")
+                    r.append("1.00x")
                 else:
                     r.append("-")
             cells.append(f"{t:.0f} ({' / '.join(r)})")
@@ -1327,6 +1368,7 @@ def build_parser():
     ap.add_argument("--save-prompts", default=None, help="write the prompts used as JSON lines")
     ap.add_argument("--save-output-ids", action="store_true", help="keep every output id list in the JSON")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="print the server command lines and the prompt summary")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--no-env-probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", metavar="JSON", help="rewrite JSON's markdown (and nothing else)")
@@ -1362,6 +1404,9 @@ def main(argv=None):
                    kernel_sweep=run_kernel_sweep(args.python or sys.executable, args.deadline or 1800, tmp))
         write_outputs(doc, args.out, plot=not args.no_plot)
         return 0
+    def _term(signum, frame):  # `timeout` / a job killer: stop the running server, write the results
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _term)
     run(args)
     return 0
 

@@ -408,3 +408,120 @@ def test_server_commands_parse_in_sglang(tmp_path):
             assert sa.speculative_algorithm == arm["algo"]
             want = arm["num_draft_tokens"] or 8  # DFLASH: the drafter's block size
             assert sa.speculative_num_draft_tokens == want
+
+
+FAKE_PY = """#!{python}
+# stands in for `python -m sglang.launch_server ...`: a fake server plus a child process (as SGLang's
+# scheduler and detokenizer are), so the benchmark must kill the whole process group
+import importlib.util, os, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("fake_t", {test!r})
+t = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+assert sys.argv[1:3] == ["-m", "sglang.launch_server"], sys.argv
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(os.environ["FAKE_CHILD_PID_FILE"], "w").write(str(child.pid))
+print("fake server starting", " ".join(sys.argv[1:]), flush=True)
+t.FakeSGLang(int(sys.argv[sys.argv.index("--port") + 1]), unhealthy_polls=1)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_popen_launcher_starts_and_kills_the_group(tmp_path, monkeypatch):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY.format(python=sys.executable, test=os.path.abspath(__file__)))
+    fake.chmod(0o755)
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setenv("FAKE_CHILD_PID_FILE", str(pidfile))
+    args = _args(tmp_path, "--arms", "base", "--concurrency", "1,2", "--requests-per-level", "4",
+                 "--python", str(fake), "--start-timeout", "60")
+    doc = ab.run(args)  # the real launcher: PopenServer
+    a = doc["arms"][0]
+    assert a["status"] == "ok", (a.get("error"), a.get("log_tail"))
+    assert a["command"][0] == str(fake)
+    assert "fake server starting -m sglang.launch_server" in open(a["log"]).read()
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the server's child process outlived the benchmark")
+
+
+def test_dry_run_prints_commands(tmp_path, capsys):
+    args = _args(tmp_path, "--arms", "base,ddtree_b32", "--dry-run")
+    ab.run(args)
+    out = capsys.readouterr().out
+    assert "[ddtree_b32]" in out and "--speculative-num-draft-tokens 33" in out and '"count": 24' in out
+
+
+def test_interrupt_stops_the_server_and_writes(tmp_path, monkeypatch):
+    started, stopped = [], []
+    inner = make_launcher(started)
+
+    def launcher(cmd, env, log_path):
+        srv = inner(cmd, env, log_path)
+        orig = srv.stop
+
+        def stop():
+            stopped.append(cmd)
+            orig()
+        srv.stop = stop
+        return srv
+    real = ab.run_level
+    calls = []
+
+    def run_level(*a, **k):
+        calls.append(1)
+        if len(started) == 2 and a[2] == 4:  # second arm, level c=4: SIGTERM arrives
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(ab, "run_level", run_level)
+    doc = ab.run(_args(tmp_path, "--arms", "base,dflash,ddtree_b16"), launcher=launcher)
+    assert doc["interrupted"] and len(started) == 2 and len(stopped) == 2
+    st = {a["name"]: a for a in doc["arms"]}
+    assert st["base"]["status"] == "ok" and st["dflash"]["status"] == "partial"
+    assert [lv["concurrency"] for lv in st["dflash"]["levels"]] == [1]
+    assert doc["identity"]["arms"]["dflash"]["compared"] == 16
+    saved = json.load(open(str(tmp_path / "res" / "ab.json")))
+    assert saved["interrupted"] and len(saved["arms"]) == 2
+
+
+def test_kernel_sweep_logic_on_cpu(tmp_path):
+    """The sweep's loop with bench/tree_kernels.py's helpers swapped for CPU ones (the Triton
+    interpreter builds the trees): rows written, trees identical to the heap."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    try:
+        from helpers import drafter_logits
+    finally:
+        sys.path.pop(0)
+    from sglang_ddtree import ddtree
+
+    def make_inputs(bs, D, budget, n_sets, gen, V=64):
+        out = []
+        for _ in range(n_sets):
+            lp, ids = ddtree.topk_logprobs(drafter_logits(bs, D, V, gen), min(budget, V), validate=False)
+            out.append((lp, ids, torch.randint(0, V, (bs,), generator=gen)))
+        return out
+
+    def timer(fns, replays=2):
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        us = (time.perf_counter() - t) * 1e6 / len(fns)
+        return us, us, us
+    tk = SimpleNamespace(make_inputs=make_inputs, graph_time_us=timer, REPS=1,
+                         cpu_time_us=lambda f, reps: timer([f])[0])
+    path = str(tmp_path / "s.jsonl")
+    assert ab.kernel_sweep_child(path, (1, 2), (4,), (3,), tk=tk) == 0
+    rows = [json.loads(x) for x in open(path)]
+    assert "info" in rows[0]
+    assert [(r["bs"], r["budget"], r["D"]) for r in rows[1:]] == [(1, 4, 3), (2, 4, 3)]
+    assert all(r["exact"] and r["gpu_us"] > 0 and r["cpu_heap_us"] > 0 for r in rows[1:])
