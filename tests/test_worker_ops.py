@@ -112,17 +112,17 @@ def test_gather_path_rows_and_verify_ids(rng):
     assert (ids >= 0).all() and torch.equal(ids[tree.tokens >= 0], tree.tokens[tree.tokens >= 0])
 
 
-def _head_inputs(rng, bs, B, H, V):
-    W = (torch.randn(V, H, generator=rng) * 0.5).to(torch.bfloat16)
-    hs = torch.randn(bs * B, H, generator=rng).to(torch.bfloat16)
+def _head_inputs(rng, bs, B, H, V, device):
+    W = (torch.randn(V, H, generator=rng) * 0.5).to(torch.bfloat16).to(device)
+    hs = torch.randn(bs * B, H, generator=rng).to(torch.bfloat16).to(device)
     logits = (hs.view(bs, B, H)[:, 1:, :].reshape(-1, H) @ W.T)
     return W, hs, logits
 
 
 @pytest.mark.parametrize("K", [1, 5, 16])
-def test_draft_head_tp1_exact(rng, K):
+def test_draft_head_tp1_exact(rng, K, device):
     bs, B, H, V = 3, 5, 16, 300
-    W, hs, logits = _head_inputs(rng, bs, B, H, V)
+    W, hs, logits = _head_inputs(rng, bs, B, H, V, device)
     head = DDTreeDraftHead(weight=W, block_size=B, topk=K, num_org=V, org_vocab_start=0, max_bs=4)
     head.lp.fill_(float("nan"))  # poison
     head.ids.fill_(-7)
@@ -133,10 +133,10 @@ def test_draft_head_tp1_exact(rng, K):
     torch.testing.assert_close(head.lp[:n], ref_lp, rtol=0, atol=1e-5)
 
 
-def test_draft_head_ports_recipe_values(rng):
+def test_draft_head_ports_recipe_values(rng, device):
     """DDTREE-CPU's head (torch.topk + logsumexp) gives the same values; ids may differ on ties."""
     bs, B, H, V, K = 2, 4, 16, 200, 6
-    W, hs, logits = _head_inputs(rng, bs, B, H, V)
+    W, hs, logits = _head_inputs(rng, bs, B, H, V, device)
     head = DDTreeDraftHead(weight=W, block_size=B, topk=K, num_org=V, org_vocab_start=0, max_bs=2,
                            exact_topk=False)
     head(hs)
@@ -158,9 +158,9 @@ class _FakeTPGroup:
         out.copy_(torch.cat([r[key].reshape(-1) for r in self.per_rank]))
 
 
-def test_draft_head_vocab_parallel_merge(rng):
+def test_draft_head_vocab_parallel_merge(rng, device):
     bs, B, H, V, K, P = 2, 4, 16, 301, 8, 3
-    W, hs, logits = _head_inputs(rng, bs, B, H, V)
+    W, hs, logits = _head_inputs(rng, bs, B, H, V, device)
     bounds = [0, 97, 211, V]
     per_rank = []
     for r in range(P):
