@@ -60,7 +60,6 @@ longer fits and still writes both.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime
 import hashlib
 import http.client
@@ -909,8 +908,10 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                 http_json(base_url, "POST", "/flush_cache", timeout=30)
             except Exception:  # noqa: BLE001
                 pass
+            # socket timeout per read: a hung server cannot hold the run much past the deadline
+            tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
             res, dur, partial = run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
-                                          desc=f"{arm['name']} c={c}", progress=args.progress)
+                                          desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
             lv = aggregate_level(c, res, dur, prompts[:n], partial)
             if profile_path:
                 time.sleep(0.2)
@@ -1319,7 +1320,8 @@ def merge(out: str, paths: List[str]):
         for r in _runs(d):
             if r.get("kernel_sweep") and (r["kernel_sweep"].get("rows")) and sweep is None:
                 sweep = r["kernel_sweep"]
-            runs.append(r)
+            if r.get("arms"):  # a --kernel-sweep-only run contributes its sweep only
+                runs.append(r)
     doc = dict(kind="ab_serve_merged", runs=runs, kernel_sweep=sweep, sources=paths)
     for r in runs:  # the sweep is reported once, at the end
         r.pop("kernel_sweep", None)
