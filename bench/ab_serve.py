@@ -685,7 +685,7 @@ def git_info():
             return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
         except Exception:  # noqa: BLE001
             return ""
-    commit = g("rev-parse", "--short", "HEAD") or os.environ.get("DDTREE_COMMIT", "unknown")
+    commit = os.environ.get("DDTREE_COMMIT") or g("rev-parse", "--short", "HEAD") or "unknown"  # the device copy may carry a stale .git
     dirty = bool(g("status", "--porcelain", "--untracked-files=no"))
     return commit, dirty
 

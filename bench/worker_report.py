@@ -2,7 +2,10 @@
 matrix: bench/results/worker_h200.json + worker_h200.md.
 
 usage: python bench/worker_report.py OUT_PREFIX SUMMARY_TXT RESULTS_JSONL [RESULTS_JSONL ...]
-(later files override earlier records of the same stage).  Every number in the table is read from
+           [--divergence TEXT_DIVERGENCE_JSON]
+(later files override earlier records of the same stage).  Toy-pair stages (gqa, mla) are strict
+token-identity checks; text-pair stages are reported with bench/text_divergence.py's
+classification of every divergence (near tie of the target's own top-2, or error).  Every number in the table is read from
 the records; nothing is typed in by hand.
 """
 import json
@@ -34,8 +37,16 @@ def versions(summary):
 
 
 def main():
-    out, summary, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+    args = sys.argv[1:]
+    div = None
+    if "--divergence" in args:
+        i = args.index("--divergence")
+        div = json.load(open(args[i + 1]))
+        del args[i:i + 2]
+    out, summary, paths = args[0], args[1], args[2:]
     recs = load(paths)
+    text = {n: r for n, r in recs.items() if n.startswith("text_")}
+    recs = OrderedDict((n, r) for n, r in recs.items() if not n.startswith("text_"))
     card, ver, date = versions(summary)
     rows = []
     for name, r in sorted(recs.items()):
@@ -47,13 +58,26 @@ def main():
             repeat_exact=r.get("repeat_identical"), bs1_exact=r.get("bs1_matches"),
             mixed_exact=r.get("mixed_matches"), sampled_exact=r.get("sampled_matches"),
             accept_bs16=r.get("accept_len_bs16_mean"), accept_bs1=r.get("accept_len_bs1"),
-            ms_per_round_bs1=r.get("ms_per_round_bs1"), error=r.get("error")))
+            ms_per_round_bs1=r.get("ms_per_round_bs1"), error=r.get("error"),
+            sync_check=(None if "sync_check_rounds" not in r else
+                        f"{r['sync_check_rounds_with_sync']}/{r['sync_check_rounds']} rounds with a sync "
+                        f"({r['sync_check_total_syncs']} in all; sites {r.get('sync_check_sites')})")))
     http = [OrderedDict((k, r.get(k)) for k in (
         "stage", "ok", "generate_ids_match", "accept_len", "concurrent_match", "abort_ok",
         "after_abort_match", "stream_match", "bad_logprob_rejected", "bad_temperature_rejected",
         "healthy_after_bad_input", "generate_text_status", "completions_status", "error"))
         for n, r in sorted(recs.items()) if n.startswith("http_")]
+    text_rows = []
+    for name, r in sorted(text.items()):
+        d = (div or {}).get("stages", {}).get(name, {})
+        text_rows.append(OrderedDict(
+            stage=name, algo=r.get("algo"), mode=r.get("mode"), budget=r.get("budget"),
+            requests=d.get("requests"), diverged=d.get("diverged"), near_ties=d.get("near_tie"),
+            errors=d.get("error"), mixed_exact=r.get("mixed_matches"),
+            sampled_ok=r.get("sampled_matches"), accept_bs16=r.get("accept_len_bs16_mean"),
+            accept_bs1=r.get("accept_len_bs1"), ms_per_round_bs1=r.get("ms_per_round_bs1")))
     doc = {"card": card, "versions": ver, "date": date, "stages": rows, "http": http,
+           "text_pair": text_rows, "text_tie_threshold": (div or {}).get("tie_threshold_logits"),
            "all_ok": all(r["ok"] for r in rows) and all(h["ok"] for h in http)}
     json.dump(doc, open(out + ".json", "w"), indent=1)
 
@@ -85,7 +109,28 @@ def main():
                 "stage", "ok", "generate_ids_match", "accept_len", "concurrent_match", "abort_ok",
                 "after_abort_match", "stream_match", "bad_logprob_rejected", "bad_temperature_rejected",
                 "healthy_after_bad_input")) + " |")
-    md.append(f"\nAll stages passed: {f(doc['all_ok'])}")
+    md.append(f"\nAll toy-pair and HTTP stages passed: {f(doc['all_ok'])}")
+    syncs = [(r["stage"], r["sync_check"]) for r in rows if r.get("sync_check")]
+    if syncs:
+        md.append("\nHost synchronisations inside DDTree rounds (torch CUDA sync debug mode, `_synccheck` "
+                  "stages): " + "; ".join(f"{n}: {v}" for n, v in syncs))
+    if text_rows:
+        md += ["\n## The text-trained pair (bench/textpair): real attention, bf16 near-ties\n",
+               "Reference: the plain target's own greedy output (`text_base_graph`, cold run). Its bf16 greedy "
+               "output is not unique: the same plain target differs from itself between a cold and a "
+               "radix-cached run. So every first divergence is classified by `bench/text_divergence.py` with "
+               "the fp32 reference forward: near tie = the target's own top-2 are exactly the two tokens, "
+               f"logit gap <= {doc['text_tie_threshold']}; error = anything else "
+               "(`bench/results/text_divergence_h200.md` lists each one). The `_nomaskpatch` stage runs the "
+               "target verify graph captured WITHOUT the tree mask (the classic bug): it must show errors.\n",
+               "| stage | algo | mode | budget | diverged / requests | near ties | errors | mixed | sampled runs | accept bs16 | accept bs1 | ms/round bs1 |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in text_rows:
+            md.append("| " + " | ".join(f(x) for x in (
+                r["stage"], r["algo"], r["mode"], r["budget"],
+                f"{r['diverged']} / {r['requests']}" if r["requests"] is not None else None,
+                r["near_ties"], r["errors"], r["mixed_exact"], r["sampled_ok"], r["accept_bs16"],
+                r["accept_bs1"], r["ms_per_round_bs1"])) + " |")
     open(out + ".md", "w").write("\n".join(md) + "\n")
     print("\n".join(md))
 
