@@ -1,7 +1,7 @@
 """A/B serving benchmark: one SGLang server per arm, the same greedy prompts at each concurrency.
 
     python bench/ab_serve.py --model-path T --draft-model-path D [options]     # measure
-    python bench/ab_serve.py --pair gqa [options]                # the test bed's tiny pair (/tmp/models)
+    python bench/ab_serve.py [--pair text|gqa|mla] [options]    # a test-bed pair (/tmp/models); default text
     python bench/ab_serve.py --report-only OUT.json              # rewrite OUT.md from a results JSON
     python bench/ab_serve.py --merge OUT a.json b.json           # one report (JSON + MD) from several runs
 
@@ -199,13 +199,22 @@ _PROSE_TASKS = ("Summarize the following documentation in plain words.",
                 "Explain the following passage to a beginner, with an example.")
 
 
-def _stdlib_texts():
+def textpair_heldout_files():
+    """The text pair's held-out stdlib files (bench/textpair/corpus_manifest.tsv: sorted file i is
+    held out iff i % 20 == 10): prompts for that pair must not come from its training files."""
+    man = os.path.join(os.path.dirname(os.path.abspath(__file__)), "textpair", "corpus_manifest.tsv")
+    rows = [line.split("\t")[0] for line in open(man) if not line.startswith("#")]
+    return tuple(p for i, p in enumerate(rows) if i % 20 == 10)
+
+
+def _stdlib_texts(files=None):
     """Code windows and prose paragraphs from the interpreter's standard library (offline,
-    deterministic for a given Python version)."""
+    deterministic for a given Python version).  ``files``: restrict to these stdlib files (then
+    the pydoc topics prose is used only if pydoc_data/topics.py is among them)."""
     import sysconfig
     root = sysconfig.get_paths()["stdlib"]
     code = []
-    for rel in _CODE_FILES:
+    for rel in (files if files is not None else _CODE_FILES):
         p = os.path.join(root, rel)
         if not os.path.isfile(p):
             continue
@@ -220,6 +229,8 @@ def _stdlib_texts():
                 last = start
     prose = []
     try:
+        if files is not None and "pydoc_data/topics.py" not in files:
+            raise ImportError("pydoc topics not among the allowed files")
         from pydoc_data.topics import topics  # the language reference, as prose
         for key in sorted(topics):
             paras = [q.strip() for q in topics[key].split("\n\n")]
@@ -235,18 +246,21 @@ def _stdlib_texts():
         pass
     if len(prose) < 50:
         import ast
-        for rel in _CODE_FILES:
+        for rel in (files if files is not None else _CODE_FILES):
             p = os.path.join(root, rel)
             if os.path.isfile(p):
-                doc = ast.get_docstring(ast.parse(open(p, encoding="utf-8", errors="replace").read()))
+                try:
+                    doc = ast.get_docstring(ast.parse(open(p, encoding="utf-8", errors="replace").read()))
+                except (SyntaxError, ValueError):  # e.g. lib2to3's Python 2 test data
+                    continue
                 if doc and len(doc) > 200:
                     prose.append((f"stdlib/{rel}:docstring", doc[:1600]))
     return code, prose
 
 
-def make_prompts(n: int, template: str = "{prompt}") -> List[dict]:
+def make_prompts(n: int, template: str = "{prompt}", files=None) -> List[dict]:
     """n prompts, code and prose alternating (a few hundred distinct ones), deterministic."""
-    code, prose = _stdlib_texts()
+    code, prose = _stdlib_texts(files)
     if not code and not prose:
         raise RuntimeError("no standard-library sources found to build prompts from; pass --prompts")
     out = []
@@ -962,7 +976,11 @@ def resolve_inputs(args):
     """Model paths, config, prompts (text or ids) from the arguments."""
     model, draft, token_ids = args.model_path, args.draft_model_path, args.token_ids
     cfg_path, cfg_keys = None, set()
-    if args.pair:
+    if args.pair == "text":  # the text-trained pair (bench/textpair/materialize.py MODELS_DIR)
+        model = model or os.path.join(args.models_dir, "text_target")
+        draft = draft or os.path.join(args.models_dir, "text_drafter")
+        token_ids = True  # tokenized here with the pair's own tokenizer
+    elif args.pair:
         model = model or os.path.join(args.models_dir, f"{args.pair}_target")
         draft = draft or os.path.join(args.models_dir, "drafter")
         token_ids = True
@@ -979,11 +997,21 @@ def resolve_inputs(args):
         if int(kept.get("max-running-requests", 10 ** 9)) < max(args.concurrency):
             print(f"WARNING: the config's max-running-requests {kept['max-running-requests']} < the largest "
                   f"concurrency {max(args.concurrency)}", flush=True)
+    if not model and not args.config and not args.pair:
+        # the default pair: the text-trained pair (bench/textpair), materialized in MODELS_DIR
+        model = os.path.join(args.models_dir, "text_target")
+        draft = draft or os.path.join(args.models_dir, "text_drafter")
+        token_ids = True
+        args.pair = "text"
     if not model:
         raise SystemExit("give --model-path, --pair or --config")
     if args.prompts:
         prompts = load_prompts_file(args.prompts, args.prompt_template)
         source = os.path.abspath(args.prompts)
+    elif args.pair == "text":
+        prompts = make_prompts(args.num_prompts, args.prompt_template, files=textpair_heldout_files())
+        source = f"generated from the text pair's held-out files of the Python {platform.python_version()} " \
+                 "standard library (bench/textpair/corpus_manifest.tsv; code windows and module docstrings)"
     else:
         prompts = make_prompts(args.num_prompts, args.prompt_template)
         source = f"generated from the Python {platform.python_version()} standard library (code windows and " \
@@ -1154,7 +1182,8 @@ def render_markdown(doc: dict) -> str:
 
 def _render_run(doc, top=True):
     s, m, p = doc["settings"], doc.get("meta", {}), doc["prompts"]
-    title = s.get("pair") and f"tiny {s['pair']} pair" or os.path.basename(str(s.get("model_path")))
+    title = (s.get("pair") == "text" and "the text-trained pair (bench/textpair)"
+             or s.get("pair") and f"tiny {s['pair']} pair" or os.path.basename(str(s.get("model_path"))))
     h = "##" if top else "###"
     v = m.get("versions") or {}
     stamp = (f"{m.get('date', '?')} · GPU {', '.join(m.get('gpu') or ['?'])} · torch {v.get('torch')} · triton "
@@ -1334,7 +1363,10 @@ def build_parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path")
     ap.add_argument("--draft-model-path")
-    ap.add_argument("--pair", choices=("gqa", "mla"), help="the test bed's tiny pair: MODELS_DIR/<pair>_target + drafter, token ids")
+    ap.add_argument("--pair", choices=("text", "gqa", "mla"),
+                    help="a test-bed pair: text (the stdlib-trained pair, the default when no model is "
+                         "given: MODELS_DIR/text_target + text_drafter from bench/textpair/materialize.py), "
+                         "or the toy gqa / mla pairs (MODELS_DIR/<pair>_target + drafter); token ids")
     ap.add_argument("--models-dir", default="/tmp/models")
     ap.add_argument("--config", help="an SGLang YAML config (configs/*.yaml): its speculative/host/port keys are dropped")
     ap.add_argument("--arms", default=DEFAULT_ARMS)
