@@ -4,12 +4,14 @@
 
 Runs on CUDA when present, else on the CPU with the Triton kernels under the interpreter.
 
-1. Captured tensors: every ``tests/fixtures/*.npz`` (top-k captured from the tiny DFlash drafter
-   inside SGLang on the GPU test bed) is turned into trees by the GPU kernels and by the exact
-   CPU heap; they must agree node for node.
-2. A tiny model pair, end to end: the test bed's deterministic GQA target (seeded, plain torch)
-   and its trained DFlash drafter (``bench/device/weights/drafter.safetensors``), both in plain
-   torch on the forward SGLang runs.  Each round: drafter block forward -> ``topk_logprobs`` ->
+1. Captured tensors: every ``tests/fixtures/*.npz`` (top-k captured from the text pair's DFlash
+   drafter inside SGLang on the GPU test bed) is turned into trees by the GPU kernels and by the
+   exact CPU heap; they must agree node for node.
+2. A tiny model pair, end to end (``--pair``): by default the text pair (``bench/textpair``: a
+   Qwen3 target and its DFlash drafter trained on the Python standard library, 4 held-out
+   prompts); ``--pair gqa`` is the test bed's deterministic permutation-chain GQA target and its
+   drafter.  Both run in plain torch (fp32) on the forward SGLang runs.  Each round: drafter block
+   forward -> ``topk_logprobs`` ->
    ``build_tree`` -> one target forward over the tree (positions start + depth, ancestor-only
    mask) -> ``accept_greedy`` -> commit.  The output must equal the target's own greedy decoding
    token for token; acceptance per round and sibling wins are reported.
@@ -105,6 +107,10 @@ class TinyPair:
         self.depth = M.BLOCK_SIZE - 1
         self.vocab = M.VOCAB
 
+    def prompts(self, g):
+        return [torch.randint(3, self.vocab - 1, (int(n),), generator=g).tolist() for n in (3, 5, 8, 6)]
+
+
     def target_logits(self, ids, pos, mask):
         """Target forward of ids [T] at positions pos [T] with a boolean mask [T, T] -> logits [T, V]."""
         return self.T.target_logits(self.sd, ids[None], pos, mask)[0]
@@ -138,6 +144,32 @@ class TinyPair:
         mask[n:, :n] = True
         mask[n:, n:] = visibility
         return self.target_logits(ids, pos, mask)[n:].argmax(-1)
+
+
+class TextPair(TinyPair):
+    """The text-trained pair (bench/textpair: weights, tokenizer, held-out prompts), same forward.
+
+    bench/textpair/common.install() points the test bed's reference forward at this pair's configs,
+    so one process runs one pair."""
+
+    def __init__(self, drafter_path=None):
+        sys.path.insert(0, os.path.join(ROOT, "bench", "textpair"))
+        import common as C
+        from materialize import load_pair
+        from safetensors.torch import load_file
+        M, T = C.install()
+        self.M, self.T, self.C = M, T, C
+        tgt, drf = load_pair()
+        self.sd = {k: v.float() for k, v in tgt.items()}
+        self.E, self.W = self.sd["model.embed_tokens.weight"], self.sd["lm_head.weight"]
+        self.P = {k: v.float() for k, v in (load_file(drafter_path).items() if drafter_path
+                                             else drf.items())}
+        self.depth = C.BLOCK_SIZE - 1
+        self.vocab = C.VOCAB
+
+    def prompts(self, g):
+        held = json.load(open(self.C.PROMPTS))
+        return [p["ids"] for p in sorted(held, key=lambda p: len(p["ids"]))[:4]]
 
 
 def run_pipeline(pair, prompts, budget, n_new, dev):
@@ -183,7 +215,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--fixtures", default=os.path.join(ROOT, "tests", "fixtures"))
-    ap.add_argument("--drafter", default=None, help="drafter safetensors (default: the test bed's)")
+    ap.add_argument("--pair", choices=("text", "gqa"), default="text",
+                    help="text: the stdlib-trained pair (default); gqa: the test bed's permutation-chain pair")
+    ap.add_argument("--drafter", default=None, help="drafter safetensors (default: the pair's own)")
     ap.add_argument("--json", default=None, help="also write the report here")
     a = ap.parse_args(argv)
     if a.budget < 1 or a.new_tokens < 1:
@@ -205,16 +239,18 @@ def main(argv=None):
               f"identical={r['identical']}  mean max depth {r['mean_max_depth']:.1f}{acc}")
     report["fixtures"] = fx
 
-    print(f"\n[2] tiny GQA target + trained DFlash drafter, budget {a.budget}, {a.new_tokens} new tokens")
-    pair = TinyPair(a.drafter)
+    name = ("text pair (Qwen3 target + DFlash drafter trained on the Python stdlib, held-out prompts)"
+            if a.pair == "text" else "tiny GQA permutation-chain target + trained DFlash drafter")
+    print(f"\n[2] {name}, budget {a.budget}, {a.new_tokens} new tokens")
+    pair = (TextPair if a.pair == "text" else TinyPair)(a.drafter)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, pair.vocab - 1, (int(n),), generator=g).tolist() for n in (3, 5, 8, 6)]
+    prompts = pair.prompts(g)
     t0 = time.perf_counter()
     outs, stats = run_pipeline(pair, prompts, a.budget, a.new_tokens, dev)
     t_spec = time.perf_counter() - t0
     greedy = [pair.greedy(p, a.new_tokens) for p in prompts]
     identical = outs == greedy
-    stats.update(identical_to_greedy=identical, seconds=round(t_spec, 1), budget=a.budget,
+    stats.update(identical_to_greedy=identical, seconds=round(t_spec, 1), budget=a.budget, pair=a.pair,
                  new_tokens=a.new_tokens, requests=len(prompts))
     print(f"  {len(prompts)} requests, {stats['rounds']} batched rounds; tokens per request-round "
           f"{stats['mean_tokens_per_round']:.2f} (accepted + bonus); rounds where a non-first-rank "
