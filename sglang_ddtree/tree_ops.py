@@ -33,21 +33,6 @@ def gather_path_rows(rows: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     return torch.gather(rows.view(bs, N, H), 1, idx.unsqueeze(-1).expand(bs, W, H)).reshape(bs * W, H)
 
 
-def committed_tokens(tree_tokens: torch.Tensor, path: torch.Tensor, accept_len: torch.Tensor,
-                     bonus: torch.Tensor) -> torch.Tensor:
-    """The round's output [bs, W] int64: tokens of the accepted non-root path slots, then the
-    bonus; zeros after it (the scheduler reads the first ``accept_len + 1``)."""
-    bs, W = path.shape
-    idx = path[:, 1:].clamp(min=0).to(torch.int64)
-    toks = torch.gather(tree_tokens, 1, idx)
-    cols = torch.arange(W - 1, device=toks.device).unsqueeze(0)
-    alen = accept_len.to(torch.int64).unsqueeze(1)
-    out = torch.zeros((bs, W), dtype=torch.int64, device=toks.device)
-    out[:, :-1] = torch.where(cols < alen, toks, torch.zeros_like(toks))
-    out.scatter_(1, alen, bonus.to(torch.int64).unsqueeze(1))
-    return out
-
-
 def lcrs_links(parent: torch.Tensor):
     """Parent array [bs, N] (-1 = root / padding) -> (first_child [bs, N], next_sibling [bs, N])
     int64, -1 = none, children in slot order: the ``retrive_next_token`` /

@@ -299,7 +299,8 @@ class DDTreeWorker(DFlashWorkerV2):
         # 6) commit --------------------------------------------------------------------------------
         commit_lens = (accept_len + 1).to(torch.int32)
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
-        out_tokens = tree_ops.committed_tokens(tree.tokens, path, accept_len, bonus)
+        # accepted path tokens, then the bonus; the scheduler reads the first accept_len + 1
+        out_tokens = ddtree.Accept(accept_len, path, bonus).new_tokens(tree).clamp_(min=0)
         move_accept_tokens_to_target_kvcache(
             batch, tree_ops.accept_index_from_path(path, N), accept_len.to(torch.int64),
             batch.token_to_kv_pool_allocator)

@@ -58,7 +58,7 @@ def _random_accept(rng, tree):
 
 
 @pytest.mark.parametrize("budget", [4, 16, 33])
-def test_accept_index_roundtrip_and_committed_tokens(rng, budget):
+def test_accept_index_roundtrip_and_output_tokens(rng, budget):
     tree = _random_trees(rng, 6, 5, budget)
     path, alen, bonus = _random_accept(rng, tree)
     N = tree.tokens.shape[1]
@@ -68,9 +68,7 @@ def test_accept_index_roundtrip_and_committed_tokens(rng, budget):
         for i in range(path.shape[1]):
             assert idx[b, i].item() == (b * N + path[b, i].item() if path[b, i] >= 0 else -1)
     assert torch.equal(tree_ops.path_from_accept_index(idx, N), path)
-    out = tree_ops.committed_tokens(tree.tokens, path, alen, bonus)
-    ref = ddtree.Accept(alen, path, bonus).new_tokens(tree).clamp(min=0)
-    assert torch.equal(out, ref)
+    out = ddtree.Accept(alen, path, bonus).new_tokens(tree)  # the worker's output tokens
     for b in range(path.shape[0]):
         a = alen[b].item()
         assert out[b, : a].tolist() == [tree.tokens[b, path[b, i]].item() for i in range(1, a + 1)]
