@@ -195,8 +195,10 @@ class DDTreeWorker(DFlashWorkerV2):
         spec_info.custom_mask into it becomes a same-address no-op); else a private buffer."""
         runner = self._target_worker.model_runner.decode_cuda_graph_runner
         graph_buf = _find_graph_mask_buffer(self._target_worker.model_runner.attn_backend)
-        if graph_buf is not None and runner is not None and bs <= int(getattr(runner, "max_bs", 0)):
-            return graph_buf[: min(need, graph_buf.numel())]
+        if (graph_buf is not None and runner is not None and bs <= int(getattr(runner, "max_bs", 0))
+                and need <= graph_buf.numel()):
+            # (need is a host upper bound of the mask size, so the kernel never writes past it)
+            return graph_buf[:need]
         if self._own_mask_buf is None or self._own_mask_buf.numel() < need:
             cap = max(need, 2 * (0 if self._own_mask_buf is None else self._own_mask_buf.numel()))
             self._own_mask_buf = torch.empty((cap,), dtype=torch.bool, device=self.device)
