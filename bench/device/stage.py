@@ -10,7 +10,8 @@ NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla | text (the
        graph off);  b<budget>: the DDTree tree budget (verify width budget + 1; default 16);
        nomaskpatch: without patches/decode_graph_spec_info (the target verify graph is captured
        without a mask, the classic mask-dropping bug; such a stage is expected to FAIL when the
-       target's attention matters);  synccheck: count host synchronisations inside every DDTree
+       target's attention matters);  tp<N>: tensor parallel over N GPUs (device kind
+       nvidia-h200-x2 for tp2: the drafter head's sharded top-k + all-gather merge);  synccheck: count host synchronisations inside every DDTree
        round (torch CUDA sync debug mode; recorded, reported, not a pass/fail check).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
@@ -58,6 +59,8 @@ def parse_name(name):
             budget = int(p[1:])
         elif p == "nomaskpatch":  # leave the graph-mask hook out (must then FAIL on a real model)
             os.environ["SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"] = "1"
+        elif p.startswith("tp") and p[2:].isdigit():  # tensor parallel (needs that many GPUs)
+            os.environ["DDTREE_STAGE_TP"] = p[2:]
         elif p == "synccheck":  # count host syncs per DDTree round (worker writes one line per round)
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         else:
@@ -84,6 +87,8 @@ def stage_kwargs(name, models, port):
         port=port,
         nccl_port=port + 7,
     )
+    if os.environ.get("DDTREE_STAGE_TP"):
+        kw["tp_size"] = int(os.environ["DDTREE_STAGE_TP"])
     if mode == "eager":
         kw["disable_cuda_graph"] = True
     else:
