@@ -10,6 +10,8 @@
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
 #   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
+#   ab_<text|gqa|mla>                       bench/ab_serve.py on that pair (alone in its group; set STAGE_CAP,
+#                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
 # $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: copy to .kit/ to
 # reuse next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
 GROUPS_ARG=${1:-"gqa_base_graph"}
@@ -87,6 +89,13 @@ run_stage() {  # name port limit
       local sp=$!
       timeout -k 5 $lim python3 $DEV/http_client.py http://127.0.0.1:$port $((lim-15)) $sp /tmp/models/${pair}_target/perm.json $st $R > $LOG/$st.res 2>&1; rc=$?
       local ch=$(pgrep -P $sp); kill $sp 2>/dev/null; sleep 5; for c in $ch $sp; do kill -9 $c 2>/dev/null; done ;;
+    ab_*)  # the A/B serving benchmark on one pair (run it ALONE in its group: it times servers)
+      local pair=${st#ab_}
+      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --pair $pair --arms ${AB_ARMS:-base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64} \
+        --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} \
+        --deadline $((lim-20)) --port $port --workdir /tmp/abw_$pair --out $OUT/ab_h200_$pair --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
+      tar -czf $OUT/ab_logs_$pair.tgz -C /tmp abw_$pair 2>/dev/null
+      grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
     plugin_probe)
       timeout -k 5 $lim python3 -c "from importlib.metadata import entry_points as e; print([(x.name,x.value) for x in e(group='sglang.srt.plugins')]); from sglang.srt.plugins import load_plugins; load_plugins()" > $LOG/$st.log 2>&1; rc=$?
       tail -5 $LOG/$st.log > $LOG/$st.res ;;
