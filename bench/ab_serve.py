@@ -1234,21 +1234,18 @@ def _render_run(doc, top=True):
                     r.append("-")
             cells.append(f"{t:.0f} ({' / '.join(r)})")
         L.append(f"| {a['name']} | " + " | ".join(cells) + " |")
-    L += ["", f"{h} Latency: TTFT median / p99, ITL median / p99 (ms)", "", hdr, sep]
-    for a in arms:
-        cells = []
-        for c in levels:
-            lv = _level(a, c)
-            cells.append("-" if not lv else f"{_f(lv['median_ttft_ms'])} / {_f(lv['p99_ttft_ms'])} · "
-                                            f"{_f(lv['median_itl_ms'], 2)} / {_f(lv['p99_itl_ms'], 2)}")
-        L.append(f"| {a['name']} | " + " | ".join(cells) + " |")
-    L += ["", f"{h} Accepted tokens per verify round; client ms per decode round", "", hdr, sep]
-    for a in arms:
-        cells = []
-        for c in levels:
-            lv = _level(a, c)
-            cells.append("-" if not lv else f"{_f(lv['accept_length'], 2)} · {_f(lv['ms_per_step'], 2)} ms")
-        L.append(f"| {a['name']} | " + " | ".join(cells) + " |")
+    def level_table(title, cell):
+        """One row per arm, one column per concurrency; cell(level record) -> text."""
+        L.extend(["", f"{h} {title}", "", hdr, sep])
+        for a in arms:
+            L.append(f"| {a['name']} | " + " | ".join(
+                "-" if not lv else cell(lv) for lv in (_level(a, c) for c in levels)) + " |")
+
+    level_table("Latency: TTFT median / p99, ITL median / p99 (ms)",
+                lambda lv: f"{_f(lv['median_ttft_ms'])} / {_f(lv['p99_ttft_ms'])} · "
+                           f"{_f(lv['median_itl_ms'], 2)} / {_f(lv['p99_itl_ms'], 2)}")
+    level_table("Accepted tokens per verify round; client ms per decode round",
+                lambda lv: f"{_f(lv['accept_length'], 2)} · {_f(lv['ms_per_step'], 2)} ms")
     idn = doc.get("identity") or {}
     L += ["", f"{h} Token identity against `{idn.get('reference')}` (same prompt, same concurrency)", ""]
     if idn.get("note"):

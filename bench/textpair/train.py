@@ -34,6 +34,16 @@ import common as C  # noqa: E402
 import pairlib as L  # noqa: E402
 
 
+
+def optimizer_step(opt, loss, params, lr):
+    """One AdamW step at learning rate lr: backward, clip the gradient norm at 1, step."""
+    for grp in opt.param_groups:
+        grp["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
 def rint(lo, hi, shape, g):
     """Seeded integers from a CPU generator whatever the default device is."""
     with torch.device("cpu"):
@@ -80,12 +90,7 @@ def train_target(a, train, held, dev, res):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
             loss = L.lm_loss(T, x, y)
         lr = L.cosine_lr(step, est, a.target_lr, a.warmup)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(T.values(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, T.values(), lr)
         step += 1
         new = timed_steps(step, ts, steps, a.target_seconds)
         if new != steps:
@@ -142,12 +147,7 @@ def train_drafter(a, Tb, buckets, dev, res):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
             loss, ok = L.drafter_loss(D, Tb, seqs[sel], feats[sel], n)
         lr = L.cosine_lr(step, est, a.drafter_lr, a.warmup // 2)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(D.values(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, D.values(), lr)
         step += 1
         new = timed_steps(step, ts, steps, a.drafter_seconds, (200, 400))
         if new != steps:
