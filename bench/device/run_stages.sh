@@ -10,8 +10,10 @@
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
 #   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
-#   ab_<text|gqa|mla>                       bench/ab_serve.py on that pair (alone in its group; set STAGE_CAP,
+#   ab_<text|gqa|mla>                       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
+# A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
+# two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name.
 # $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: copy to .kit/ to
 # reuse next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
 GROUPS_ARG=${1:-"gqa_base_graph"}
@@ -75,8 +77,9 @@ if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/bench/textpair/weights
 fi
 
 # 4. stages ----------------------------------------------------------------------------------
-run_stage() {  # name port limit
-  local st=$1 port=$2 lim=$3 ts=$(date +%s) rc
+run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a multi-GPU machine)
+  local name=$1 port=$2 lim=$3 ts=$(date +%s) rc st=${1%@*}
+  if [ "$name" != "$st" ]; then export CUDA_VISIBLE_DEVICES=${name##*@}; fi
   case $st in
     capture_*)
       timeout -k 5 $lim python3 $DEV/capture_fixtures.py ${st#capture_} /tmp/models $OUT/fixtures $port > $LOG/$st.log 2>&1; rc=$?
@@ -110,13 +113,14 @@ run_stage() {  # name port limit
   local dx=$(grep -a -c 'Executed general plugin: ddtree$' $LOG/$st.log)
   local de=$(grep -a -c 'Failed to execute general plugin: ddtree$' $LOG/$st.log)
   {
-    echo "[$st] rc=$rc took $(( $(date +%s) - ts ))s (ended at $(el)s); test-bed plugin registered in $pids processes" \
+    echo "[$name] rc=$rc took $(( $(date +%s) - ts ))s (ended at $(el)s); test-bed plugin registered in $pids processes" \
          "($sched spawned by SGLang); project entry point ddtree: loaded x$dd, load failed x$df (either = discovered)," \
          "register() ran x$dx, raised x$de"
     cat $LOG/$st.res 2>/dev/null
     grep -a -o "DDTREE-[A-Z]* tree round [0-9]*: bs=[0-9]* draft cuda graph=[A-Za-z]* target verify cuda graph=[A-Za-z]*" $LOG/$st.log | head -3
     if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
   } > $LOG/$st.sum
+  [ "$name" != "$st" ] && mv $LOG/$st.sum $LOG/$name.sum
 }
 
 i=0
