@@ -1104,6 +1104,8 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     doc["elapsed_s"] = round(time.time() - t_start, 1)
     if args.save_output_ids:
         doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in outputs.items()}
+        if token_ids:  # what bench/ab_divergence.py needs to replay any first divergence
+            doc["prompt_ids"] = [p["input_ids"] for p in prompts]
     write_outputs(doc, args.out, plot=not args.no_plot)
     if cfg_path:
         os.remove(cfg_path)
@@ -1261,6 +1263,9 @@ def _render_run(doc, top=True):
         if rs:
             L += ["", f"`{idn['reference']}` against itself at c={rs['level']} (mismatching requests per level): "
                       f"{rs['mismatched_by_concurrency']}."]
+    cls = idn.get("classification")
+    if cls:
+        L += _render_classification(cls, h)
     # stage split
     rows = []
     for a in arms:
@@ -1299,6 +1304,31 @@ def _render_run(doc, top=True):
         L += _render_sweep(doc["kernel_sweep"], h)
     L += ["", f"{h} Definitions", ""] + [f"- {k}: {v}" for k, v in (doc.get("definitions") or {}).items()]
     return L + [""]
+
+
+def _render_classification(cls, h):
+    """bench/ab_divergence.py's verdict on every mismatch (text pair: bf16 near ties vs errors)."""
+    L = ["", f"{h} Why outputs differ: every first divergence classified", "", cls["method"] + ".", "",
+         "| compared | requests | diverged | near ties | errors |", "|---|---:|---:|---:|---:|"]
+    rows = list(cls["arms"].items())
+    r = cls.get("reference_vs_own_first_level")
+    if r:
+        rows.append((f"{cls['reference']} (c>1) vs {cls['reference']} (c={r['level']})", r))
+    for name, d in rows:
+        L.append(f"| {name} | {d['compared']} | {d['diverged']} | {d['near_tie']} | "
+                 f"{'**' + str(d['error']) + '**' if d['error'] else 0} |")
+    errs = [x for _, d in rows for x in d["rows"] if not x.get("near_tie")]
+    if errs:
+        L += ["", "Errors (not a near tie of the target's own top-2):", "",
+              "| arm | c | prompt | index | reference token | arm token | logit gap | target top-2 gap |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for x in errs[:20]:
+            L.append(f"| {x['arm']} | {x['concurrency']} | {x['prompt']} | {x['pos']} | {x.get('ref_tok', '-')} | "
+                     f"{x.get('out_tok', '-')} | {x.get('gap', x.get('note', '-'))} | {x.get('top2_gap', '-')} |")
+    gaps = sorted(x["gap"] for _, d in rows for x in d["rows"] if x.get("near_tie"))
+    if gaps:
+        L += ["", f"Near ties: {len(gaps)}, logit gaps {gaps[0]}-{gaps[-1]} (median {gaps[len(gaps) // 2]})."]
+    return L
 
 
 def _render_sweep(ks, h="##"):

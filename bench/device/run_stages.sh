@@ -10,7 +10,8 @@
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
 #   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
-#   ab_<text|gqa|mla>                       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
+#   sweep                                   bench/ab_serve.py --kernel-sweep-only (GPU tree build vs CPU heap)
+#   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
 # two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name.
@@ -92,13 +93,18 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local sp=$!
       timeout -k 5 $lim python3 $DEV/http_client.py http://127.0.0.1:$port $((lim-15)) $sp /tmp/models/${pair}_target/perm.json $st $R > $LOG/$st.res 2>&1; rc=$?
       local ch=$(pgrep -P $sp); kill $sp 2>/dev/null; sleep 5; for c in $ch $sp; do kill -9 $c 2>/dev/null; done ;;
-    ab_*)  # the A/B serving benchmark on one pair (run it ALONE in its group: it times servers)
-      local pair=${st#ab_}
+    ab_*)  # the A/B serving benchmark on one pair (ALONE on its GPU: it times servers); ab_<pair>-fp32: --dtype float32
+      local spec=${st#ab_}; local pair=${spec%%-*}; local tag=${spec//-/_}; local sa=()
+      [ "$spec" = "$pair-fp32" ] && sa=(--server-args "--dtype float32")
       timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --pair $pair --arms ${AB_ARMS:-base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64} \
-        --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} \
-        --deadline $((lim-20)) --port $port --workdir /tmp/abw_$pair --out $OUT/ab_h200_$pair --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
-      tar -czf $OUT/ab_logs_$pair.tgz -C /tmp abw_$pair 2>/dev/null
+        --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} "${sa[@]}" \
+        --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
+      tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
+    sweep)  # the A/B report's kernel-level part alone: GPU build_tree vs the CPU heap, bs 1..256 (no server)
+      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --kernel-sweep-only --deadline $((lim-15)) --workdir /tmp/abw_sweep \
+        --out $OUT/ab_sweep_h200 --no-progress > $LOG/$st.log 2>&1; rc=$?
+      grep -a -E "kernel sweep|wrote|Error" $LOG/$st.log | tail -10 > $LOG/$st.res ;;
     plugin_probe)
       timeout -k 5 $lim python3 -c "from importlib.metadata import entry_points as e; print([(x.name,x.value) for x in e(group='sglang.srt.plugins')]); from sglang.srt.plugins import load_plugins; load_plugins()" > $LOG/$st.log 2>&1; rc=$?
       tail -5 $LOG/$st.log > $LOG/$st.res ;;

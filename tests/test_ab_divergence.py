@@ -1,0 +1,130 @@
+"""bench/ab_divergence.py: the text-pair mismatch classifier, on the real trained target (CPU, fp32).
+
+Outputs are built here from the target's own fp32 greedy continuation of held-out prompts, then
+perturbed: an arm that takes the target's 2nd choice at its closest top-2 step must be a near tie;
+an arm that takes a low-ranked token must be an error at exactly that index; an identical arm has
+no divergence.  The prompts come from the committed held-out set, and which prompts / steps are used
+is drawn fresh each run.
+"""
+import gzip
+import importlib.util
+import json
+import os
+import random
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+AD = _load("ab_divergence")
+
+
+@pytest.fixture(scope="module")
+def greedy_case():
+    """(prompt ids [n][p], fp32 greedy continuations [n][G], per-step top-2 gaps / 2nd / low-ranked tokens)."""
+    sys.path.insert(0, os.path.join(REPO, "bench", "textpair"))
+    import pairlib as PL
+    from materialize import load_pair
+    T, _ = load_pair()
+    T = {k: v.float() for k, v in T.items()}
+    rng = random.Random()
+    prompts = json.load(open(os.path.join(REPO, "bench", "textpair", "heldout_prompts.json")))
+    p_len, G = 32, 24
+    picks = rng.sample([k for k, p in enumerate(prompts) if len(p["ids"]) >= p_len], 6)
+    ids = torch.tensor([prompts[i]["ids"][-p_len:] for i in picks])
+    seq = ids
+    gaps, second, low = [], [], []
+    with torch.no_grad():
+        for _ in range(G):
+            lg = PL.logits(T, seq)[:, -1].float()
+            order = lg.argsort(-1, descending=True)
+            top = lg.gather(1, order[:, :2])
+            gaps.append((top[:, 0] - top[:, 1]).tolist())
+            second.append(order[:, 1].tolist())
+            low.append(order[:, 100].tolist())
+            seq = torch.cat([seq, order[:, :1]], 1)
+    outs = seq[:, p_len:].tolist()
+    return ids.tolist(), outs, gaps, second, low
+
+
+def _doc(prompt_ids, arms):
+    return {"settings": {"pair": "text", "reference_arm": "base", "num_prompts": len(prompt_ids)},
+            "prompts": {"sha256_16": "-"}, "identity": {"reference": "base"}, "output_ids": arms,
+            "prompt_ids": prompt_ids}
+
+
+def test_classifies_near_tie_error_and_identity(greedy_case, tmp_path):
+    prompt_ids, outs, gaps, second, low = greedy_case
+    n, G = len(outs), len(outs[0])
+    # the closest top-2 step over all prompts: flip it to the 2nd choice
+    gap, j, i = min((gaps[j][i], j, i) for j in range(G) for i in range(n))
+    tie_arm = [list(o) for o in outs]
+    tie_arm[i][j] = second[j][i]
+    err_i, err_j = random.randrange(n), random.randrange(G)
+    err_arm = [list(o) for o in outs]
+    err_arm[err_i][err_j] = low[err_j][err_i]
+    base = {"1": outs, "4": outs}
+    doc = _doc(prompt_ids, {"base": base, "same": {"1": outs, "4": outs},
+                            "tie": {"1": tie_arm, "4": outs}, "err": {"1": outs, "4": err_arm}})
+    cls = AD.classify_doc(doc, prompt_ids, AD.Target())
+    same, tie, err = cls["arms"]["same"], cls["arms"]["tie"], cls["arms"]["err"]
+    assert same["compared"] == 2 * n and same["diverged"] == 0
+    assert err["diverged"] == 1 and err["error"] == 1 and err["near_tie"] == 0
+    row = err["rows"][0]
+    assert (row["concurrency"], row["prompt"], row["pos"]) == (4, err_i, err_j)
+    assert row["ref_tok"] == outs[err_i][err_j] and row["out_tok"] == low[err_j][err_i]
+    assert tie["diverged"] == 1
+    row = tie["rows"][0]
+    assert (row["concurrency"], row["prompt"], row["pos"]) == (1, i, j)
+    assert row["gap"] == pytest.approx(gap, abs=1e-3)
+    # the verdict follows the threshold: near tie iff the flipped pair's gap is within TIE
+    assert row["near_tie"] == (gap <= AD.TIE)
+    assert tie["near_tie" if gap <= AD.TIE else "error"] == 1
+    assert cls["reference_vs_own_first_level"]["diverged"] == 0
+
+
+def test_main_moves_ids_and_renders(greedy_case, tmp_path):
+    prompt_ids, outs, gaps, second, low = greedy_case
+    err = [list(o) for o in outs]
+    err[0][3] = low[3][0]
+    ab = _load("ab_serve")
+    doc = _doc(prompt_ids, {"base": {"1": outs}, "ddtree_b16": {"1": err}})
+    doc.update(kind="ab_serve", meta={}, kernel_sweep=None,
+               arms=[{"name": a, "status": "ok", "levels": []} for a in ("base", "ddtree_b16")])
+    doc["settings"].update(concurrency=[1], model_path="t", draft_model_path="d", max_new_tokens=len(outs[0]),
+                           requests_per_level={"1": len(outs)}, greedy="temperature 0")
+    doc["prompts"].update(count=len(outs), kind="input_ids", mean_input_len=32, source="test")
+    doc["identity"] = ab.identity_check({"base": {1: outs}, "ddtree_b16": {1: err}}, "base")
+    p = tmp_path / "ab_text.json"
+    p.write_text(json.dumps(doc))
+    assert AD.main([str(p)]) == 0
+    out = json.loads(p.read_text())
+    assert "output_ids" not in out and "prompt_ids" not in out
+    assert out["identity"]["classification"]["arms"]["ddtree_b16"]["error"] == 1
+    with gzip.open(tmp_path / "ab_text.ids.json.gz", "rt") as f:
+        ids = json.load(f)
+    assert ids["output_ids"]["ddtree_b16"]["1"] == err and ids["prompt_ids"] == prompt_ids
+    md = (tmp_path / "ab_text.md").read_text()
+    assert "Why outputs differ" in md and "| ddtree_b16 | 6 | 1 | 0 | **1** |" in md
+
+
+def test_refuses_toy_pairs_and_missing_ids(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text(json.dumps({"settings": {"pair": "gqa"}}))
+    with pytest.raises(SystemExit, match="toy pairs"):
+        AD.main([str(p)])
+    p.write_text(json.dumps({"settings": {"pair": "text"}}))
+    with pytest.raises(SystemExit, match="save-output-ids"):
+        AD.main([str(p)])
