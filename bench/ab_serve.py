@@ -28,7 +28,9 @@ radix cache is flushed before each level.  Per request: TTFT (first chunk with a
 several tokens in one chunk; this is ``sglang.bench_serving``'s definition), end-to-end latency,
 output ids and meta_info (completion_tokens, spec_verify_ct).  Per level (field names of
 ``sglang.bench_serving``'s result JSON): output_throughput = total output tokens / wall time of
-the level; TTFT / ITL / TPOT / e2e mean, median, p99; accept_length = sum(completion_tokens) /
+the level; TTFT / ITL / TPOT / e2e mean, median, p99 (each level is run ``--repeats`` times,
+radix cache flushed before each, and the run with the median output_throughput is reported, with
+every run's throughput beside it); accept_length = sum(completion_tokens) /
 sum(spec_verify_ct) (SGLang's spec_accept_length, bonus and prefill token included);
 ms_per_step = (e2e - TTFT) / steps, averaged over requests (steps = spec_verify_ct, or
 completion_tokens - 1 without speculation): the client-side time of one decode round.
@@ -918,28 +920,36 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                 rec.setdefault("skipped_levels", []).append(c)
                 continue
             n = per_level(c)
-            try:
-                http_json(base_url, "POST", "/flush_cache", timeout=30)
-            except Exception:  # noqa: BLE001
-                pass
-            # socket timeout per read: a hung server cannot hold the run much past the deadline
-            tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
-            res, dur, partial = run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
-                                          desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
-            lv = aggregate_level(c, res, dur, prompts[:n], partial)
-            if profile_path:
-                time.sleep(0.2)
-                recs = read_profile(profile_path)
-                lv["stage_profile"] = aggregate_profile(recs[prof_mark:])
-                prof_mark = len(recs)
-                sp = lv["stage_profile"]
-                if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
-                    sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
+            reps = []  # (level record, output ids) per repeat
+            for rep in range(max(1, args.repeats)):
+                if rep and deadline_at is not None and time.time() > deadline_at - 1:
+                    break
+                try:
+                    http_json(base_url, "POST", "/flush_cache", timeout=30)
+                except Exception:  # noqa: BLE001
+                    pass
+                # socket timeout per read: a hung server cannot hold the run much past the deadline
+                tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
+                res, dur, partial = run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
+                                              desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
+                lv = aggregate_level(c, res, dur, prompts[:n], partial)
+                if profile_path:
+                    time.sleep(0.2)
+                    recs = read_profile(profile_path)
+                    lv["stage_profile"] = aggregate_profile(recs[prof_mark:])
+                    prof_mark = len(recs)
+                    sp = lv["stage_profile"]
+                    if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
+                        sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
+                reps.append((lv, [r["output_ids"] if r and r["ok"] else None for r in res]))
+                if partial:
+                    break
+            lv, outputs[c] = pick_repeat(reps)
             rec["levels"].append(lv)
-            outputs[c] = [r["output_ids"] if r and r["ok"] else None for r in res]
-            print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s, TTFT med "
-                  f"{lv['median_ttft_ms']} ms, ITL med {lv['median_itl_ms']} p99 {lv['p99_itl_ms']} ms, "
-                  f"accept {lv['accept_length']}, failed {lv['failed']}{' PARTIAL' if partial else ''}", flush=True)
+            print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s (repeats "
+                  f"{lv['output_throughput_repeats']}), TTFT med {lv['median_ttft_ms']} ms, ITL med "
+                  f"{lv['median_itl_ms']} p99 {lv['p99_itl_ms']} ms, accept {lv['accept_length']}, failed "
+                  f"{lv['failed']}{' PARTIAL' if lv['partial'] else ''}", flush=True)
         if profile_path:
             rec["stage_profile_all"] = aggregate_profile(read_profile(profile_path)[:])
         rec["status"] = "ok" if rec["levels"] and all(lv["failed"] == 0 and not lv["partial"]
@@ -964,6 +974,20 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
     if rec.pop("_interrupted", False):
         raise _ArmInterrupted(rec, outputs)
     return rec, outputs
+
+
+def pick_repeat(reps):
+    """The repeat of a level with the median output throughput (of the complete ones), its outputs,
+    every repeat's throughput, and how many requests' outputs differ between repeats."""
+    full = [r for r in reps if not r[0]["partial"]] or reps
+    ranked = sorted(full, key=lambda r: r[0]["output_throughput"] or 0.0)
+    lv, outs = ranked[(len(ranked) - 1) // 2]
+    lv = dict(lv, repeats=len(reps), median_of=len(full),
+              output_throughput_repeats=[r[0]["output_throughput"] for r in reps],
+              repeat_output_mismatches=sum(1 for _, o in reps for i, x in enumerate(o)
+                                           if x is not None and i < len(outs) and outs[i] is not None
+                                           and x != outs[i]))
+    return lv, outs
 
 
 class _ArmInterrupted(KeyboardInterrupt):
@@ -1053,7 +1077,8 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
                       arms=[a["name"] for a in arms], concurrency=levels, max_new_tokens=args.max_new_tokens,
                       requests_per_level={str(c): per_level(c) for c in levels}, num_prompts=N,
                       greedy="temperature 0, ignore_eos, stream", token_ids=token_ids, server_args=args.server_args,
-                      profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm),
+                      profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm,
+                      repeats=args.repeats),
         prompts=dict(source=source, count=N, kind="input_ids" if token_ids else "text", tokenized_with=how,
                      sha256_16=prompt_digest(prompts),
                      mean_input_len=round(mean([len(p["input_ids"]) if token_ids else len(p["text"])
@@ -1203,7 +1228,8 @@ def _render_run(doc, top=True):
           f"Target `{s['model_path']}`, drafter `{s['draft_model_path']}`. {p['count']} prompts "
           f"({p['kind']}{'; ' + ', '.join(f'{n} {k}' for k, n in kinds.items()) if kinds else ''}; mean input {p['mean_input_len']} {p.get('input_len_unit', '')}; "
           f"sha256 {p['sha256_16']}), {p['source']}. Greedy ({s['greedy']}), max_new_tokens "
-          f"{s['max_new_tokens']}; requests per level {s['requests_per_level']}. "
+          f"{s['max_new_tokens']}; requests per level {s['requests_per_level']}; each level run "
+          f"{s.get('repeats', 1)} time(s), the run with the median output tok/s reported. "
           "Command: `" + " ".join(m.get("argv") or []) + "`.", ""]
     arms = doc["arms"]
     levels = s["concurrency"]
@@ -1243,6 +1269,10 @@ def _render_run(doc, top=True):
             L.append(f"| {a['name']} | " + " | ".join(
                 "-" if not lv else cell(lv) for lv in (_level(a, c) for c in levels)) + " |")
 
+    if any((lv.get("repeats") or 1) > 1 for a in arms for lv in a.get("levels") or []):
+        level_table("Every repeat's output tok/s (the median one is reported above)",
+                    lambda lv: " / ".join(f"{x:.0f}" for x in lv.get("output_throughput_repeats") or []
+                                          if x is not None) or "-")
     level_table("Latency: TTFT median / p99, ITL median / p99 (ms)",
                 lambda lv: f"{_f(lv['median_ttft_ms'])} / {_f(lv['p99_ttft_ms'])} · "
                            f"{_f(lv['median_itl_ms'], 2)} / {_f(lv['p99_itl_ms'], 2)}")
@@ -1263,6 +1293,10 @@ def _render_run(doc, top=True):
         if rs:
             L += ["", f"`{idn['reference']}` against itself at c={rs['level']} (mismatching requests per level): "
                       f"{rs['mismatched_by_concurrency']}."]
+    rep = {a["name"]: sum(lv.get("repeat_output_mismatches") or 0 for lv in a.get("levels") or []) for a in arms}
+    if any((lv.get("repeats") or 1) > 1 for a in arms for lv in a.get("levels") or []):
+        L += ["", "Outputs that differ between the repeats of one arm and level (same server): "
+                  + ", ".join(f"{k} {v}" for k, v in rep.items()) + "."]
     cls = idn.get("classification")
     if cls:
         L += _render_classification(cls, h)
@@ -1402,6 +1436,8 @@ def build_parser():
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), all = N, or a number")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each level (radix cache flushed before each); "
+                                                           "the one with the median output tok/s is reported")
     ap.add_argument("--max-input-tokens", type=int, default=512, help="token-id prompts are cut to this (tail kept)")
     ap.add_argument("--vocab-size", type=int, default=None, help="fold token ids into the vocabulary (ids mode)")
     ap.add_argument("--token-ids", action="store_true", help="send input_ids (tokenized here) + --skip-tokenizer-init")

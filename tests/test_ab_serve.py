@@ -525,3 +525,16 @@ def test_kernel_sweep_logic_on_cpu(tmp_path):
     assert "info" in rows[0]
     assert [(r["bs"], r["budget"], r["D"]) for r in rows[1:]] == [(1, 4, 3), (2, 4, 3)]
     assert all(r["exact"] and r["gpu_us"] > 0 and r["cpu_heap_us"] > 0 for r in rows[1:])
+
+
+def test_pick_repeat_reports_the_median_run_and_repeat_mismatches():
+    def lv(t, partial=False):
+        return {"output_throughput": t, "partial": partial}
+    a, b = [[1, 2], [3]], [[1, 2], [4]]
+    got, outs = ab.pick_repeat([(lv(900.0), a), (lv(100.0), b), (lv(500.0), a)])
+    assert got["output_throughput"] == 500.0 and outs == a
+    assert got["output_throughput_repeats"] == [900.0, 100.0, 500.0] and got["repeats"] == 3
+    assert got["repeat_output_mismatches"] == 1  # the 100 tok/s run's second request
+    # a partial run is never the reported one while a complete run exists; an even count takes the lower middle
+    got, _ = ab.pick_repeat([(lv(50.0, True), a), (lv(300.0), a), (lv(200.0), a)])
+    assert got["output_throughput"] == 200.0 and got["median_of"] == 2

@@ -14,7 +14,9 @@
 #   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
-# two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name.
+# two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name:
+# ab_<pair>-<tag> is the same pair under another name (its arms from AB_ARMS_<tag> when set; tag fp32 also
+# adds --dtype float32), e.g. AB_ARMS_1=base,dflash AB_ARMS_2=base,ddtree_b16 "ab_gqa-1@0 ab_gqa-2@1".
 # $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: copy to .kit/ to
 # reuse next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
 GROUPS_ARG=${1:-"gqa_base_graph"}
@@ -96,7 +98,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
     ab_*)  # the A/B serving benchmark on one pair (ALONE on its GPU: it times servers); ab_<pair>-fp32: --dtype float32
       local spec=${st#ab_}; local pair=${spec%%-*}; local tag=${spec//-/_}; local sa=()
       [ "$spec" = "$pair-fp32" ] && sa=(--server-args "--dtype float32")
-      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --pair $pair --arms ${AB_ARMS:-base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64} \
+      local arms_var=AB_ARMS_${spec#$pair}; arms_var=${arms_var//-/}  # ab_gqa-2 reads AB_ARMS_2, if set
+      local arms=${!arms_var:-${AB_ARMS:-base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64}}
+      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --pair $pair --arms $arms \
         --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} "${sa[@]}" \
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
