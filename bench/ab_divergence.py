@@ -13,7 +13,7 @@ target's greedy output).  The reference arm against itself across concurrencies 
 numerics of plain bf16 decoding) is classified the same way.
 
 The prompts' token ids come from ``AB_JSON["prompt_ids"]`` (runs of this version of ab_serve.py),
-else they are regenerated with ``ab_serve.make_prompts`` under ``--prompts-python`` (the stdlib that
+else from ``--prompts-file`` (``ab_serve.py --save-prompts``), else they are regenerated with ``ab_serve.make_prompts`` under ``--prompts-python`` (the stdlib that
 generated them, e.g. the GPU host's Python) and checked against the run's sha256.
 
 Writes ``identity.classification`` into AB_JSON, moves ``output_ids`` (and ``prompt_ids``) to
@@ -39,14 +39,16 @@ TIE = 0.15  # = bench/text_divergence.TIE (logit units: a few bf16 spacings of t
 def regenerate_prompt_ids(doc: dict, python: str) -> list:
     """Token ids of the run's prompts, rebuilt under ``python`` and checked against its sha256."""
     s = doc["settings"]
-    code = (
+    code = (  # the texts come from that interpreter's stdlib; the tokenizer runs here (tokenizers package)
         "import json,sys; sys.path.insert(0, %r); import ab_serve as AB\n"
         "p = AB.make_prompts(%d, '{prompt}', files=AB.textpair_heldout_files())[:%d]\n"
-        "AB.tokenize_prompts(p, %r, 512)\n"
-        "print(json.dumps([x['input_ids'] for x in p]))\n" % (HERE, s["num_prompts"], s["num_prompts"],
-                                                            os.path.join(HERE, "textpair", "tokenizer")))
+        "print(json.dumps([x['text'] for x in p]))\n" % (HERE, s["num_prompts"], s["num_prompts"]))
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
-    ids = json.loads(out)
+    prompts = [{"text": t} for t in json.loads(out)]
+    how = AB.tokenize_prompts(prompts, os.path.join(HERE, "textpair", "tokenizer"), 512)
+    if how != "tokenizer.json":
+        raise SystemExit("the text pair's tokenizer could not be loaded (is the tokenizers package installed?)")
+    ids = [p["input_ids"] for p in prompts]
     got = AB.prompt_digest([{"input_ids": x} for x in ids])
     if got != doc["prompts"]["sha256_16"]:
         raise SystemExit(f"prompts rebuilt under {python} have sha256 {got}, the run's are "
@@ -124,6 +126,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("ab_json")
     ap.add_argument("--prompts-python", default=sys.executable)
+    ap.add_argument("--prompts-file", default=None, help="the run's prompts as JSON lines with input_ids "
+                                                         "(ab_serve.py --save-prompts), checked by sha256")
     ap.add_argument("--ids-out", default=None, help="gzip JSON for output_ids / prompt_ids (default: AB_JSON "
                                                     "with .ids.json.gz)")
     a = ap.parse_args(argv)
@@ -132,7 +136,16 @@ def main(argv=None):
         raise SystemExit("only the text pair has an fp32 reference here (the toy pairs are checked exactly)")
     if "output_ids" not in doc:
         raise SystemExit(f"{a.ab_json} has no output_ids: run ab_serve.py with --save-output-ids")
-    prompt_ids = doc.get("prompt_ids") or regenerate_prompt_ids(doc, a.prompts_python)
+    if doc.get("prompt_ids"):
+        prompt_ids = doc["prompt_ids"]
+    elif a.prompts_file:
+        prompt_ids = [json.loads(x)["input_ids"] for x in open(a.prompts_file) if x.strip()]
+        prompt_ids = prompt_ids[: doc["settings"]["num_prompts"]]
+        got = AB.prompt_digest([{"input_ids": x} for x in prompt_ids])
+        if got != doc["prompts"]["sha256_16"]:
+            raise SystemExit(f"{a.prompts_file} has sha256 {got}, the run's prompts {doc['prompts']['sha256_16']}")
+    else:
+        prompt_ids = regenerate_prompt_ids(doc, a.prompts_python)
     cls = classify_doc(doc, prompt_ids, Target())
     doc["identity"]["classification"] = cls
     base = a.ab_json[:-5] if a.ab_json.endswith(".json") else a.ab_json

@@ -128,3 +128,28 @@ def test_refuses_toy_pairs_and_missing_ids(tmp_path):
     p.write_text(json.dumps({"settings": {"pair": "text"}}))
     with pytest.raises(SystemExit, match="save-output-ids"):
         AD.main([str(p)])
+
+
+def test_prompts_file_is_checked_against_the_runs_digest(greedy_case, tmp_path):
+    prompt_ids, outs, gaps, second, low = greedy_case
+    ab = _load("ab_serve")
+    doc = _doc(prompt_ids, {"base": {"1": outs}, "ddtree_b16": {"1": outs}})
+    del doc["prompt_ids"]
+    doc.update(kind="ab_serve", meta={}, kernel_sweep=None,
+               arms=[{"name": a, "status": "ok", "levels": []} for a in ("base", "ddtree_b16")])
+    doc["settings"].update(concurrency=[1], model_path="t", draft_model_path="d", max_new_tokens=len(outs[0]),
+                           requests_per_level={"1": len(outs)}, greedy="temperature 0")
+    doc["prompts"].update(count=len(outs), kind="input_ids", mean_input_len=32, source="test",
+                          sha256_16=ab.prompt_digest([{"input_ids": x} for x in prompt_ids]))
+    doc["identity"] = ab.identity_check({"base": {1: outs}, "ddtree_b16": {1: outs}}, "base")
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text("".join(json.dumps({"input_ids": x}) + "\n" for x in prompt_ids))
+    p = tmp_path / "ab_text.json"
+    p.write_text(json.dumps(doc))
+    assert AD.main([str(p), "--prompts-file", str(pf)]) == 0
+    assert json.loads(p.read_text())["identity"]["classification"]["arms"]["ddtree_b16"]["diverged"] == 0
+    pf.write_text("".join(json.dumps({"input_ids": x[1:]}) + "\n" for x in prompt_ids))  # not the run's prompts
+    doc["output_ids"] = {"base": {"1": outs}}
+    p.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="sha256"):
+        AD.main([str(p), "--prompts-file", str(pf)])

@@ -11,6 +11,7 @@
 #   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
 #   sweep                                   bench/ab_serve.py --kernel-sweep-only (GPU tree build vs CPU heap)
+#   prompts_<pair>                          the A/B prompts this host generates for the pair -> $OUT/prompts_<pair>.jsonl
 #   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
@@ -105,6 +106,10 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
+    prompts_*)  # the A/B prompts of a pair as this host's stdlib generates them (JSON lines with input_ids)
+      timeout -k 5 $lim python3 $REPO/bench/ab_serve.py --pair ${st#prompts_} --num-prompts ${AB_PROMPTS:-128} --dry-run \
+        --no-env-probe --save-prompts $OUT/prompts_${st#prompts_}.jsonl > $LOG/$st.log 2>&1; rc=$?
+      tail -1 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
     sweep)  # the A/B report's kernel-level part alone: GPU build_tree vs the CPU heap, bs 1..256 (no server)
       timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --kernel-sweep-only --deadline $((lim-15)) --workdir /tmp/abw_sweep \
         --out $OUT/ab_sweep_h200 --no-progress > $LOG/$st.log 2>&1; rc=$?
