@@ -28,7 +28,8 @@ def _runs(doc):
 def _title(run):
     s = run.get("settings") or {}
     if s.get("pair"):
-        return f"tiny {s['pair']} pair"
+        return {"text": "text pair"}.get(s["pair"], f"tiny {s['pair']} pair") + \
+            (f", run {run['run_id']}" if run.get("run_id") else "")
     return os.path.basename(str(s.get("model_path") or "")) or "run"
 
 

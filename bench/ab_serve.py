@@ -1194,11 +1194,90 @@ def _level(arm, c):
     return None
 
 
+PAIR_TITLES = {"text": "text-trained pair (bench/textpair)", "gqa": "tiny GQA pair", "mla": "tiny MLA + MoE pair"}
+
+
+def _identity_cell(run, arm_name):
+    """'identical (n)', or 'k of n differ' (+ the text pair's classification)."""
+    idn = (run.get("identity") or {})
+    if arm_name == idn.get("reference"):
+        return "reference"
+    d = (idn.get("arms") or {}).get(arm_name)
+    if not d or not d.get("compared"):
+        return "-"
+    if not d["mismatched"]:
+        return f"identical ({d['compared']})"
+    txt = f"{d['mismatched']} of {d['compared']} differ"
+    c = ((idn.get("classification") or {}).get("arms") or {}).get(arm_name)
+    if c:
+        txt += (f": all {c['near_tie']} near ties" if not c["error"] else
+                f": {c['near_tie']} near ties, **{c['error']} errors**")
+    return txt
+
+
+def summary_rows(doc: dict) -> List[dict]:
+    """One row per (run, arm) of a merged (or single) result: pair, run id, output tok/s per concurrency,
+    x base of the same run, accept length, identity."""
+    rows = []
+    for run in _runs(doc):
+        s = run.get("settings") or {}
+        arms = run.get("arms") or []
+        by = {a["name"]: a for a in arms}
+        for a in arms:
+            if a.get("status") == "skipped":  # never started (deadline): measured in another run, if at all
+                continue
+            cells = {}
+            for c in s.get("concurrency") or []:
+                lv, blv = _level(a, c), _level(by["base"], c) if "base" in by else None
+                t = lv.get("output_throughput") if lv and not lv.get("partial") else None
+                bt = blv.get("output_throughput") if blv and not blv.get("partial") else None
+                cells[c] = dict(tput=t, x_base=(t / bt) if t and bt else None,
+                                accept=lv.get("accept_length") if lv else None)
+            rows.append(dict(pair=s.get("pair"), run=run.get("run_id", "1"), arm=a["name"], levels=cells,
+                             identity=_identity_cell(run, a["name"]), status=a.get("status")))
+    return rows
+
+
+def render_summary(doc: dict, h: str = "##", stamp: bool = True) -> List[str]:
+    """Per pair: every arm of every run, output tok/s (x the same run's base) at each concurrency,
+    accepted tokens per round, and the token-identity verdict.  The README's results table."""
+    rows = summary_rows(doc)
+    L = []
+    for pair in dict.fromkeys(r["pair"] for r in rows):
+        pr = [r for r in rows if r["pair"] == pair]
+        levels = sorted({c for r in pr for c in r["levels"]})
+        nruns = len({r["run"] for r in pr})
+        L += [f"{h} {PAIR_TITLES.get(pair, pair)}", "",
+              "| arm | " + ("run | " if nruns > 1 else "") + " | ".join(f"c={c}" for c in levels)
+              + " | accepted / round | outputs vs base |",
+              "|---|" + ("---|" if nruns > 1 else "") + "---:|" * len(levels) + "---:|---|"]
+        for r in pr:
+            cells = []
+            for c in levels:
+                v = r["levels"].get(c) or {}
+                if v.get("tput") is None:
+                    cells.append("-")
+                elif r["arm"] == "base":
+                    cells.append(f"{v['tput']:.0f}")
+                else:
+                    cells.append(f"{v['tput']:.0f} ({_f(v.get('x_base'), 2)}x)")
+            acc = [r["levels"][c].get("accept") for c in levels if (r["levels"].get(c) or {}).get("accept")]
+            acc_txt = f"{min(acc):.2f}-{max(acc):.2f}" if acc and min(acc) != max(acc) else (f"{acc[0]:.2f}" if acc else "-")
+            L.append(f"| {r['arm']} | " + (f"{r['run']} | " if nruns > 1 else "") + " | ".join(cells)
+                     + f" | {acc_txt} | {r['identity']} |")
+        L.append("")
+    return L
+
+
 def render_markdown(doc: dict) -> str:
     L = []
     runs = _runs(doc)
     if doc.get("kind") == "ab_serve_merged":
-        L += ["# A/B serving benchmark", "", f"{len(runs)} runs merged by `python bench/ab_serve.py --merge`.", ""]
+        L += ["# A/B serving benchmark", "", f"{len(runs)} runs merged by `python bench/ab_serve.py --merge`. "
+              "Output tokens per second at each concurrency (x the base arm of the same run: runs are never "
+              "compared with each other), accepted tokens per verify round, and whether every output equals "
+              "the base arm's. Details of each run follow the summary.", ""]
+        L += ["## Summary", ""] + render_summary(doc, h="###")
     for run in runs:
         L += _render_run(run, top=doc.get("kind") != "ab_serve_merged")
     ks = doc.get("kernel_sweep") if doc.get("kind") == "ab_serve_merged" else None
@@ -1222,7 +1301,8 @@ def _render_run(doc, top=True):
         if doc.get("kernel_sweep"):
             L += _render_sweep(doc["kernel_sweep"], h)
         return L + [""]
-    L = [("# " if top else "## ") + f"A/B serving benchmark: {title}", ""]
+    L = [("# " if top else "## ") + f"A/B serving benchmark: {title}"
+         + (f", run {doc['run_id']}" if doc.get("run_id") else ""), ""]
     kinds = {k: n for k, n in (p.get("kinds") or {}).items() if n}
     L += [f"{stamp} · {doc.get('elapsed_s')} s", "",
           f"Target `{s['model_path']}`, drafter `{s['draft_model_path']}`. {p['count']} prompts "
@@ -1412,7 +1492,12 @@ def merge(out: str, paths: List[str]):
                 sweep = r["kernel_sweep"]
             if r.get("arms"):  # a --kernel-sweep-only run contributes its sweep only
                 runs.append(r)
-    doc = dict(kind="ab_serve_merged", runs=runs, kernel_sweep=sweep, sources=paths)
+    count = {}
+    for r in runs:  # run ids per pair: text-1, text-2, ...
+        pair = (r.get("settings") or {}).get("pair") or "run"
+        count[pair] = count.get(pair, 0) + 1
+        r["run_id"] = str(count[pair])
+    doc = dict(kind="ab_serve_merged", runs=runs, kernel_sweep=sweep, sources=[os.path.basename(p) for p in paths])
     for r in runs:  # the sweep is reported once, at the end
         r.pop("kernel_sweep", None)
     write_outputs(doc, out, plot=True)
@@ -1470,6 +1555,7 @@ def build_parser():
     ap.add_argument("--no-env-probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", metavar="JSON", help="rewrite JSON's markdown (and nothing else)")
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), help="OUT a.json b.json ...: one report")
+    ap.add_argument("--summary", metavar="JSON", help="print the summary tables of a result (the README's table)")
     ap.add_argument("--kernel-sweep-child", metavar="JSONL", help=argparse.SUPPRESS)
     return ap
 
@@ -1484,6 +1570,9 @@ def main(argv=None):
         with open(out + ".md", "w") as f:
             f.write(render_markdown(doc))
         print(f"wrote {out}.md")
+        return 0
+    if args.summary:
+        print("\n".join(render_summary(json.load(open(args.summary)), h="####")).rstrip())
         return 0
     if args.merge:
         if len(args.merge) < 2:

@@ -367,10 +367,22 @@ def test_merge_and_plot(tmp_path):
     d["kernel_sweep"] = sweep
     json.dump(d, open(a, "w"))
     out = str(tmp_path / "merged")
-    pytest.importorskip("matplotlib")
     ab.main(["--merge", out, a, a])
     md = open(out + ".md").read()
     assert md.count("A/B serving benchmark: no_model") == 2 and "GPU tree build vs the CPU heap" in md
+    # the summary: every (run, arm), tok/s with x the same run's base, the identity verdict
+    merged = json.load(open(out + ".json"))
+    assert [r["run_id"] for r in merged["runs"]] == ["1", "2"]
+    rows = ab.summary_rows(merged)
+    assert [(r["run"], r["arm"]) for r in rows] == [("1", "base"), ("1", "ddtree_b16"), ("2", "base"),
+                                                    ("2", "ddtree_b16")]
+    r = rows[1]
+    base = merged["runs"][0]["arms"][0]["levels"][0]["output_throughput"]
+    assert r["levels"][1]["x_base"] == pytest.approx(r["levels"][1]["tput"] / base)
+    assert r["identity"] == "identical (16)"
+    assert "## Summary" in md and "| ddtree_b16 | 1 | " in md and "identical (16) |" in md
+    ab.main(["--summary", out + ".json"])
+    pytest.importorskip("matplotlib")
     assert os.path.getsize(out + ".png") > 10000
     plot = _load("ab_plot")
     plot.main([a])
