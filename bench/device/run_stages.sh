@@ -153,8 +153,14 @@ for grp in "${GRPS[@]}"; do
 done
 
 # 5. bring back results, logs, fixtures and JIT caches ----------------------------------------
-python3 $DEV/stage.py summarize $R 2>&1 | tee -a $S
+[ -f $R ] && python3 $DEV/stage.py summarize $R 2>&1 | tee -a $S
 [ -d $OUT/fixtures ] && tar -cf $OUT/fixtures.tar -C $OUT fixtures && rm -rf $OUT/fixtures
 tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
 (cd / && { find tmp/tvmcache -name '*.so'; find tmp/tritoncache -type f; } > /tmp/cachelist; tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
 echo "== end at $(el)s; cache $(du -h $OUT/cache.tar.xz | cut -f1)" | tee -a $S
+# at most 8 files come back from $OUT: bundle the rest (A/B reports, prompts, sweep) into one tar
+if [ $(find $OUT -maxdepth 1 -type f | wc -l) -gt 8 ]; then
+  (cd $OUT && find . -maxdepth 1 -type f ! -name summary.txt ! -name cache.tar.xz ! -name logs.tar.gz ! -name results.jsonl \
+     -printf '%f\n' > /tmp/bundle.list && tar -cf bundle.tar -T /tmp/bundle.list && xargs rm -f < /tmp/bundle.list)
+  echo "bundled into bundle.tar: $(tr '\n' ' ' < /tmp/bundle.list)"
+fi
