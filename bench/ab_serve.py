@@ -1422,7 +1422,9 @@ def _render_run(doc, top=True):
 
 def _render_classification(cls, h):
     """bench/ab_divergence.py's verdict on every mismatch (text pair: bf16 near ties vs errors)."""
-    L = ["", f"{h} Why outputs differ: every first divergence classified", "", cls["method"] + ".", "",
+    cal = cls.get("calibration") or {}
+    L = ["", f"{h} Why outputs differ: every first divergence classified", "", cls["method"] + "."
+         + (f" Noise quantiles over {cal['positions']} positions: {cal['quantiles']}." if cal else ""), "",
          "| compared | requests | diverged | near ties | errors |", "|---|---:|---:|---:|---:|"]
     rows = list(cls["arms"].items())
     r = cls.get("reference_vs_own_first_level")
@@ -1433,15 +1435,17 @@ def _render_classification(cls, h):
                  f"{'**' + str(d['error']) + '**' if d['error'] else 0} |")
     errs = [x for _, d in rows for x in d["rows"] if not x.get("near_tie")]
     if errs:
-        L += ["", "Errors (not a near tie of the target's own top-2):", "",
-              "| arm | c | prompt | index | reference token | arm token | logit gap | target top-2 gap |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        L += ["", "Errors (a token outside the noise band of the target's top logit):", "",
+              "| arm | c | prompt | index | reference token | arm token | logit gap | below top | target top-2 gap |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for x in errs[:20]:
             L.append(f"| {x['arm']} | {x['concurrency']} | {x['prompt']} | {x['pos']} | {x.get('ref_tok', '-')} | "
-                     f"{x.get('out_tok', '-')} | {x.get('gap', x.get('note', '-'))} | {x.get('top2_gap', '-')} |")
-    gaps = sorted(x["gap"] for _, d in rows for x in d["rows"] if x.get("near_tie"))
+                     f"{x.get('out_tok', '-')} | {x.get('gap', x.get('note', '-'))} | {x.get('below_top', '-')} | "
+                     f"{x.get('top2_gap', '-')} |")
+    gaps = sorted(x.get("below_top", x["gap"]) for _, d in rows for x in d["rows"] if x.get("near_tie"))
     if gaps:
-        L += ["", f"Near ties: {len(gaps)}, logit gaps {gaps[0]}-{gaps[-1]} (median {gaps[len(gaps) // 2]})."]
+        L += ["", f"Near ties: {len(gaps)}; the lower token's distance below the top fp32 logit "
+                  f"{gaps[0]}-{gaps[-1]} (median {gaps[len(gaps) // 2]})."]
     return L
 
 
