@@ -9,7 +9,8 @@ agree on prompt + out[:j], then the reference emits a and the arm emits b.  The 
 trained target (bench/textpair weights) on that common prefix gives the logits of a and b.  As in
 ``bench/text_divergence.py``, the divergence is a *near tie* when both a and b are within NOISE of
 the target's top fp32 logit at that position (so bf16 arithmetic can rank either first); anything
-else is an *error* (the arm's output is not the target's greedy output).  NOISE is measured on the
+else is an *error* (the arm's output is not the target's greedy output).  DDTREE-CPU and DDTREE-GPU arms of the same budget are also compared with
+each other (same trees, so the same outputs up to batch-dependent bf16 numerics).  NOISE is measured on the
 run's own contexts (prompt + the reference arm's output, up to 32 requests): the same trained
 weights run once in fp32 and once with bf16 activations (every matmul, norm and rope rounded to bf16
 as SGLang's bf16 kernels do), and NOISE is the 99.9th percentile of |gap_bf16 - gap_fp32| between
@@ -161,6 +162,15 @@ def classify_doc(doc: dict, prompt_ids: list, target, noise: float = None) -> di
         pairs = [(arm, int(c), i, R.get(int(c), [])[i] if i < len(R.get(int(c), [])) else None, x)
                  for c, ids in by_c.items() for i, x in enumerate(ids)]
         cls["arms"][arm] = classify_pairs(pairs, prompt_ids, target, noise)
+    cls["cpu_vs_gpu"] = []  # DDTREE-CPU vs DDTREE-GPU at the same budget: same trees, so same outputs
+    for arm in outs:
+        if arm.startswith("ddtreecpu_b") and "ddtree_b" + arm[len("ddtreecpu_b"):] in outs:
+            gpu = "ddtree_b" + arm[len("ddtreecpu_b"):]
+            same = {c: sum(1 for x, y in zip(ids, outs[gpu].get(c, [])) if x is not None and x == y)
+                    for c, ids in outs[arm].items()}
+            n = sum(min(len(ids), len(outs[gpu].get(c, []))) for c, ids in outs[arm].items())
+            cls["cpu_vs_gpu"].append(dict(cpu=arm, gpu=gpu, compared=n, identical=sum(same.values()),
+                                          identical_by_concurrency=same))
     cs = sorted(R)
     if len(cs) > 1:  # the reference against its own first level
         pairs = [(f"{ref}@c={c}", c, i, R[cs[0]][i], R[c][i]) for c in cs[1:]

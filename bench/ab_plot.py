@@ -38,7 +38,7 @@ def _tput_panel(ax, run):
     styles = {"base": dict(color="black", lw=2.2), "dflash": dict(color="#888888", lw=2.2, ls="--")}
     for a in run.get("arms") or []:
         pts = [(lv["concurrency"], lv["output_throughput"]) for lv in a.get("levels") or []
-               if lv.get("output_throughput") and not lv.get("partial")]
+               if lv.get("output_throughput") and not lv.get("partial") and not lv.get("invalid")]
         if not pts:
             continue
         xs, ys = zip(*pts)

@@ -1187,6 +1187,11 @@ def _runs(doc):
     return doc["runs"] if doc.get("kind") == "ab_serve_merged" else [doc]
 
 
+def _valid(lv) -> bool:
+    """A complete level that was not marked invalid (``merge --invalid``: a measurement known to be broken)."""
+    return bool(lv) and not lv.get("partial") and not lv.get("invalid")
+
+
 def _level(arm, c):
     for lv in arm.get("levels") or []:
         if lv["concurrency"] == c:
@@ -1229,10 +1234,11 @@ def summary_rows(doc: dict) -> List[dict]:
             cells = {}
             for c in s.get("concurrency") or []:
                 lv, blv = _level(a, c), _level(by["base"], c) if "base" in by else None
-                t = lv.get("output_throughput") if lv and not lv.get("partial") else None
-                bt = blv.get("output_throughput") if blv and not blv.get("partial") else None
+                t = lv.get("output_throughput") if _valid(lv) else None
+                bt = blv.get("output_throughput") if _valid(blv) else None
                 cells[c] = dict(tput=t, x_base=(t / bt) if t and bt else None,
-                                accept=lv.get("accept_length") if lv else None)
+                                accept=lv.get("accept_length") if lv else None,
+                                invalid=bool(lv and lv.get("invalid")))
             rows.append(dict(pair=s.get("pair"), run=run.get("run_id", "1"), arm=a["name"], levels=cells,
                              identity=_identity_cell(run, a["name"]), status=a.get("status")))
     return rows
@@ -1255,7 +1261,9 @@ def render_summary(doc: dict, h: str = "##", stamp: bool = True) -> List[str]:
             cells = []
             for c in levels:
                 v = r["levels"].get(c) or {}
-                if v.get("tput") is None:
+                if v.get("invalid"):
+                    cells.append("invalid")
+                elif v.get("tput") is None:
                     cells.append("-")
                 elif r["arm"] == "base":
                     cells.append(f"{v['tput']:.0f}")
@@ -1320,7 +1328,7 @@ def _render_run(doc, top=True):
     def tput(name, c):
         a = by.get(name)
         lv = _level(a, c) if a else None
-        return lv.get("output_throughput") if lv and not lv.get("partial") else None
+        return lv.get("output_throughput") if _valid(lv) else None
 
     L += [f"{h} Output tokens per second (x base, x dflash)", "", hdr, sep]
     for a in arms:
@@ -1329,7 +1337,8 @@ def _render_run(doc, top=True):
             t = tput(a["name"], c)
             if t is None:
                 lv = _level(a, c)
-                cells.append("partial" if lv and lv.get("partial") else "-")
+                cells.append("partial" if lv and lv.get("partial") else
+                             f"invalid{'' if lv is None else ': ' + str(lv.get('invalid'))[:60]}" if lv else "-")
                 continue
             r = []
             for ref in ("base", "dflash"):
@@ -1433,6 +1442,10 @@ def _render_classification(cls, h):
     for name, d in rows:
         L.append(f"| {name} | {d['compared']} | {d['diverged']} | {d['near_tie']} | "
                  f"{'**' + str(d['error']) + '**' if d['error'] else 0} |")
+    for pair in cls.get("cpu_vs_gpu") or []:
+        L += ["", f"`{pair['cpu']}` and `{pair['gpu']}` (the CPU heap and the GPU kernels build the same trees): "
+                  f"{pair['identical']} of {pair['compared']} outputs identical; by concurrency "
+                  f"{pair['identical_by_concurrency']}."]
     errs = [x for _, d in rows for x in d["rows"] if not x.get("near_tie")]
     if errs:
         L += ["", "Errors (a token outside the noise band of the target's top logit):", "",
@@ -1487,7 +1500,9 @@ def write_outputs(doc: dict, out: str, plot: bool = True):
     print(f"wrote {out}.json, {out}.md", flush=True)
 
 
-def merge(out: str, paths: List[str]):
+def merge(out: str, paths: List[str], invalid: Optional[List[List[str]]] = None):
+    """One report from several runs.  invalid: [source file name, arm, concurrency, reason] entries that
+    mark a measured level as broken (kept in the JSON, left out of every ratio)."""
     runs, sweep = [], None
     for p in paths:
         d = json.load(open(p))
@@ -1496,6 +1511,17 @@ def merge(out: str, paths: List[str]):
                 sweep = r["kernel_sweep"]
             if r.get("arms"):  # a --kernel-sweep-only run contributes its sweep only
                 runs.append(r)
+    marks = {}
+    for src, arm, c, why in invalid or []:
+        marks.setdefault(src, []).append((arm, int(c), why))
+    for p, r in zip(_run_sources(paths), runs):
+        for arm, c, why in marks.pop(p, []):
+            lv = next((_level(a, c) for a in r["arms"] if a["name"] == arm), None)
+            if lv is None:
+                raise SystemExit(f"--invalid {p} {arm} {c}: no such level")
+            lv["invalid"] = why
+    if marks:
+        raise SystemExit(f"--invalid names files that were not merged: {sorted(marks)}")
     count = {}
     for r in runs:  # run ids per pair: text-1, text-2, ...
         pair = (r.get("settings") or {}).get("pair") or "run"
@@ -1506,6 +1532,14 @@ def merge(out: str, paths: List[str]):
         r.pop("kernel_sweep", None)
     write_outputs(doc, out, plot=True)
     return doc
+
+
+def _run_sources(paths: List[str]) -> List[str]:
+    """The source file name of each run merge() collects, in its order."""
+    out = []
+    for p in paths:
+        out += [os.path.basename(p) for r in _runs(json.load(open(p))) if r.get("arms")]
+    return out
 
 
 def build_parser():
@@ -1559,6 +1593,8 @@ def build_parser():
     ap.add_argument("--no-env-probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", metavar="JSON", help="rewrite JSON's markdown (and nothing else)")
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), help="OUT a.json b.json ...: one report")
+    ap.add_argument("--invalid", nargs=4, action="append", metavar=("FILE", "ARM", "C", "REASON"),
+                    help="with --merge: mark one measured level of FILE (a merged file's name) as broken")
     ap.add_argument("--summary", metavar="JSON", help="print the summary tables of a result (the README's table)")
     ap.add_argument("--kernel-sweep-child", metavar="JSONL", help=argparse.SUPPRESS)
     return ap
@@ -1581,7 +1617,7 @@ def main(argv=None):
     if args.merge:
         if len(args.merge) < 2:
             raise SystemExit("--merge OUT a.json [b.json ...]")
-        merge(args.merge[0], args.merge[1:])
+        merge(args.merge[0], args.merge[1:], args.invalid)
         return 0
     if args.kernel_sweep_only:
         tmp = args.workdir or tempfile.mkdtemp(prefix="ab_sweep_")

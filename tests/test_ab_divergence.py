@@ -158,3 +158,14 @@ def test_prompts_file_is_checked_against_the_runs_digest(greedy_case, tmp_path):
     p.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match="sha256"):
         AD.main([str(p), "--prompts-file", str(pf)])
+
+
+def test_cpu_vs_gpu_same_budget_is_compared(greedy_case):
+    prompt_ids, outs, gaps, second, low = greedy_case
+    other = [list(o) for o in outs]
+    other[1][2] = low[2][1]
+    doc = _doc(prompt_ids, {"base": {"1": outs}, "ddtreecpu_b16": {"1": outs}, "ddtree_b16": {"1": other},
+                            "ddtree_b8": {"1": outs}})
+    cls = AD.classify_doc(doc, prompt_ids, AD.Target(), noise=0.2)
+    assert cls["cpu_vs_gpu"] == [dict(cpu="ddtreecpu_b16", gpu="ddtree_b16", compared=len(outs),
+                                      identical=len(outs) - 1, identical_by_concurrency={"1": len(outs) - 1})]

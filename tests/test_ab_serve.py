@@ -382,6 +382,16 @@ def test_merge_and_plot(tmp_path):
     assert r["identity"] == "identical (16)"
     assert "## Summary" in md and "| ddtree_b16 | 1 | " in md and "identical (16) |" in md
     ab.main(["--summary", out + ".json"])
+    # --invalid: a broken measurement stays in the JSON and leaves every ratio
+    ab.main(["--merge", out + "_inv", a, "--invalid", "ab.json", "base", "1", "a 9 s server stall"])
+    inv = json.load(open(out + "_inv.json"))
+    assert inv["runs"][0]["arms"][0]["levels"][0]["invalid"] == "a 9 s server stall"
+    rows = ab.summary_rows(inv)
+    assert rows[0]["levels"][1]["invalid"] and rows[1]["levels"][1]["x_base"] is None
+    assert rows[1]["levels"][4]["x_base"] is not None
+    assert "| base | invalid |" in open(out + "_inv.md").read()
+    with pytest.raises(SystemExit, match="no such level"):
+        ab.main(["--merge", out + "_bad", a, "--invalid", "ab.json", "base", "99", "x"])
     pytest.importorskip("matplotlib")
     assert os.path.getsize(out + ".png") > 10000
     plot = _load("ab_plot")
