@@ -179,15 +179,42 @@ def classify_doc(doc: dict, prompt_ids: list, target, noise: float = None) -> di
     return cls
 
 
+def check_merged(merged_path: str, ids_path: str, run_id: str) -> dict:
+    """Recompute the classification of text run ``run_id`` of a merged report from its output-ids file and
+    compare it with the stored one; returns {"stored": ..., "recomputed": ...} (raises on a difference)."""
+    doc = json.load(open(merged_path))
+    run = next(r for r in doc["runs"] if r["settings"].get("pair") == "text" and r.get("run_id") == run_id)
+    with gzip.open(ids_path, "rt") as f:
+        ids = json.load(f)
+    if ids["prompts_sha256_16"] != run["prompts"]["sha256_16"]:
+        raise SystemExit(f"{ids_path} belongs to other prompts than text run {run_id}")
+    stored = run["identity"]["classification"]
+    again = classify_doc(dict(run, output_ids=ids["output_ids"]), ids["prompt_ids"], Target())
+
+    def counts(c):
+        return {a: {k: d[k] for k in ("compared", "diverged", "near_tie", "error")} for a, d in c["arms"].items()}
+    if counts(stored) != counts(again) or stored["noise_logits"] != again["noise_logits"]:
+        raise SystemExit(f"text run {run_id}: recomputed {counts(again)} (noise {again['noise_logits']}) != stored "
+                         f"{counts(stored)} (noise {stored['noise_logits']})")
+    return dict(stored=counts(stored), recomputed=counts(again), noise=again["noise_logits"])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ab_json")
+    ap.add_argument("ab_json", nargs="?")
+    ap.add_argument("--check-merged", nargs=3, metavar=("MERGED_JSON", "IDS_GZ", "RUN_ID"),
+                    help="recompute a merged report's stored text-run classification and compare")
     ap.add_argument("--prompts-python", default=sys.executable)
     ap.add_argument("--prompts-file", default=None, help="the run's prompts as JSON lines with input_ids "
                                                          "(ab_serve.py --save-prompts), checked by sha256")
     ap.add_argument("--ids-out", default=None, help="gzip JSON for output_ids / prompt_ids (default: AB_JSON "
                                                     "with .ids.json.gz)")
     a = ap.parse_args(argv)
+    if a.check_merged:
+        print(json.dumps(check_merged(a.check_merged[0], a.check_merged[1], a.check_merged[2])))
+        return 0
+    if not a.ab_json:
+        ap.error("AB_JSON is required")
     doc = json.load(open(a.ab_json))
     if doc.get("settings", {}).get("pair") != "text":
         raise SystemExit("only the text pair has an fp32 reference here (the toy pairs are checked exactly)")

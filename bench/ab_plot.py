@@ -2,7 +2,7 @@
 
     python bench/ab_plot.py OUT.json [PNG]          (default PNG: OUT.png)
 
-One row of panels per run (a merged JSON holds several runs, e.g. both tiny pairs):
+One row of panels per pair (a merged JSON holds several runs; the runs of one pair share its row):
   1. output tokens per second against concurrency, one line per arm (log-2 x axis);
   2. the DDTREE arms' round time split at each concurrency, stacked bars (ms): draft (+ top-K),
      tree, verify prep, verify, accept, commit, and "outside" (client ms per decode round minus
@@ -33,39 +33,56 @@ def _title(run):
     return os.path.basename(str(s.get("model_path") or "")) or "run"
 
 
-def _tput_panel(ax, run):
-    levels = (run.get("settings") or {}).get("concurrency") or []
-    styles = {"base": dict(color="black", lw=2.2), "dflash": dict(color="#888888", lw=2.2, ls="--")}
-    for a in run.get("arms") or []:
-        pts = [(lv["concurrency"], lv["output_throughput"]) for lv in a.get("levels") or []
-               if lv.get("output_throughput") and not lv.get("partial") and not lv.get("invalid")]
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        kw = styles.get(a["name"], dict(ls=":" if a["kind"] == "ddtreecpu" else "-", lw=1.5))
-        ax.plot(xs, ys, marker="o", label=a["name"], **kw)
+def _group(runs):
+    """Runs of the same pair side by side: [[run, ...] per pair], in first-seen order."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r.get("settings") or {}).get("pair") or id(r), []).append(r)
+    return list(groups.values())
+
+
+def _tput_panel(ax, runs):
+    runs = runs if isinstance(runs, list) else [runs]
+    levels = sorted({c for r in runs for c in (r.get("settings") or {}).get("concurrency") or []})
+    markers = "osD^v"
+    for k, run in enumerate(runs):
+        styles = {"base": dict(color="black", lw=2.2), "dflash": dict(color="#888888", lw=2.2, ls="--")}
+        for a in run.get("arms") or []:
+            pts = [(lv["concurrency"], lv["output_throughput"]) for lv in a.get("levels") or []
+                   if lv.get("output_throughput") and not lv.get("partial") and not lv.get("invalid")]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            kw = styles.get(a["name"], dict(ls=":" if a["kind"] == "ddtreecpu" else "-", lw=1.5))
+            label = a["name"] + (f" (run {run.get('run_id', k + 1)})" if len(runs) > 1 else "")
+            ax.plot(xs, ys, marker=markers[k % len(markers)], label=label, alpha=1.0 if k == 0 else 0.75, **kw)
     ax.set_xscale("log", base=2)
     if levels:
         ax.set_xticks(levels)
         ax.set_xticklabels([str(c) for c in levels])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{_title(run)}: throughput (greedy)")
+    ax.set_title(f"{_title(runs[0]) if len(runs) == 1 else _title(dict(runs[0], run_id=None))}: "
+                 f"throughput (greedy{', each run has its own base' if len(runs) > 1 else ''})", fontsize=9)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
 
 
-def _split_panel(ax, run):
+def _split_panel(ax, runs):
+    runs = runs if isinstance(runs, list) else [runs]
+    run = runs[0]
     bars = []  # (label, {part: ms})
-    for a in run.get("arms") or []:
-        for lv in a.get("levels") or []:
-            sp = lv.get("stage_profile")
-            if not sp:
-                continue
-            parts = {s: (sp.get("stage_ms") or {}).get(s) or 0.0 for s in STAGES}
-            parts["outside"] = max(0.0, sp.get("outside_ms") or 0.0)
-            bars.append((f"{a['name']}\nc={lv['concurrency']}", parts))
+    for k, r in enumerate(runs):
+        for a in r.get("arms") or []:
+            for lv in a.get("levels") or []:
+                sp = lv.get("stage_profile")
+                if not sp:
+                    continue
+                parts = {s: (sp.get("stage_ms") or {}).get(s) or 0.0 for s in STAGES}
+                parts["outside"] = max(0.0, sp.get("outside_ms") or 0.0)
+                tag = f" r{r.get('run_id', k + 1)}" if len(runs) > 1 else ""
+                bars.append((f"{a['name']}{tag}\nc={lv['concurrency']}", parts))
     if not bars:
         ax.text(0.5, 0.5, "no DDTREE stage records", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -80,7 +97,8 @@ def _split_panel(ax, run):
     ax.set_xticks(list(x))
     ax.set_xticklabels([b[0] for b in bars], fontsize=6, rotation=90)
     ax.set_ylabel("ms per decode round")
-    ax.set_title(f"{_title(run)}: DDTREE round time split")
+    ax.set_title(f"{_title(run) if len(runs) == 1 else _title(dict(run, run_id=None))}: DDTREE round time split",
+                 fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     ax.grid(True, axis="y", alpha=0.3)
 
@@ -110,7 +128,7 @@ def plot(doc: dict, png: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in _runs(doc) if r.get("arms")]
+    runs = _group([r for r in _runs(doc) if r.get("arms")])
     sweeps = [doc["kernel_sweep"]] if doc.get("kind") == "ab_serve_merged" and doc.get("kernel_sweep") else \
         [r["kernel_sweep"] for r in _runs(doc) if r.get("kernel_sweep")]
     sweep = next((k for k in sweeps if k.get("rows")), None)
@@ -134,7 +152,7 @@ def plot(doc: dict, png: str) -> str:
         axes[-1][1].text(0.0, 1.0, "\n".join(txt), va="top", family="monospace", fontsize=7,
                          transform=axes[-1][1].transAxes)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=80 if doc.get("kind") == "ab_serve_merged" else 110)
     plt.close(fig)
     return png
 

@@ -1267,8 +1267,10 @@ def render_summary(doc: dict, h: str = "##", stamp: bool = True) -> List[str]:
                     cells.append("-")
                 elif r["arm"] == "base":
                     cells.append(f"{v['tput']:.0f}")
+                elif v.get("x_base") is None:
+                    cells.append(f"{v['tput']:.0f} (-)")
                 else:
-                    cells.append(f"{v['tput']:.0f} ({_f(v.get('x_base'), 2)}x)")
+                    cells.append(f"{v['tput']:.0f} ({v['x_base']:.2f}x)")
             acc = [r["levels"][c].get("accept") for c in levels if (r["levels"].get(c) or {}).get("accept")]
             acc_txt = f"{min(acc):.2f}-{max(acc):.2f}" if acc and min(acc) != max(acc) else (f"{acc[0]:.2f}" if acc else "-")
             L.append(f"| {r['arm']} | " + (f"{r['run']} | " if nruns > 1 else "") + " | ".join(cells)
@@ -1480,8 +1482,8 @@ def _render_sweep(ks, h="##"):
 def write_outputs(doc: dict, out: str, plot: bool = True):
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
+    with open(out + ".json", "w") as f:  # a merged report is written compact (it is committed whole)
+        json.dump(doc, f, **({"separators": (",", ":")} if doc.get("kind") == "ab_serve_merged" else {"indent": 1}))
     with open(out + ".md", "w") as f:
         f.write(render_markdown(doc))
     if plot:
@@ -1527,9 +1529,21 @@ def merge(out: str, paths: List[str], invalid: Optional[List[List[str]]] = None)
         pair = (r.get("settings") or {}).get("pair") or "run"
         count[pair] = count.get(pair, 0) + 1
         r["run_id"] = str(count[pair])
-    doc = dict(kind="ab_serve_merged", runs=runs, kernel_sweep=sweep, sources=[os.path.basename(p) for p in paths])
-    for r in runs:  # the sweep is reported once, at the end
+    doc = dict(kind="ab_serve_merged", runs=runs, kernel_sweep=sweep, sources=[os.path.basename(p) for p in paths],
+               per_request_file=os.path.basename(out) + ".per_request.json.gz (keys: run index/arm/concurrency)")
+    per_request = {}
+    for k, r in enumerate(runs):  # the sweep is reported once, at the end; output ids stay in the run files
         r.pop("kernel_sweep", None)
+        r.pop("output_ids", None)
+        r.pop("prompt_ids", None)
+        for a in r.get("arms") or []:  # per-request columns: a gzip file beside the report (it stays small)
+            for lv in a.get("levels") or []:
+                if "per_request" in lv:
+                    per_request[f"{k}/{a['name']}/{lv['concurrency']}"] = lv.pop("per_request")
+    if per_request:
+        import gzip
+        with gzip.open(out + ".per_request.json.gz", "wt") as f:
+            json.dump(per_request, f, separators=(",", ":"))
     write_outputs(doc, out, plot=True)
     return doc
 

@@ -381,6 +381,12 @@ def test_merge_and_plot(tmp_path):
     assert r["levels"][1]["x_base"] == pytest.approx(r["levels"][1]["tput"] / base)
     assert r["identity"] == "identical (16)"
     assert "## Summary" in md and "| ddtree_b16 | 1 | " in md and "identical (16) |" in md
+    import gzip
+    with gzip.open(out + ".per_request.json.gz", "rt") as f:  # per-request columns live beside the report
+        pr = json.load(f)
+    assert sorted(pr) == ["0/base/1", "0/base/4", "0/ddtree_b16/1", "0/ddtree_b16/4", "1/base/1", "1/base/4",
+                          "1/ddtree_b16/1", "1/ddtree_b16/4"] and len(pr["0/base/1"]["latency_ms"]) == 8
+    assert all("per_request" not in lv for r in merged["runs"] for a in r["arms"] for lv in a["levels"])
     ab.main(["--summary", out + ".json"])
     # --invalid: a broken measurement stays in the JSON and leaves every ratio
     ab.main(["--merge", out + "_inv", a, "--invalid", "ab.json", "base", "1", "a 9 s server stall"])
