@@ -98,3 +98,13 @@ def test_ab_text_classification_recomputes(tmp_path):
                             os.path.join(RES, "ab_h200.json"), os.path.join(RAW, f"ab_h200_text_{run_id}.ids.json.gz"),
                             run_id], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_readme_results_table_comes_from_the_ab_report():
+    """The README's A/B table is `bench/ab_serve.py --summary bench/results/ab_h200.json`, verbatim."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "ab_serve.py"), "--summary",
+                        os.path.join(RES, "ab_h200.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    readme = open(os.path.join(REPO, "README.md")).read()
+    block = readme.split("<!-- ab-summary:start -->\n", 1)[1].split("<!-- ab-summary:end -->", 1)[0]
+    assert block.strip() == r.stdout.strip()
