@@ -566,3 +566,36 @@ def test_pick_repeat_reports_the_median_run_and_repeat_mismatches():
     # a partial run is never the reported one while a complete run exists; an even count takes the lower middle
     got, _ = ab.pick_repeat([(lv(50.0, True), a), (lv(300.0), a), (lv(200.0), a)])
     assert got["output_throughput"] == 200.0 and got["median_of"] == 2
+
+
+@pytest.mark.parametrize("cfg", ["kimi_k26_tp8_ddtree.yaml", "qwen3_8b_ddtree.yaml"])
+def test_deployment_configs_drive_every_arm(cfg, tmp_path):
+    """--config configs/<real deployment>.yaml: the YAML (minus its speculative and host/port keys) is
+    every arm's base, so TP, quantization and backends stay the user's; the arm adds only its algorithm."""
+    pytest.importorskip("yaml")
+    args = ab.build_parser().parse_args(["--config", os.path.join(REPO, "configs", cfg), "--num-prompts", "4",
+                                         "--arms", "base,dflash,ddtree_b32,ddtreecpu_b16"])
+    model, draft, token_ids, cfg_path, keys, prompts, source, how = ab.resolve_inputs(args)
+    import yaml
+    raw = yaml.safe_load(open(os.path.join(REPO, "configs", cfg)))
+    try:
+        kept = yaml.safe_load(open(cfg_path))
+        assert model == raw["model-path"] and draft == raw["speculative-draft-model-path"]
+        assert not set(kept) & set(ab.CONFIG_DROP) and kept.get("tp-size") == raw.get("tp-size")
+        assert len(prompts) == 4 and not token_ids
+        opts = dict(python="py", model_path=model, draft_model_path=draft, maxc=64, token_ids=False,
+                    server_args="", cuda_graph_bs=None)
+        for arm in ab.parse_arms(args.arms):
+            cmd = ab.build_server_cmd(arm, opts, 31000, cfg_path, keys)
+            s = " ".join(cmd)
+            assert f"--config {cfg_path}" in s and "--port 31000" in s
+            for k in keys:  # the config's own settings are never overridden by the benchmark's defaults
+                assert f"--{k} " not in s, k
+            if arm["algo"]:
+                assert f"--speculative-algorithm {arm['algo']}" in s
+                if arm["budget"]:
+                    assert f"--speculative-num-draft-tokens {arm['budget'] + 1}" in s
+            else:
+                assert "--speculative" not in s
+    finally:
+        os.remove(cfg_path)
