@@ -1,5 +1,19 @@
-"""Input generators shared by the tests and the benchmarks: peaked, tie-heavy drafter-like data."""
+"""Input generators shared by the tests and the benchmarks: peaked, tie-heavy drafter-like data;
+and a loader for the bench/ scripts (they are scripts, not a package)."""
+import importlib.util
+import os
+
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench(name):
+    """bench/<name>.py as a fresh module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def drafter_logits(bs, D, V, generator, dtype=torch.bfloat16, peak=8.0, scale=2.0, neg_inf_frac=0.0):

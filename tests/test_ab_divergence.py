@@ -7,13 +7,13 @@ no divergence.  The prompts come from the committed held-out set, and which prom
 is drawn fresh each run.  The near-tie bound is the bf16-vs-fp32 noise the script calibrates.
 """
 import gzip
-import importlib.util
 import json
 import os
 import random
 import sys
 
 import pytest
+from helpers import load_bench
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -21,11 +21,7 @@ pytest.importorskip("safetensors")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_bench
 
 
 AD = _load("ab_divergence")

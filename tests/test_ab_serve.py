@@ -8,7 +8,6 @@ replaced, so the whole run (start, health wait, warm-up, levels, identity, stage
 deadline, failed start) is exercised in-process.  One test parses the generated server command
 lines with SGLang's own ``prepare_server_args`` (no GPU: ``--device cuda``, config-only models).
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,14 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a subprocess loads this file
+from helpers import load_bench  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_bench
 
 
 ab = _load("ab_serve")
