@@ -1244,7 +1244,7 @@ def summary_rows(doc: dict) -> List[dict]:
     return rows
 
 
-def render_summary(doc: dict, h: str = "##", stamp: bool = True) -> List[str]:
+def render_summary(doc: dict, h: str = "##") -> List[str]:
     """Per pair: every arm of every run, output tok/s (x the same run's base) at each concurrency,
     accepted tokens per round, and the token-identity verdict.  The README's results table."""
     rows = summary_rows(doc)
@@ -1339,8 +1339,8 @@ def _render_run(doc, top=True):
             t = tput(a["name"], c)
             if t is None:
                 lv = _level(a, c)
-                cells.append("partial" if lv and lv.get("partial") else
-                             f"invalid{'' if lv is None else ': ' + str(lv.get('invalid'))[:60]}" if lv else "-")
+                cells.append("-" if lv is None else "partial" if lv.get("partial") else
+                             f"invalid: {str(lv.get('invalid'))[:60]}")
                 continue
             r = []
             for ref in ("base", "dflash"):
@@ -1360,7 +1360,8 @@ def _render_run(doc, top=True):
             L.append(f"| {a['name']} | " + " | ".join(
                 "-" if not lv else cell(lv) for lv in (_level(a, c) for c in levels)) + " |")
 
-    if any((lv.get("repeats") or 1) > 1 for a in arms for lv in a.get("levels") or []):
+    repeated = any((lv.get("repeats") or 1) > 1 for a in arms for lv in a.get("levels") or [])
+    if repeated:
         level_table("Every repeat's output tok/s (the median one is reported above)",
                     lambda lv: " / ".join(f"{x:.0f}" for x in lv.get("output_throughput_repeats") or []
                                           if x is not None) or "-")
@@ -1384,8 +1385,9 @@ def _render_run(doc, top=True):
         if rs:
             L += ["", f"`{idn['reference']}` against itself at c={rs['level']} (mismatching requests per level): "
                       f"{rs['mismatched_by_concurrency']}."]
-    rep = {a["name"]: sum(lv.get("repeat_output_mismatches") or 0 for lv in a.get("levels") or []) for a in arms}
-    if any((lv.get("repeats") or 1) > 1 for a in arms for lv in a.get("levels") or []):
+    if repeated:
+        rep = {a["name"]: sum(lv.get("repeat_output_mismatches") or 0 for lv in a.get("levels") or [])
+               for a in arms}
         L += ["", "Outputs that differ between the repeats of one arm and level (same server): "
                   + ", ".join(f"{k} {v}" for k, v in rep.items()) + "."]
     cls = idn.get("classification")
@@ -1505,7 +1507,7 @@ def write_outputs(doc: dict, out: str, plot: bool = True):
 def merge(out: str, paths: List[str], invalid: Optional[List[List[str]]] = None):
     """One report from several runs.  invalid: [source file name, arm, concurrency, reason] entries that
     mark a measured level as broken (kept in the JSON, left out of every ratio)."""
-    runs, sweep = [], None
+    runs, sources, sweep = [], [], None  # sources[i]: the file name runs[i] came from
     for p in paths:
         d = json.load(open(p))
         for r in _runs(d):
@@ -1513,17 +1515,16 @@ def merge(out: str, paths: List[str], invalid: Optional[List[List[str]]] = None)
                 sweep = r["kernel_sweep"]
             if r.get("arms"):  # a --kernel-sweep-only run contributes its sweep only
                 runs.append(r)
-    marks = {}
+                sources.append(os.path.basename(p))
+    unknown = sorted({src for src, *_ in invalid or []} - set(sources))
+    if unknown:
+        raise SystemExit(f"--invalid names files that were not merged: {unknown}")
     for src, arm, c, why in invalid or []:
-        marks.setdefault(src, []).append((arm, int(c), why))
-    for p, r in zip(_run_sources(paths), runs):
-        for arm, c, why in marks.pop(p, []):
-            lv = next((_level(a, c) for a in r["arms"] if a["name"] == arm), None)
-            if lv is None:
-                raise SystemExit(f"--invalid {p} {arm} {c}: no such level")
-            lv["invalid"] = why
-    if marks:
-        raise SystemExit(f"--invalid names files that were not merged: {sorted(marks)}")
+        lv = next((_level(a, int(c)) for s, r in zip(sources, runs) if s == src for a in r["arms"]
+                   if a["name"] == arm and _level(a, int(c))), None)
+        if lv is None:
+            raise SystemExit(f"--invalid {src} {arm} {c}: no such level")
+        lv["invalid"] = why
     count = {}
     for r in runs:  # run ids per pair: text-1, text-2, ...
         pair = (r.get("settings") or {}).get("pair") or "run"
@@ -1546,14 +1547,6 @@ def merge(out: str, paths: List[str], invalid: Optional[List[List[str]]] = None)
             json.dump(per_request, f, separators=(",", ":"))
     write_outputs(doc, out, plot=True)
     return doc
-
-
-def _run_sources(paths: List[str]) -> List[str]:
-    """The source file name of each run merge() collects, in its order."""
-    out = []
-    for p in paths:
-        out += [os.path.basename(p) for r in _runs(json.load(open(p))) if r.get("arms")]
-    return out
 
 
 def build_parser():

@@ -24,18 +24,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "textpair"))
+sys.path.insert(0, HERE)
 import common as C  # noqa: E402
 import pairlib as PL  # noqa: E402
 from materialize import load_pair  # noqa: E402
+from ab_serve import first_diff  # noqa: E402
 
 TIE = 0.15  # logit units: a few bf16 spacings at |logit| ~ 8-16 (this target's top logits)
-
-
-def first_diff(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def main():
