@@ -5,10 +5,12 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 ``load_plugins()`` right after the plugins ran).
 
 * ``decode_graph_spec_info``: capture the target's verify CUDA graph with a tree mask.
+* ``validate_input_ids``: reject request token ids outside ``[0, vocab)`` with a 400 before any
+  forward sees them (a bad id otherwise kills the scheduler).
 """
-from . import decode_graph_spec_info
+from . import decode_graph_spec_info, validate_input_ids
 
-ALL = (decode_graph_spec_info,)
+ALL = (decode_graph_spec_info, validate_input_ids)
 
 
 def install_all() -> None:

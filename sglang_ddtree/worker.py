@@ -26,6 +26,7 @@ the reference heap, and walks the accept on the host (the published ports' recip
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from copy import deepcopy
@@ -73,6 +74,44 @@ def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
     return None
 
 
+# Test switch: pretend the target's CUDA-graph mask buffer holds only this many elements, so the
+# eager fallback of _mask_out_buffer runs at test-bed sizes (bench/device stage suffix maskcap<N>).
+_GRAPH_MASK_CAP_ENV = "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"
+
+
+def _graph_mask_capacity(graph_buf: torch.Tensor) -> int:
+    cap = os.environ.get(_GRAPH_MASK_CAP_ENV)
+    return min(int(cap), graph_buf.numel()) if cap else graph_buf.numel()
+
+
+def plan_verify_mask_buffer(*, bs: int, need: int, graph_max_bs: Optional[int],
+                            graph_buf_numel: Optional[int]) -> str:
+    """Where a round's verify mask of (host upper bound) ``need`` elements goes:
+    ``"graph"``: the target graph replays this batch and the mask fits its captured buffer;
+    ``"eager"``: the graph would replay (bs <= its max batch) but the mask does not fit: the verify
+    must run eagerly; ``"own"``: no graph replay for this batch, a private buffer."""
+    graph_used = graph_max_bs is not None and graph_buf_numel is not None and bs <= graph_max_bs
+    if not graph_used:
+        return "own"
+    return "graph" if need <= graph_buf_numel else "eager"
+
+
+@contextlib.contextmanager
+def _eager_verify(model_runner, eager: bool):
+    """Make the target's decode graph runner decline this verify (``can_run_graph`` -> False), so
+    ``prepare_for_verify`` builds eager attention metadata and ``ModelRunner._forward_raw`` runs the
+    forward eagerly.  Restored on exit."""
+    runner = model_runner.decode_cuda_graph_runner
+    if not eager or runner is None:
+        yield
+        return
+    runner.can_run_graph = lambda forward_batch: False
+    try:
+        yield
+    finally:
+        del runner.can_run_graph
+
+
 class DDTreeWorker(DFlashWorkerV2):
     """Spec-v2 worker (overlap and non-overlap).  Constructed by SGLang's scheduler with exactly
     ``(server_args, gpu_id, ps, nccl_port, target_worker)``."""
@@ -103,6 +142,7 @@ class DDTreeWorker(DFlashWorkerV2):
         assert self.block_size == self.settings.block_size
         self._eager_head: Optional[DDTreeDraftHead] = None
         self._own_mask_buf: Optional[torch.Tensor] = None
+        self._eager_mask_rounds = 0
         self._rounds = 0
         self._prof = RoundProfiler(dict(algo=self.algo_name, budget=self.budget,
                                         block_size=self.block_size, topk=self.topk))
@@ -189,20 +229,33 @@ class DDTreeWorker(DFlashWorkerV2):
             buf.copy_(batch.seq_lens.to("cpu", dtype=torch.int32))
         return buf, int(buf.sum())
 
-    def _mask_out_buffer(self, bs: int, need: int) -> torch.Tensor:
-        """Where the verify mask is written.  When the verify will replay the target's CUDA graph,
-        write straight into the backend's graph mask buffer (the backend's own copy of
-        spec_info.custom_mask into it becomes a same-address no-op); else a private buffer."""
+    def _mask_out_buffer(self, bs: int, need: int):
+        """(buffer, eager): where the verify mask is written, and whether this round's verify must
+        run eagerly.  When the target's CUDA graph will replay, the mask goes straight into the
+        backend's graph mask buffer (the backend's own copy of spec_info.custom_mask into it is then
+        a same-address no-op).  When the graph would replay but the mask's host upper bound does not
+        fit that buffer (every request near the context length at a large batch), the round's
+        verify runs eagerly from a private buffer: a replay would have to copy a mask larger than
+        the captured buffer.  Otherwise (no graph for this batch) a private buffer."""
         runner = self._target_worker.model_runner.decode_cuda_graph_runner
         graph_buf = _find_graph_mask_buffer(self._target_worker.model_runner.attn_backend)
-        if (graph_buf is not None and runner is not None and bs <= int(getattr(runner, "max_bs", 0))
-                and need <= graph_buf.numel()):
+        plan = plan_verify_mask_buffer(
+            bs=bs, need=need,
+            graph_max_bs=None if runner is None else int(getattr(runner, "max_bs", 0)),
+            graph_buf_numel=None if graph_buf is None else _graph_mask_capacity(graph_buf))
+        if plan == "graph":
             # (need is a host upper bound of the mask size, so the kernel never writes past it)
-            return graph_buf[:need]
+            return graph_buf[:need], False
         if self._own_mask_buf is None or self._own_mask_buf.numel() < need:
             cap = max(need, 2 * (0 if self._own_mask_buf is None else self._own_mask_buf.numel()))
             self._own_mask_buf = torch.empty((cap,), dtype=torch.bool, device=self.device)
-        return self._own_mask_buf[:need]
+        if plan == "eager":
+            self._eager_mask_rounds += 1
+            if self._eager_mask_rounds in (1, 100, 1000) and self.ps.tp_rank == 0:
+                logger.info("%s: verify mask bound %d exceeds the CUDA-graph mask buffer at bs=%d: "
+                            "verify runs eagerly (round %d of this kind)", self.algo_name, need, bs,
+                            self._eager_mask_rounds)
+        return self._own_mask_buf[:need], plan == "eager"
 
     def _forward_tree_round(self, batch, on_publish) -> GenerationBatchResult:
         if batch.spec_info is None:
@@ -264,8 +317,9 @@ class DDTreeWorker(DFlashWorkerV2):
             start_offset=prefix, end_offset=prefix + N, batch_size=bs, draft_token_num=N,
             device=dev)
         need = N * N * bs + N * host_bound_sum
-        mask = ddtree.verify_mask(tree, prefix, out=self._mask_out_buffer(bs, need),
-                                  backend=self.tree_backend, validate=False)
+        mask_buf, eager_verify = self._mask_out_buffer(bs, need)
+        mask = ddtree.verify_mask(tree, prefix, out=mask_buf, backend=self.tree_backend,
+                                  validate=False)
         verify_input = DFlashVerifyInput(
             draft_token=tree_ops.verify_input_ids(tree.tokens).reshape(-1),
             positions=tree.positions(prefix).reshape(-1), draft_token_num=N, custom_mask=mask,
@@ -273,13 +327,14 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.out_cache_loc = verify_loc
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = host_bound.clone(), host_bound_sum
-        verify_fb, _ = verify_input.prepare_for_verify(batch, self._target_worker)
-        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
-        prof.mark()
+        with _eager_verify(self._target_worker.model_runner, eager_verify):
+            verify_fb, _ = verify_input.prepare_for_verify(batch, self._target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+            prof.mark()
 
-        # 4) target verify -------------------------------------------------------------------------
-        target_out = self._target_worker.forward_batch_generation(
-            batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
+            # 4) target verify ---------------------------------------------------------------------
+            target_out = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
         logits_output = target_out.logits_output
         prof.mark()
         sampling_info = batch.sampling_info

@@ -12,6 +12,7 @@
 #   plugin_probe                            entry-point discovery only (no engine)
 #   sweep                                   bench/ab_serve.py --kernel-sweep-only (GPU tree build vs CPU heap)
 #   prompts_<pair>                          the A/B prompts this host generates for the pair -> $OUT/prompts_<pair>.jsonl
+#   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
@@ -106,6 +107,15 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
+    soak_*)  # bench/soak.py on the text pair: the mixed 1,000-request load on a DDTREE-GPU HTTP server, then a
+             # plain server replays the greedy requests (SOAK_EXTRA: e.g. "--requests 300 --budget 32")
+      timeout -k 10 $lim python3 $REPO/bench/soak.py run --model-path /tmp/models/text_target \
+        --draft-model-path /tmp/models/text_drafter --out $OUT/soak_h200 --port $port ${SOAK_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
+      tail -60 $LOG/$st.log | cut -c1-400 > $LOG/$st.res ;;
+    badids_text)  # does an out-of-vocabulary token id kill plain SGLang 0.5.16 / a server with the plugin?
+      timeout -k 10 $lim python3 $REPO/bench/soak.py probe --model-path /tmp/models/text_target \
+        --out $OUT/badids_h200 --port $port > $LOG/$st.log 2>&1; rc=$?
+      tail -40 $LOG/$st.log | cut -c1-400 > $LOG/$st.res ;;
     prompts_*)  # the A/B prompts of a pair as this host's stdlib generates them (JSON lines with input_ids)
       timeout -k 5 $lim python3 $REPO/bench/ab_serve.py --pair ${st#prompts_} --num-prompts ${AB_PROMPTS:-128} --dry-run \
         --no-env-probe --save-prompts $OUT/prompts_${st#prompts_}.jsonl > $LOG/$st.log 2>&1; rc=$?
@@ -133,6 +143,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
          "register() ran x$dx, raised x$de"
     cat $LOG/$st.res 2>/dev/null
     grep -a -o "DDTREE-[A-Z]* tree round [0-9]*: bs=[0-9]* draft cuda graph=[A-Za-z]* target verify cuda graph=[A-Za-z]*" $LOG/$st.log | head -3
+    grep -a -o "DDTREE-[A-Z]*: verify mask bound [0-9]* exceeds the CUDA-graph mask buffer at bs=[0-9]*: verify runs eagerly (round [0-9]* of this kind)" $LOG/$st.log | head -3
     if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
   } > $LOG/$st.sum
   [ "$name" != "$st" ] && mv $LOG/$st.sum $LOG/$name.sum

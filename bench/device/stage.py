@@ -12,7 +12,9 @@ NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla | text (the
        without a mask, the classic mask-dropping bug; such a stage is expected to FAIL when the
        target's attention matters);  tp<N>: tensor parallel over N GPUs (device kind
        nvidia-h200-x2 for tp2: the drafter head's sharded top-k + all-gather merge);  synccheck: count host synchronisations inside every DDTree
-       round (torch CUDA sync debug mode; recorded, reported, not a pass/fail check).
+       round (torch CUDA sync debug mode; recorded, reported, not a pass/fail check);  maskcap<N>: the
+       worker treats the target's CUDA-graph mask buffer as holding only N elements, so rounds whose
+       mask bound exceeds N run their verify eagerly (the fallback of worker._mask_out_buffer).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
 token for token with the plain target's greedy output.  Checks (each recorded):
@@ -61,6 +63,8 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"] = "1"
         elif p.startswith("tp") and p[2:].isdigit():  # tensor parallel (needs that many GPUs)
             os.environ["DDTREE_STAGE_TP"] = p[2:]
+        elif p.startswith("maskcap") and p[7:].isdigit():  # pretend the graph mask buffer holds N elements
+            os.environ["SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"] = p[7:]  # (the eager-verify fallback runs)
         elif p == "synccheck":  # count host syncs per DDTree round (worker writes one line per round)
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         else:
