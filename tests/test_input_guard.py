@@ -78,7 +78,10 @@ print("RESULT" + json.dumps(out))
 def test_real_tokenizer_manager_rejects_out_of_vocab_ids_after_load_plugins():
     pytest.importorskip("sglang.srt.plugins")
     e = dict(os.environ)
-    e.pop("PYTHONPATH", None)
+    # keep a PYTHONPATH that installs SGLang / the package (the GPU host's kit), never the checkout root
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
+    e["PYTHONPATH"] = os.pathsep.join(parts)
     r = subprocess.run([sys.executable, "-c", f"TARGET = {TARGET!r}\n" + HOOKED], cwd="/", env=e,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

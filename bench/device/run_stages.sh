@@ -12,6 +12,9 @@
 #   plugin_probe                            entry-point discovery only (no engine)
 #   sweep                                   bench/ab_serve.py --kernel-sweep-only (GPU tree build vs CPU heap)
 #   prompts_<pair>                          the A/B prompts this host generates for the pair -> $OUT/prompts_<pair>.jsonl
+#   pytest_gpu                              the whole test suite on CUDA -> $OUT/pytest_gpu_h200.log
+#   sampledmem                              bench/sampled_memory.py (sampled accept memory, old vs new)
+#   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
@@ -112,6 +115,13 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       timeout -k 10 $lim python3 $REPO/bench/soak.py run --model-path /tmp/models/text_target \
         --draft-model-path /tmp/models/text_drafter --out $OUT/soak_h200 --port $port ${SOAK_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tail -60 $LOG/$st.log | cut -c1-400 > $LOG/$st.res ;;
+    pytest_gpu)  # the whole test suite on CUDA, SGLang from the kit; -P: the checkout root never on sys.path
+      timeout -k 10 $lim python3 -P -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs $REPO/tests \
+        > $OUT/pytest_gpu_h200.log 2>&1; rc=$?
+      tail -25 $OUT/pytest_gpu_h200.log | cut -c1-300 > $LOG/$st.res ;;
+    sampledmem)  # bench/sampled_memory.py: the sampled accept's peak memory and time, SGLang's recipe vs ours
+      timeout -k 10 $lim python3 -P $REPO/bench/sampled_memory.py --out $OUT/sampled_memory_h200 > $LOG/$st.log 2>&1; rc=$?
+      tail -12 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
     badids_text)  # does an out-of-vocabulary token id kill plain SGLang 0.5.16 / a server with the plugin?
       timeout -k 10 $lim python3 $REPO/bench/soak.py probe --model-path /tmp/models/text_target \
         --out $OUT/badids_h200 --port $port > $LOG/$st.log 2>&1; rc=$?
