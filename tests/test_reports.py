@@ -1,13 +1,25 @@
-"""The committed GPU result files are reproducible from the committed raw records by the scripts
-that made them (every claim names its source; nothing in those tables is typed by hand)."""
+"""Report checks, not code tests: the committed GPU result files (bench/results/) re-render from the
+committed raw records by the scripts that made them, and the text-pair verdicts recompute on this CPU.
+Every claim in a report names its source and nothing in those tables is typed by hand; but these tests
+read committed JSON, so they pass whatever the kernels or the worker do today.  No claim about the code
+may rest on them: the code is tested by the other test files (fresh random inputs, captured fixtures).
+
+Floats recomputed here (fp32 / bf16 CPU forwards of the text pair) depend on the machine's BLAS and
+SIMD paths, so none is compared for equality: verdicts are compared, floats within the tolerances of
+bench/ab_divergence.py (GAP_ATOL, NOISE_RTOL; the reasons are stated there), and a verdict is only
+required where its logit gap lies farther than GAP_ATOL from the committed threshold.  Renderings of
+committed JSON are deterministic and compared byte for byte."""
 import json
 import os
 import subprocess
 import sys
 
+from helpers import load_bench
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(REPO, "bench", "results")
 RAW = os.path.join(RES, "raw")
+AD = load_bench("ab_divergence")
 
 
 def test_worker_report_reproduces_the_committed_matrix(tmp_path):
@@ -60,9 +72,14 @@ print(json.dumps(out))
                        cwd="/", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     gaps = json.loads(r.stdout.strip().splitlines()[-1])
+    thr = doc["tie_threshold_logits"]
+    assert len(gaps) == len(picks) == 4
     for row, gap in zip(picks, gaps):
-        assert abs(gap - row["gap"]) < 1e-3, (row, gap)
-        assert (gap <= doc["tie_threshold_logits"]) == row["near_tie"]
+        # fp32 logits of this machine vs the committed ones (both rounded to 1e-4): GAP_ATOL, not 1e-3,
+        # which is only 10x the rounding alone
+        assert abs(gap - row["gap"]) <= AD.GAP_ATOL, (row, gap)
+        if abs(row["gap"] - thr) > AD.GAP_ATOL:  # a gap at the threshold may flip on another machine
+            assert (gap <= thr) == row["near_tie"], (row, gap)
 
 
 def test_ab_report_renders_from_its_json_and_holds_every_arm(tmp_path):
@@ -92,12 +109,28 @@ def test_ab_report_renders_from_its_json_and_holds_every_arm(tmp_path):
 
 
 def test_ab_text_classification_recomputes(tmp_path):
-    """The text runs' near-tie verdicts are recomputed from the committed output ids (CPU, fp32)."""
+    """The text runs' near-tie verdicts are recomputed from the committed output ids (CPU, fp32), at the
+    committed threshold; the threshold itself (the bf16-vs-fp32 noise, recalibrated here) is checked within
+    NOISE_RTOL, since it depends on this CPU's bf16 GEMM path (0.2259 committed, 0.2079 on an AVX-512 Xeon).
+    Verdicts under the recalibrated threshold are printed (verdict_flips_at_recomputed_noise), not required."""
     for run_id in ("1", "2"):
         r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "ab_divergence.py"), "--check-merged",
                             os.path.join(RES, "ab_h200.json"), os.path.join(RAW, f"ab_h200_text_{run_id}.ids.json.gz"),
                             run_id], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        assert not res["problems"]
+        assert abs(res["noise_recomputed"] - res["noise"]) <= AD.NOISE_RTOL * res["noise"], res["noise_recomputed"]
+        assert res["worst_float_diff"] <= AD.GAP_ATOL
+        assert len(res["borderline"]) <= 2, res["borderline"]  # fixed by the committed rows: none today
+        for name, g in res["groups"].items():
+            for k in ("compared", "diverged"):
+                assert g["recomputed"][k] == g["stored"][k], (run_id, name, k)
+            # errors at the committed threshold: equal up to the rows sitting at it
+            n_border = sum(1 for b in res["borderline"] if b.startswith(name + " "))
+            assert abs(g["recomputed"]["error"] - g["stored"]["error"]) <= n_border, (run_id, name)
+        print(run_id, {k: res[k] for k in ("noise", "noise_recomputed", "worst_float_diff", "borderline",
+                                           "verdict_flips_at_recomputed_noise")})
 
 
 def test_readme_results_table_comes_from_the_ab_report():
