@@ -1,5 +1,6 @@
 """DDTree GPU kernels (Triton), one op per file; each module documents its reference."""
 from .accept_greedy import accept_greedy_triton
+from .accept_sampled import accept_sampled_ref, accept_sampled_triton
 from .topk_logprobs import (topk_logprobs_torch, topk_logprobs_triton, topk_merge_triton,
                             topk_partial_triton)
 from .tree_build import build_tree_triton, key_layout
@@ -8,6 +9,8 @@ from .verify_mask import verify_mask_size, verify_mask_torch, verify_mask_triton
 
 __all__ = [
     "accept_greedy_triton",
+    "accept_sampled_ref",
+    "accept_sampled_triton",
     "build_tree_triton",
     "key_layout",
     "topk_logprobs_torch",

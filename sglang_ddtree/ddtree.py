@@ -25,7 +25,7 @@ import torch
 from . import reference as _ref
 
 __all__ = ["Tree", "Accept", "topk_logprobs", "build_tree", "tree_mask", "verify_mask",
-           "accept_greedy"]
+           "accept_greedy", "accept_sampled"]
 
 _BACKENDS = ("triton", "reference")
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -290,4 +290,92 @@ def accept_greedy(tree: Tree, target_tokens: torch.Tensor, *, backend: str = "tr
     from .kernels.accept_greedy import accept_greedy_triton
     res = accept_greedy_triton(tree.tokens, tree.parent, target_tokens, D,
                                out=None if out is None else (out.accept_len, out.path, out.bonus))
+    return Accept(*res)
+
+
+def accept_sampled(tree: Tree, target_probs: torch.Tensor, uniforms: torch.Tensor, *,
+                   backend: str = "triton", validate: bool = True,
+                   out: Optional[Accept] = None) -> Accept:
+    """Lossless sampled accept (temperature > 0): walk from the root, drawing the target's token
+    at every visited node by inverse CDF with one coin per depth.
+
+    target_probs [bs * N, V] or [bs, N, V] fp32: the target's next-token distribution at each slot
+    (temperature / top-k / top-p applied, normalised; rows need not sum to exactly 1: the coin
+    is scaled by the row's mass).  uniforms [bs, D + 1] fp32 in [0, 1): coin ``step`` draws at the
+    node reached after ``step`` accepted steps (the caller draws them, e.g. with torch.rand, so
+    the call holds no RNG state and is CUDA-graph safe).  A draw that is a child's token accepts
+    that child; any other draw (or the draw at a leaf or at depth D) is the bonus.  Every
+    emitted token is one exact draw from the target's row at its parent node, so the output
+    has the target's own distribution for any tree.  Exact semantics:
+    ``sglang_ddtree.kernels.accept_sampled`` (the kernel and its reference agree bit for bit).
+    """
+    if not isinstance(tree, Tree):
+        raise ValueError(f"tree must be a Tree, got {type(tree).__name__}")
+    bs, N = tree.tokens.shape
+    D = tree.draft_depth
+    if not isinstance(target_probs, torch.Tensor):
+        raise ValueError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    if target_probs.dtype != torch.float32:
+        raise ValueError(f"target_probs must have dtype torch.float32, got {target_probs.dtype}")
+    if target_probs.dim() == 2:
+        if target_probs.shape[0] != bs * N:
+            raise ValueError(f"target_probs must have shape [bs * N = {bs * N}, V], got "
+                             f"{tuple(target_probs.shape)}")
+    elif target_probs.dim() == 3:
+        if tuple(target_probs.shape[:2]) != (bs, N):
+            raise ValueError(f"target_probs must have shape [{bs}, {N}, V], got "
+                             f"{tuple(target_probs.shape)}")
+    else:
+        raise ValueError(f"target_probs must have 2 or 3 dimensions, got shape "
+                         f"{tuple(target_probs.shape)}")
+    V = target_probs.shape[-1]
+    if V < 1:
+        raise ValueError("target_probs must have a vocabulary of at least 1 column")
+    _check_tensor("uniforms", uniforms, 2, (torch.float32,))
+    if tuple(uniforms.shape) != (bs, D + 1):
+        raise ValueError(f"uniforms must have shape [{bs}, {D + 1}] (bs, D + 1), got "
+                         f"{tuple(uniforms.shape)}")
+    for name, t in (("target_probs", target_probs), ("uniforms", uniforms)):
+        if t.device != tree.tokens.device:
+            raise ValueError(f"{name} must be on the tree's device")
+    _check_backend(backend, target_probs)
+    if out is not None:
+        if (not isinstance(out, Accept) or out.accept_len.shape != (bs,)
+                or out.path.shape != (bs, D + 1) or out.bonus.shape != (bs,)
+                or out.accept_len.dtype != torch.int32 or out.path.dtype != torch.int32
+                or out.bonus.dtype != torch.int64):
+            raise ValueError(f"out must be an Accept with accept_len [{bs}] int32, path "
+                             f"[{bs}, {D + 1}] int32, bonus [{bs}] int64")
+    if validate and bs:
+        probs = target_probs.reshape(bs, N, V)
+        if torch.isnan(probs).any():
+            raise ValueError("target_probs contain NaN")
+        if torch.isinf(probs).any():
+            raise ValueError("target_probs contain inf")
+        if (probs < 0).any():
+            raise ValueError("target_probs must be >= 0")
+        if (probs > 1 + 1e-5).any():
+            raise ValueError("target_probs must be probabilities (<= 1)")
+        real = tree.parent >= 0
+        real[:, 0] = True
+        if ((probs.sum(-1) <= 0) & real).any():
+            raise ValueError("target_probs has a row of zero mass at a tree node")
+        if torch.isnan(uniforms).any() or (uniforms < 0).any() or (uniforms >= 1).any():
+            raise ValueError("uniforms must lie in [0, 1)")
+    if backend == "reference":
+        from .kernels.accept_sampled import accept_sampled_ref
+        a, p, bonus = accept_sampled_ref(tree.tokens.cpu().numpy(), tree.parent.cpu().numpy(),
+                                         target_probs.detach().cpu().numpy(),
+                                         uniforms.cpu().numpy(), D)
+        dev = target_probs.device
+        res = (torch.from_numpy(a).to(dev), torch.from_numpy(p).to(dev),
+               torch.from_numpy(bonus).to(dev))
+        if out is None:
+            return Accept(*res)
+        for o, r in zip((out.accept_len, out.path, out.bonus), res):
+            o.copy_(r)
+        return out
+    from .kernels.accept_sampled import accept_sampled_triton
+    res = accept_sampled_triton(tree.tokens, tree.parent, target_probs, uniforms, D,
+                                out=None if out is None else (out.accept_len, out.path, out.bonus))
     return Accept(*res)

@@ -48,7 +48,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import ddtree, tree_ops
+from . import ddtree, sampling, tree_ops
 from .config import resolve_settings
 from .draft_head import DDTreeDraftHead
 from .profiling import RoundProfiler
@@ -384,35 +384,20 @@ class DDTreeWorker(DFlashWorkerV2):
             speculative_num_draft_tokens=B, new_seq_lens=new_seq_lens)
 
     def _accept_sampled(self, tree, logits, sampling_info, draft_input, bs):
-        """Lossless sampled accept: SGLang's target-only tree speculative sampling (draft probs = 0)
-        over the tree's first-child / next-sibling links."""
-        from sglang.srt.runtime_context import get_server_args
-        from sglang.srt.speculative.dflash_utils import (build_dflash_verify_target_probs,
-                                                         tree_speculative_sampling_target_only)
-        if tree_speculative_sampling_target_only is None:
-            raise RuntimeError(f"{self.algo_name}: sampled verification needs sgl_kernel's "
-                               "tree_speculative_sampling_target_only")
-        N, W, dev = self.num_verify, self.block_size, self.device
-        first_child, next_sibling = tree_ops.lcrs_links(tree.parent)
-        retrive_index = torch.arange(bs * N, device=dev, dtype=torch.int64).view(bs, N)
-        target_probs = build_dflash_verify_target_probs(
-            next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N, bs=bs,
-            max_top_k=draft_input.max_top_k, uniform_top_k_value=draft_input.uniform_top_k_value)
-        predicts = torch.empty((bs * N,), dtype=torch.int32, device=dev)
-        accept_index = torch.full((bs, W), -1, dtype=torch.int32, device=dev)
-        accept_num = torch.empty((bs,), dtype=torch.int32, device=dev)
-        sa = get_server_args()
-        tree_speculative_sampling_target_only(
-            predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
-            candidates=tree.tokens.contiguous(), retrive_index=retrive_index,
-            retrive_next_token=first_child, retrive_next_sibling=next_sibling,
-            uniform_samples=torch.rand((bs, N), dtype=torch.float32, device=dev),
-            uniform_samples_for_final_sampling=torch.rand((bs,), dtype=torch.float32, device=dev),
-            target_probs=target_probs, draft_probs=torch.zeros_like(target_probs),
-            threshold_single=float(sa.speculative_accept_threshold_single),
-            threshold_acc=max(float(sa.speculative_accept_threshold_acc), 1e-9),
-            deterministic=True)
-        rows = torch.arange(bs, device=dev)
-        last = accept_index[rows, accept_num.to(torch.int64)].to(torch.int64)
-        bonus = predicts[last].to(torch.int64)
-        return accept_num, tree_ops.path_from_accept_index(accept_index, N), bonus
+        """Lossless sampled accept: the target distribution plain decoding samples from at every
+        slot (``sampling.verify_target_probs``: temperature, top-k, top-p, min-p as SGLang's
+        sampler applies them; one dense fp32 [bs * N, V] tensor), then ``ddtree.accept_sampled``
+        draws the target's token at each visited node with one coin per depth: a draw that is a
+        child's token accepts that child, any other draw is the bonus.  No sgl-kernel sampling
+        kernel and no draft-probability tensor are needed."""
+        probs = sampling.verify_target_probs(
+            logits, temperatures=sampling_info.temperatures, top_ks=sampling_info.top_ks,
+            top_ps=sampling_info.top_ps, min_ps=getattr(sampling_info, "min_ps", None),
+            num_slots=self.num_verify,
+            need_top_k=bool(getattr(sampling_info, "need_top_k_sampling", True)),
+            need_top_p=bool(getattr(sampling_info, "need_top_p_sampling", False)),
+            need_min_p=bool(getattr(sampling_info, "need_min_p_sampling", False)),
+            max_top_k=draft_input.max_top_k)
+        uniforms = torch.rand((bs, tree.draft_depth + 1), dtype=torch.float32, device=self.device)
+        acc = ddtree.accept_sampled(tree, probs, uniforms, backend="triton", validate=False)
+        return acc.accept_len, acc.path, acc.bonus
