@@ -347,6 +347,7 @@ def server_cmd(args, algo: Optional[str], port: int) -> List[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path,
            "--host", "127.0.0.1", "--port", str(port), "--attention-backend", "triton",
            "--mem-fraction-static", str(args.mem_fraction), "--context-length", str(args.context_len),
+           "--max-total-tokens", str(args.max_total_tokens),
            "--max-running-requests", str(args.concurrency), "--cuda-graph-max-bs-decode", str(args.concurrency),
            "--disable-prefill-cuda-graph", "--random-seed", "0", "--grammar-backend", "none",
            "--skip-server-warmup", "--log-level", "info"]
@@ -672,7 +673,8 @@ def main(argv=None):
     r.add_argument("--requests", type=int, default=1000)
     r.add_argument("--concurrency", type=int, default=64)
     r.add_argument("--context-len", type=int, default=4096)
-    r.add_argument("--mem-fraction", type=float, default=0.6)
+    r.add_argument("--mem-fraction", type=float, default=0.35)
+    r.add_argument("--max-total-tokens", type=int, default=320000)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--port", type=int, default=31000)
     r.add_argument("--start-limit", type=float, default=240)
@@ -684,7 +686,8 @@ def main(argv=None):
     q.add_argument("--without-plugin", default="ddtree_testbed",
                    help="SGLANG_PLUGINS value that leaves the project's entry point out")
     q.add_argument("--context-len", type=int, default=4096)
-    q.add_argument("--mem-fraction", type=float, default=0.3)
+    q.add_argument("--mem-fraction", type=float, default=0.15)
+    q.add_argument("--max-total-tokens", type=int, default=65536)
     q.add_argument("--port", type=int, default=31200)
     q.add_argument("--start-limit", type=float, default=240)
     q.add_argument("--server-args", default="")

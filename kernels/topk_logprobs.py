@@ -4,6 +4,12 @@
 token_ids [R, k] int64)``: the k largest logits of each row (ties: smaller token id first),
 sorted descending, minus the row's fp32 logsumexp.
 
+Non-finite logits (NaN, +inf, -inf) all rank as -inf, in the selection and in the logsumexp
+(``_finite_or_neg_inf`` on every load): a drafter that emits NaN/+inf never yields ids out of
+[0, V).  -inf entries keep the (value desc, id asc) order, so a row with fewer than k finite
+logits ends with the smallest ids among its non-finite ones, at log-prob -inf; a row with no
+finite logit gives log-probs all -inf (never NaN) and the ids 0..k-1.
+
 Each row is split into ``S`` contiguous segments (``S > 1`` only when there are too few rows
 to fill the GPU); one program streams one segment once, in chunks of ``BLOCK_V``:
 * online logsumexp: running max ``m`` (one reduction per chunk) and a per-lane rescaled sum;
@@ -28,6 +34,12 @@ _SM_COUNT = {}
 
 
 @triton.jit
+def _finite_or_neg_inf(x):
+    """NaN and +-inf -> -inf (|NaN| < inf and |inf| < inf are both false)."""
+    return tl.where(tl.abs(x) < float("inf"), x, -float("inf"))
+
+
+@triton.jit
 def _packed_key(x, ids):
     """fp32 values + int ids -> int64 keys ordered by (value asc, id desc)."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 and +0.0 are equal values: one key
@@ -38,14 +50,21 @@ def _packed_key(x, ids):
 
 @triton.jit
 def _store_sorted(keys, logz, out_lp_ptr, out_id_ptr, row, K: tl.constexpr):
-    """Write the K largest of ``keys`` in descending order (K plain max-reductions)."""
+    """Write the K largest of ``keys`` in descending order (K plain max-reductions).
+
+    A -inf value stores -inf (not ``-inf - logz``, NaN when the row has no finite logit).  A key
+    below every real one (a slot no logit filled: only when k > V, outside the API contract)
+    stores (-inf, id 0), so an emitted id is never out of range.
+    """
     for i in range(0, K):
         best = tl.max(keys, 0)
         keys = tl.where(keys == best, -9223372036854775808, keys)
         ordered = (best >> 32).to(tl.int32)
         bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        tl.store(out_lp_ptr + row * K + i, bits.to(tl.float32, bitcast=True) - logz)
-        tl.store(out_id_ptr + row * K + i, 4294967295 - (best & 4294967295))
+        val = bits.to(tl.float32, bitcast=True)  # NaN for an unfilled slot
+        real = ordered >= -2139095041  # the orderable bits of -inf: the smallest real key
+        tl.store(out_lp_ptr + row * K + i, tl.where(val > -float("inf"), val - logz, -float("inf")))
+        tl.store(out_id_ptr + row * K + i, tl.where(real, 4294967295 - (best & 4294967295), 0))
 
 
 @triton.jit
@@ -72,12 +91,13 @@ def _topk_segment_kernel(
     s_lane = tl.zeros([BLOCK_V], tl.float32)
     zero_id = tl.full([], 0, tl.int32)
     idx = lo + offs_v
-    x = tl.load(base + idx, mask=idx < hi, other=-float("inf")).to(tl.float32)
+    x = _finite_or_neg_inf(tl.load(base + idx, mask=idx < hi, other=-float("inf")).to(tl.float32))
     for start in range(lo, hi, BLOCK_V):
         idx = start + offs_v
         in_seg = idx < hi
         nidx = idx + BLOCK_V
-        x_next = tl.load(base + nidx, mask=nidx < hi, other=-float("inf")).to(tl.float32)
+        x_next = _finite_or_neg_inf(
+            tl.load(base + nidx, mask=nidx < hi, other=-float("inf")).to(tl.float32))
         cmax = tl.max(x, 0)
         m_new = tl.maximum(m, cmax)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -224,9 +244,14 @@ def topk_merge_triton(m: torch.Tensor, s: torch.Tensor, keys: torch.Tensor, k: i
 
 
 def topk_logprobs_torch(logits: torch.Tensor, k: int):
-    """Independent torch reference: exact (value desc, id asc) order via a stable sort."""
+    """Independent torch reference: exact (value desc, id asc) order via a stable sort.
+
+    Non-finite logits rank as -inf; a -inf value gives log-prob -inf (also when logZ is -inf)."""
     x = logits.float()
+    x = torch.where(torch.isfinite(x), x, torch.full_like(x, float("-inf")))
     logz = torch.logsumexp(x, dim=-1, keepdim=True)
     # stable descending sort keeps the original (ascending id) order among equal values
     vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
-    return (vals[..., :k] - logz), ids[..., :k].to(torch.int64)
+    vals = vals[..., :k]
+    lp = torch.where(vals == float("-inf"), vals, vals - logz)
+    return lp, ids[..., :k].to(torch.int64)

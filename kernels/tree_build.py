@@ -17,6 +17,11 @@ most two, so at most ``budget + 1`` are ever live).  Each step:
 Node arrays live in registers and are stored once at the end, so every slot (padding
 included) is written exactly once.
 
+Every log-prob is read through ``_lp_or_neg_inf``: NaN and +inf count as -inf (so does the
+reference), so garbage drafter output (``validate=False``) still pops only live slots and
+emits only input token ids.  With rows sorted after that mapping (as topk_logprobs emits them)
+the -inf nodes come after all finite ones, in rank-path order.
+
 Reference: ``sglang_ddtree.reference.build_tree_ref`` (numpy + heapq).
 """
 from __future__ import annotations
@@ -34,6 +39,12 @@ def key_layout(depth: int, k: int):
     dpw = 62 // bits  # < 2^62: no real key reaches the KEY_MAX marking dead slots
     words = max(1, -(-depth // dpw))
     return bits, dpw, words
+
+
+@triton.jit
+def _lp_or_neg_inf(v):
+    """NaN and +inf -> -inf (both fail ``v < inf``)."""
+    return tl.where(v < float("inf"), v, -float("inf"))
 
 
 @triton.jit
@@ -96,7 +107,7 @@ def _build_tree_kernel(
 
     # frontier: score (fp64), meta = parent << 32 | depth << 24 | rank, key words
     start = (budget > 0) & (D > 0)
-    s0 = tl.load(lp_row, mask=start, other=0.0).to(tl.float64)
+    s0 = _lp_or_neg_inf(tl.load(lp_row, mask=start, other=0.0)).to(tl.float64)
     slot0 = f == 0
     score = tl.where(slot0, s0, NEG_INF)
     valid = slot0 & start
@@ -147,8 +158,8 @@ def _build_tree_kernel(
 
         # the popped slot takes the next sibling
         has_sib = live & (rk + 1 < K)
-        lp_r = tl.load(lp_row + at, mask=live, other=0.0).to(tl.float64)
-        lp_r1 = tl.load(lp_row + at + 1, mask=has_sib, other=0.0).to(tl.float64)
+        lp_r = _lp_or_neg_inf(tl.load(lp_row + at, mask=live, other=0.0)).to(tl.float64)
+        lp_r1 = _lp_or_neg_inf(tl.load(lp_row + at + 1, mask=has_sib, other=0.0)).to(tl.float64)
         s_sib = tl.where(best == NEG_INF, NEG_INF, (best - lp_r) + lp_r1)
         pos = tl.maximum(dep - 1, 0)
         word_d = pos // DPW
@@ -172,7 +183,7 @@ def _build_tree_kernel(
 
         # a fresh slot takes the first child (depth dep + 1, rank 0)
         has_child = live & (dep < D)
-        lp_c = tl.load(lp_row + dep * K, mask=has_child, other=0.0).to(tl.float64)
+        lp_c = _lp_or_neg_inf(tl.load(lp_row + dep * K, mask=has_child, other=0.0)).to(tl.float64)
         s_child = best + lp_c
         word_c = dep // DPW
         inc_c = tl.full([], 1, tl.int64) << (BITS * (DPW - 1 - dep % DPW)).to(tl.int64)

@@ -11,6 +11,11 @@ log-probabilities (top logit minus the logsumexp over the whole vocabulary).
 * ``exact_topk=False`` (DDTREE-CPU, the ports' recipe): ``torch.topk`` + ``torch.logsumexp`` in
   fp32; equal logits may come out in another order than the kernel's (value desc, id asc).
 
+Both paths rank a non-finite logit (NaN, +-inf) as -inf, so a drafter gone bad (NaN/+inf in its
+hidden states or logits) still yields in-vocabulary ids, at log-prob -inf (never NaN): the tree
+then holds -inf nodes and the round degrades to the bonus token instead of crashing the target's
+embedding.
+
 Outputs live in static buffers (``lp [max_rows, K]`` fp32, ``ids [max_rows, K]`` int64) so the
 graph replays write the same addresses; the worker reads rows ``[: bs * (B - 1)]``.
 """
@@ -65,9 +70,11 @@ class DDTreeDraftHead:
         logits = torch.matmul(hs, self.weight[: self.num_org].T)
         lp, ids = self.lp[:n], self.ids[:n]
         if not self.exact_topk:
-            full = logits.float()
+            full = torch.nan_to_num(logits.float(), nan=-torch.inf, posinf=-torch.inf,
+                                   neginf=-torch.inf)  # the default neginf is finite
             vals, top = torch.topk(full, self.topk, dim=-1)
-            lp.copy_(vals - torch.logsumexp(full, dim=-1, keepdim=True))
+            logz = torch.logsumexp(full, dim=-1, keepdim=True)
+            lp.copy_(torch.where(vals == -torch.inf, vals, vals - logz))
             ids.copy_(top + self.org_vocab_start)
             return
         from sglang_ddtree.kernels.topk_logprobs import (topk_logprobs_triton, topk_merge_triton,

@@ -9,7 +9,9 @@ benchmark (it is what published ports run per decode step).  Semantics follow
 * best-first tree: heap entries keyed by ``(-score, rank_path)``; scores are Python floats
   (fp64) built by exactly the reference updates: sibling ``(s - lp[d, r]) + lp[d, r + 1]``,
   first child ``s + lp[d + 1, 0]``.  A ``-inf`` score stays ``-inf`` (the sibling update of
-  a ``-inf`` score would be ``-inf - -inf = nan``; the reference defines it as ``-inf``);
+  a ``-inf`` score would be ``-inf - -inf = nan``; the reference defines it as ``-inf``).
+  A non-finite log-prob (NaN, +inf) counts as ``-inf``, as in the kernel, so garbage drafter
+  output still gives a tree of input token ids (its nodes placed after all finite ones);
 * node ``i`` is the ``i``-th pop, slot 0 the root; padding slots (only when the vocabulary
   is too small to fill the budget) have parent -1, depth 0, token -1 and see only themselves;
 * greedy accept: from the root, move to the child whose token equals the target's choice
@@ -37,8 +39,11 @@ def topk_logprobs_ref(logits: np.ndarray, k: int):
 
     Returns ``(log_probs [..., k] float32, token_ids [..., k] int64)``.
     ``logsumexp`` is computed in fp32 as ``m + log(sum(exp(x - m)))``.
+    Non-finite logits (NaN, +-inf) rank as -inf, in the order and in the logsumexp; a -inf
+    value gives log-prob -inf, so a row with no finite logit yields all -inf and ids 0..k-1.
     """
     x = np.asarray(logits, dtype=np.float32)
+    x = np.where(np.isfinite(x), x, np.float32(-np.inf)).astype(np.float32)
     lead, V = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, V)
     out_lp = np.empty((x2.shape[0], k), np.float32)
@@ -47,11 +52,15 @@ def topk_logprobs_ref(logits: np.ndarray, k: int):
     for row in range(x2.shape[0]):
         xr = x2[row]
         m = np.float32(xr.max())
-        s = np.sum(np.exp((xr - m).astype(np.float32), dtype=np.float32), dtype=np.float32)
-        logz = np.float32(m + np.float32(np.log(s)))
+        m_safe = np.float32(0.0) if m == -np.inf else m
+        s = np.sum(np.exp((xr - m_safe).astype(np.float32), dtype=np.float32), dtype=np.float32)
         order = np.lexsort((ids, -xr.astype(np.float64)))[:k]  # logit desc, id asc
         out_id[row] = order
-        out_lp[row] = (xr[order] - logz).astype(np.float32)
+        top = xr[order]
+        # a row with no finite logit: log(0) = -inf, and -inf - -inf is replaced by -inf
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logz = np.float32(m + np.float32(np.log(s)))
+            out_lp[row] = np.where(top == -np.inf, top, top - logz).astype(np.float32)
     return out_lp.reshape(*lead, k), out_id.reshape(*lead, k)
 
 
@@ -63,7 +72,8 @@ def _build_one(lp: np.ndarray, tok: np.ndarray, budget: int, root_token: int):
     depth = np.zeros(N, np.int32)
     parent = np.full(N, -1, np.int32)
     tokens[0] = root_token
-    lpf = [[float(v) for v in row] for row in lp]  # fp32 -> Python float (exact)
+    # fp32 -> Python float (exact); NaN and +inf rank as -inf, as in the kernel
+    lpf = [[float(v) if v < math.inf else -math.inf for v in row] for row in lp]
     heap = []
     if budget > 0 and D > 0 and K > 0:
         s0 = lpf[0][0]
