@@ -406,14 +406,19 @@ def cmd_run(args) -> int:
             doc[phase] = ph
         finally:
             srv.stop()
-    for r, s in zip(doc.get("soak", {}).get("records") or [], plan):
-        if s["kind"] != "bad" and r is not None:
-            r["prompt_ids"] = stream_ids[s["start"]: s["start"] + s["prompt_len"]]
-    with gzip.open(args.out + ".raw.json.gz", "wt") as f:
-        json.dump(doc, f)
+        _write_raw(doc, plan, stream_ids, args.out)   # after each phase: a later kill keeps it
+    _write_raw(doc, plan, stream_ids, args.out)
     summ = evaluate(doc, classification=None)
     print(json.dumps({k: v for k, v in summ.items() if k != "rows"}, indent=1))
     return 0
+
+
+def _write_raw(doc, plan, stream_ids, out):
+    for r, s in zip(doc.get("soak", {}).get("records") or [], plan):
+        if s["kind"] != "bad" and r is not None:
+            r["prompt_ids"] = stream_ids[s["start"]: s["start"] + s["prompt_len"]]
+    with gzip.open(out + ".raw.json.gz", "wt") as f:
+        json.dump(doc, f)
 
 
 # ------------------------------------------------------------------------------------------ checks
