@@ -31,7 +31,8 @@ pass over the row at every visited node anyway, so putting the children first wo
 memory traffic; id order needs no membership test against the children inside the vocabulary
 scan.  The pass keeps one int64 partial sum per vocabulary block in registers, so the search
 re-reads only the one block that holds the target: per visited node one read of the row plus
-one block.  One program per request on CUDA (R requests per program, vectorised, under the
+one block.  Prefix sums are triangular masked sums, never ``tl.cumsum`` (whose lowering failed
+to compile for V = 2048 on the H200 with Triton 3.6).  One program per request on CUDA (R requests per program, vectorised, under the
 interpreter), a data-dependent loop that stops at the bonus, no RNG state (CUDA-graph safe),
 no temporaries.
 """
@@ -53,29 +54,50 @@ def weight_shift(V: int) -> int:
 
 
 @triton.jit
+def _weights(rows, idx, live, V, scale):
+    p = tl.load(rows + idx, mask=live & (idx < V), other=0.0)
+    return (tl.minimum(tl.where(p > 0, p, 0.0), 1.0) * scale).to(tl.int64)
+
+
+@triton.jit
 def _sample_rows(rows, live, V, U, scale, NB, R: tl.constexpr, BLOCK: tl.constexpr,
-                 NBP: tl.constexpr):
-    """Inverse-CDF draws from R probability rows (row pointers ``rows`` [R, 1]) with the
-    integer coins U [R] (see module doc); rows with ``live`` [R, 1] false are not read."""
-    offs = tl.arange(0, BLOCK)[None, :]
+                 NBP: tl.constexpr, SUB: tl.constexpr):
+    """Inverse-CDF draws from R probability rows (row pointers ``rows`` [R, 1, 1]) with the
+    integer coins U [R] (see module doc); rows with ``live`` [R, 1, 1] false are not read.
+    Prefix sums are triangular masked sums (no ``tl.cumsum``: Triton 3.6's scan lowering fails
+    on some small shapes): over the NB block sums, then over the NS = BLOCK / SUB sub-block
+    sums of the chosen block, then inside the chosen sub-block."""
+    NS: tl.constexpr = BLOCK // SUB
+    sub = tl.arange(0, NS)[None, :, None]
+    lane = tl.arange(0, SUB)[None, None, :]
     boffs = tl.arange(0, NBP)[None, :]
     sums = tl.zeros([R, NBP], dtype=tl.int64)
     for i in range(0, NB):
-        idx = i * BLOCK + offs
-        p = tl.load(rows + idx, mask=live & (idx < V), other=0.0)
-        q = (tl.minimum(tl.where(p > 0, p, 0.0), 1.0) * scale).to(tl.int64)
-        sums = tl.where(boffs == i, tl.sum(q, 1)[:, None], sums)
+        q = _weights(rows, i * BLOCK + sub * SUB + lane, live, V, scale)
+        sums = tl.where(boffs == i, tl.sum(tl.sum(q, 2), 1)[:, None], sums)
     total = tl.sum(sums, 1)
     x = U * (total >> 24) + ((U * (total & 0xFFFFFF)) >> 24)        # floor(U * total / 2**24)
-    csum = tl.cumsum(sums, 1)
-    blk = tl.minimum(tl.sum((csum <= x[:, None]).to(tl.int32), 1), NB - 1)
+    # block: the number of blocks whose inclusive prefix is <= x
+    ii = tl.arange(0, NBP)[None, :, None]
+    jj = tl.arange(0, NBP)[None, None, :]
+    incl = tl.sum(tl.where(ii <= jj, sums[:, :, None], 0), 1)                     # [R, NBP]
+    blk = tl.minimum(tl.sum((incl <= x[:, None]).to(tl.int32), 1), NB - 1)
     base = tl.sum(tl.where(boffs < blk[:, None], sums, 0), 1)
-    idx = blk[:, None] * BLOCK + offs
-    p = tl.load(rows + idx, mask=live & (idx < V), other=0.0)
-    q = (tl.minimum(tl.where(p > 0, p, 0.0), 1.0) * scale).to(tl.int64)
-    c = tl.cumsum(q, 1) + base[:, None]
-    e = tl.sum((c <= x[:, None]).to(tl.int32), 1)
-    t = (blk * BLOCK + e).to(tl.int64)
+    # sub-block inside the chosen block
+    q = _weights(rows, blk[:, None, None] * BLOCK + sub * SUB + lane, live, V, scale)  # [R, NS, SUB]
+    ssum = tl.sum(q, 2)                                                             # [R, NS]
+    si = tl.arange(0, NS)[None, :, None]
+    sj = tl.arange(0, NS)[None, None, :]
+    sincl = tl.sum(tl.where(si <= sj, ssum[:, :, None], 0), 1) + base[:, None]      # [R, NS]
+    sb = tl.minimum(tl.sum((sincl <= x[:, None]).to(tl.int32), 1), NS - 1)
+    sbase = base + tl.sum(tl.where(tl.arange(0, NS)[None, :] < sb[:, None], ssum, 0), 1)
+    # element inside the chosen sub-block
+    qs = tl.sum(tl.where(sub == sb[:, None, None], q, 0), 1)                        # [R, SUB]
+    li = tl.arange(0, SUB)[None, :, None]
+    lj = tl.arange(0, SUB)[None, None, :]
+    eincl = tl.sum(tl.where(li <= lj, qs[:, :, None], 0), 1) + sbase[:, None]       # [R, SUB]
+    e = tl.sum((eincl <= x[:, None]).to(tl.int32), 1)
+    t = (blk * BLOCK + sb * SUB + e).to(tl.int64)
     return tl.where(total > 0, t, 0)
 
 
@@ -84,7 +106,7 @@ def _accept_sampled_kernel(
     tokens_ptr, parent_ptr, probs_ptr, u_ptr, accept_ptr, path_ptr, bonus_ptr,
     bs, N, V, max_depth, scale, NB,
     R: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-    NBP: tl.constexpr,
+    NBP: tl.constexpr, SUB: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)     # R requests
     rok = b < bs
@@ -103,8 +125,9 @@ def _accept_sampled_kernel(
         u = tl.load(u_ptr + b * (max_depth + 1) + step, mask=live, other=0.0)
         u = tl.minimum(tl.where(u > 0, u, 0.0), 1.0)         # NaN, negatives -> 0; >= 1 -> 1
         U = tl.minimum((u * 16777216.0).to(tl.int64), 16777215)
-        rows = probs_ptr + ((b * N + cur) * V)[:, None]
-        t = _sample_rows(rows, live[:, None], V, U, scale, NB, R=R, BLOCK=BLOCK, NBP=NBP)
+        rows = probs_ptr + ((b * N + cur) * V)[:, None, None]
+        t = _sample_rows(rows, live[:, None, None], V, U, scale, NB, R=R, BLOCK=BLOCK, NBP=NBP,
+                         SUB=SUB)
         match = in_tree & (par == cur[:, None]) & (tok == t[:, None])
         j = tl.min(tl.where(match, offs, NP), 1)
         found = live & (j < NP) & (step < max_depth)
@@ -125,7 +148,7 @@ def accept_sampled_triton(tokens: torch.Tensor, parent: torch.Tensor, probs: tor
                           requests_per_program: int = 0):
     """See module docstring.  ``probs`` [bs * N, V] (or [bs, N, V]) fp32; ``out``: optional
     preallocated (accept_len, path, bonus).  ``requests_per_program`` (a power of 2; 0 = auto:
-    1 on CUDA, where one program streams one request's rows, and up to 8192 under the
+    1 on CUDA, where one program streams one request's rows, and up to 256 under the
     interpreter, whose cost is per program)."""
     bs, N = tokens.shape
     V = probs.shape[-1]
@@ -139,18 +162,19 @@ def accept_sampled_triton(tokens: torch.Tensor, parent: torch.Tensor, probs: tor
         return out
     NP = max(16, triton.next_power_of_2(N))
     DP = max(16, triton.next_power_of_2(max_depth + 1))
-    BLOCK = min(4096, max(16, triton.next_power_of_2(V)))
+    BLOCK = min(4096, max(128, triton.next_power_of_2(V)))
     R = requests_per_program
     if R <= 0:
-        R = 1 if dev.type == "cuda" else min(triton.next_power_of_2(bs), 2 ** 17 // BLOCK, 8192)
+        R = 1 if dev.type == "cuda" else min(triton.next_power_of_2(bs), 256)
     if R & (R - 1):
         raise ValueError(f"requests_per_program must be a power of 2, got {R}")
     NB = triton.cdiv(V, BLOCK)
-    NBP = max(2, triton.next_power_of_2(NB))
+    NBP = max(16, triton.next_power_of_2(NB))
+    SUB = min(64, BLOCK)
     _accept_sampled_kernel[(triton.cdiv(bs, R),)](
         tokens.contiguous(), parent.contiguous(), probs.reshape(bs * N, V).contiguous(),
         uniforms.contiguous(), accept_len, path, bonus, bs, N, V, max_depth,
-        float(2.0 ** weight_shift(V)), NB, R=R, NP=NP, DP=DP, BLOCK=BLOCK, NBP=NBP,
+        float(2.0 ** weight_shift(V)), NB, R=R, NP=NP, DP=DP, BLOCK=BLOCK, NBP=NBP, SUB=SUB,
         num_warps=4 if R * BLOCK <= 1024 else 8,
     )
     return out

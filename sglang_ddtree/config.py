@@ -129,3 +129,40 @@ def resolve_settings(*, algo: str, num_draft_tokens: Optional[int], block_size: 
             f"{algo}: draft depth {block_size - 1} with top-k {k} needs {words} rank-path key "
             f"words (the tree kernel packs at most {MAX_KEY_WORDS}); lower {ENV_TOPK}")
     return DDTreeSettings(budget=budget, block_size=block_size, topk=k)
+
+
+# ------------------------------------------------------------------ settings that travel to every rank
+# The launcher resolves the settings once (spec_algo.handle_server_args) and stores this record on
+# server_args, which SGLang pickles into every scheduler process (one per TP rank).  Each rank
+# resolves again from its own model config and must agree with it (settings_disagreement).
+SETTINGS_ATTR = "_ddtree_settings"
+
+
+def settings_record(settings: DDTreeSettings, vocab_size: Optional[int]) -> dict:
+    """A plain, picklable record of resolved settings and the target vocabulary they saw."""
+    return {"budget": settings.budget, "block_size": settings.block_size, "topk": settings.topk,
+            "vocab_size": None if vocab_size is None else int(vocab_size)}
+
+
+def settings_from_record(record: Mapping) -> DDTreeSettings:
+    return DDTreeSettings(budget=int(record["budget"]), block_size=int(record["block_size"]),
+                          topk=int(record["topk"]))
+
+
+def _describe(settings: DDTreeSettings, vocab_size: Optional[int]) -> str:
+    vocab = "unknown (its config could not be read)" if vocab_size is None else vocab_size
+    return (f"budget={settings.budget}, drafter block={settings.block_size}, "
+            f"top-k={settings.topk} (target vocabulary {vocab})")
+
+
+def settings_disagreement(algo: str, launcher: Mapping, local: DDTreeSettings,
+                          local_vocab: Optional[int], where: str = "this rank") -> Optional[str]:
+    """None when ``local`` equals the launcher's record, else the error message."""
+    theirs = settings_from_record(launcher)
+    if theirs == local:
+        return None
+    fields = [f for f in ("budget", "block_size", "topk") if getattr(theirs, f) != getattr(local, f)]
+    return (f"{algo}: {where} resolved {_describe(local, local_vocab)} but the launcher resolved "
+            f"{_describe(theirs, launcher.get('vocab_size'))}; they differ in {', '.join(fields)}. "
+            f"Every TP rank must build the same tree: pin the values with "
+            f"--speculative-num-draft-tokens and {ENV_TOPK}")

@@ -69,7 +69,7 @@ class DDTreeDraftHead:
         n = hs.shape[0]
         logits = torch.matmul(hs, self.weight[: self.num_org].T)
         lp, ids = self.lp[:n], self.ids[:n]
-        if not self.exact_topk:
+        if not self.exact_topk and self.tp_size == 1:  # (under TP: the exact sharded merge below)
             full = torch.nan_to_num(logits.float(), nan=-torch.inf, posinf=-torch.inf,
                                    neginf=-torch.inf)  # the default neginf is finite
             vals, top = torch.topk(full, self.topk, dim=-1)

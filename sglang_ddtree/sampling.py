@@ -12,9 +12,17 @@ verify, ``dflash_utils.build_dflash_verify_target_probs``, renormalises after to
 to that, which is not the distribution plain decoding samples from when both are set.)
 
 Memory: one dense fp32 ``[bs * N, V]`` output and nothing else of that size.  Rows are processed in
-chunks of at most ``CHUNK_ELEMS`` elements, so the temporaries (scaled logits, a sort when top-p or
-min-p is set without top-k) stay bounded (~100 MB at V = 151,936).  SGLang's path holds the scaled
-logits, the probabilities and, for its sampling kernel, a dense zero "draft probs" tensor at once.
+chunks of at most ``CHUNK_ELEMS`` elements (``SORT_CHUNK_ELEMS`` where a full sort is needed), so
+the temporaries stay bounded (<= 256 MB).  SGLang's path holds the scaled logits, the
+probabilities and, for its sampling kernel, a dense zero "draft probs" tensor at once.
+
+Paths: when the batch has a top-k below the vocabulary, the exact sparse path (``torch.topk`` of
+the batch's largest k, probabilities of the full distribution, joint filter, scatter).  Otherwise
+(some request without top-k) the dense softmax; top-p / top-k then go through sgl-kernel's
+flashinfer renorm kernels on CUDA, top-p first: every filter keeps a prefix of the same sorted
+order, so top-p on the original distribution followed by top-k equals the joint rule; min-p is
+relative to the top token, which a renormalisation does not move.  Without sgl-kernel (the CPU)
+a per-chunk sort does the same.
 """
 from __future__ import annotations
 
@@ -23,7 +31,19 @@ from typing import Optional
 import torch
 
 TOP_K_ALL = 1 << 30          # SGLang's "no top-k" (sampling_params.TOP_K_ALL)
-CHUNK_ELEMS = 1 << 23        # per-chunk temporaries: <= 8M elements (~32 MB fp32 each)
+CHUNK_ELEMS = 1 << 26        # per-chunk temporaries: <= 64M elements (256 MB fp32)
+SORT_CHUNK_ELEMS = 1 << 23   # the sort fallback: values + int64 indices, <= 96 MB
+
+
+def _renorm_kernels(device):
+    """sgl-kernel's (top_k_renorm_prob, top_p_renorm_prob) on CUDA, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob
+    except Exception:  # noqa: BLE001 - no sgl-kernel: the torch sort path
+        return None
+    return top_k_renorm_prob, top_p_renorm_prob
 
 
 def _per_slot(x: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -73,31 +93,42 @@ def verify_target_probs(logits: torch.Tensor, *, temperatures: torch.Tensor, top
     else:
         kmax = V
     sparse = need_top_k and kmax < V
-    filt = sparse or need_top_p or m_rows is not None
-    step = max(1, CHUNK_ELEMS // V)
+    filt = need_top_p or m_rows is not None or (need_top_k and not sparse)
+    renorm = _renorm_kernels(dev) if (filt and not sparse) else None
+    use_sort = filt and not sparse and renorm is None
+    step = max(1, (SORT_CHUNK_ELEMS if use_sort else CHUNK_ELEMS) // V)
     for r0 in range(0, R, step):
         r1 = min(R, r0 + step)
         x = logits[r0:r1].to(torch.float32) * inv_t[r0:r1]
+        ms = None if m_rows is None else m_rows[r0:r1]
         if sparse:
             # the batch's top-k: only these ranks can be kept; probabilities of the FULL distribution
             vals, idx = torch.topk(x, kmax, dim=-1, sorted=True)
             lse = torch.logsumexp(x, dim=-1, keepdim=True)
-            kept = _filter_sorted(torch.exp(vals - lse), k_rows[r0:r1], p_rows[r0:r1],
-                                  None if m_rows is None else m_rows[r0:r1])
+            kept = _filter_sorted(torch.exp(vals - lse), k_rows[r0:r1], p_rows[r0:r1], ms)
             kept = kept / kept.sum(-1, keepdim=True)
             out[r0:r1].zero_()
             out[r0:r1].scatter_(1, idx, kept)
             continue
         probs = torch.softmax(x, dim=-1)
         del x
-        if filt:
+        if not filt:
+            out[r0:r1].copy_(probs)
+        elif renorm is not None:
+            top_k_renorm, top_p_renorm = renorm
+            if need_top_p:
+                probs = top_p_renorm(probs, p_rows[r0:r1].contiguous())
+            if need_top_k:
+                probs = top_k_renorm(probs, k_rows[r0:r1].to(torch.int32).contiguous())
+            if ms is not None:
+                probs = torch.where(probs >= probs.amax(-1, keepdim=True) * ms.view(-1, 1), probs, 0.0)
+                probs = probs / probs.sum(-1, keepdim=True)
+            out[r0:r1].copy_(probs)
+        else:
             p_sorted, idx = torch.sort(probs, dim=-1, descending=True)
-            kept = _filter_sorted(p_sorted, k_rows[r0:r1], p_rows[r0:r1],
-                                  None if m_rows is None else m_rows[r0:r1])
+            kept = _filter_sorted(p_sorted, k_rows[r0:r1], p_rows[r0:r1], ms)
             kept = kept / kept.sum(-1, keepdim=True)
             out[r0:r1].scatter_(1, idx, kept)
-        else:
-            out[r0:r1].copy_(probs)
     return out
 
 

@@ -10,7 +10,10 @@ answer like DFLASH, and add what 0.5.16's ``CustomSpecAlgo`` lacks but the sched
 ``handle_server_args`` replaces SGLang's ``_handle_dflash`` (which only runs for the DFLASH enum):
 it resolves the tree settings (:mod:`sglang_ddtree.config`) and writes them into the server
 arguments during argument resolution, in the launcher process, so bad values fail at startup
-with a ValueError instead of inside a scheduler process.
+with a ValueError instead of inside a scheduler process.  The resolved settings travel on
+``server_args`` (``config.SETTINGS_ATTR``; SGLang pickles server_args into every scheduler
+process); each TP rank's worker calls :func:`settings_for_worker`, which resolves again from the
+rank's model config and raises if the two, or the ranks, disagree.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from typing import Optional
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from .config import SUPPORTED_TARGET_BACKENDS, DDTreeSettings, resolve_settings
+from .config import (SETTINGS_ATTR, SUPPORTED_TARGET_BACKENDS, DDTreeSettings, resolve_settings,
+                     settings_disagreement, settings_from_record, settings_record)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,8 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
     # --- server arguments -----------------------------------------------------------------
     def handle_server_args(self, server_args) -> None:
-        settings = resolve_from_server_args(server_args, self.name)
+        settings, vocab = _resolve(server_args, self.name)
+        record_settings(server_args, settings, vocab_size=vocab)
         server_args.speculative_num_draft_tokens = settings.num_verify_tokens
         server_args.speculative_num_steps = 1
         server_args.speculative_eagle_topk = 1
@@ -119,16 +124,78 @@ def _target_vocab_size(server_args) -> Optional[int]:
                          revision=getattr(server_args, "revision", None))
         cfg = getattr(cfg, "text_config", None) or cfg
         return int(cfg.vocab_size)
-    except Exception:  # noqa: BLE001 - the vocab only bounds the default top-k
+    except Exception as e:  # noqa: BLE001 - the vocab only bounds the default top-k
+        logger.warning("cannot read the target vocabulary size of %r (%s): the default top-k is "
+                       "not bounded by it here; each TP rank checks it against its model",
+                       server_args.model_path, e)
         return None
 
 
-def resolve_from_server_args(server_args, algo: str) -> DDTreeSettings:
+def _resolve(server_args, algo: str):
     if server_args.speculative_draft_model_path is None:
         raise ValueError(f"{algo} needs a DFlash drafter: pass --speculative-draft-model-path")
+    vocab = _target_vocab_size(server_args)
     return resolve_settings(algo=algo, num_draft_tokens=server_args.speculative_num_draft_tokens,
-                            block_size=drafter_block_size(server_args),
-                            vocab_size=_target_vocab_size(server_args))
+                            block_size=drafter_block_size(server_args), vocab_size=vocab), vocab
+
+
+def resolve_from_server_args(server_args, algo: str) -> DDTreeSettings:
+    return _resolve(server_args, algo)[0]
+
+
+def record_settings(server_args, settings: DDTreeSettings, vocab_size: Optional[int]) -> None:
+    """Store the launcher's settings on server_args (a private attribute: not a CLI field, kept by
+    pickling and deepcopy, outside SGLang's strict-mutation check)."""
+    object.__setattr__(server_args, SETTINGS_ATTR, settings_record(settings, vocab_size))
+
+
+def settings_for_worker(server_args, *, algo: str, vocab_size: Optional[int], cpu_group=None,
+                        env=None) -> DDTreeSettings:
+    """The settings a scheduler (TP rank) runs with: the launcher's, checked.
+
+    The rank resolves again from ``server_args`` and its own target vocabulary (the model config's)
+    and raises ValueError when that differs from what the launcher resolved and stored
+    (:func:`record_settings`).  With ``cpu_group`` (a torch.distributed group of the TP ranks, e.g.
+    ``get_tp_group().cpu_group``) the ranks also exchange their outcome, so every rank raises, with
+    each failing rank named, when any rank fails or two ranks differ (also across nodes, whose
+    launchers resolve separately).  Every rank reaches the exchange, even one whose resolution
+    failed, so no rank waits on a dead peer.
+    """
+    rec = getattr(server_args, SETTINGS_ATTR, None)
+    local, error = None, None
+    try:
+        local = resolve_settings(algo=algo, num_draft_tokens=server_args.speculative_num_draft_tokens,
+                                 block_size=drafter_block_size(server_args), vocab_size=vocab_size,
+                                 env=env)
+    except ValueError as e:
+        error = str(e)
+    if local is not None and rec is None:
+        logger.warning("%s: server_args carries no launcher-resolved settings (it did not go "
+                       "through argument handling); using this rank's own resolution", algo)
+    elif local is not None:
+        error = settings_disagreement(algo, rec, local, vocab_size)
+    if cpu_group is not None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group=cpu_group)
+        if world > 1:
+            mine = (dist.get_rank(group=cpu_group),
+                    None if local is None else settings_record(local, vocab_size), error)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine, group=cpu_group)
+            msgs = [f"TP rank {r}: {err}" for r, _, err in everyone if err is not None]
+            if not msgs:
+                first = everyone[0][1]
+                for r, got, _ in everyone[1:]:
+                    bad = settings_disagreement(algo, first, settings_from_record(got),
+                                                got["vocab_size"], where=f"TP rank {r}")
+                    if bad is not None:
+                        msgs.append(bad.replace("the launcher resolved", "TP rank 0 resolved"))
+            if msgs:
+                raise ValueError("\n".join(msgs))
+    if error is not None:
+        raise ValueError(error)
+    return settings_from_record(rec) if rec is not None else local
 
 
 def validate_server_args(server_args) -> None:

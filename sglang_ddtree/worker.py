@@ -49,10 +49,9 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from . import ddtree, sampling, tree_ops
-from .config import resolve_settings
 from .draft_head import DDTreeDraftHead
 from .profiling import RoundProfiler
-from .spec_algo import drafter_block_size
+from .spec_algo import settings_for_worker
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +123,11 @@ class DDTreeWorker(DFlashWorkerV2):
         if mambaish_config(mc) is not None:
             raise ValueError(f"{self.algo_name} does not support hybrid (Mamba / linear-attention) "
                              "targets: their verify state commit is chain-only")
-        self.settings = resolve_settings(
-            algo=self.algo_name, num_draft_tokens=server_args.speculative_num_draft_tokens,
-            block_size=drafter_block_size(server_args), vocab_size=mc.vocab_size)
+        # the launcher's settings (they travel on server_args), checked against this rank's model
+        # config and, under TP, against every other rank's (a mismatch raises on every rank)
+        self.settings = settings_for_worker(server_args, algo=self.algo_name,
+                                            vocab_size=mc.vocab_size,
+                                            cpu_group=get_tp_group().cpu_group)
         self.budget = self.settings.budget
         self.num_verify = self.settings.num_verify_tokens
         self.topk = self.settings.topk

@@ -3,8 +3,10 @@
 The YAML goes through SGLang's own path (`prepare_server_args(["--config", f, ...])`: its
 ConfigArgumentMerger turns keys into CLI flags, argparse rejects unknown ones, and
 ServerArgs.__post_init__ runs its checks, including the DFLASH hook that reads the drafter's
-config.json for the block size).  Model weights are never loaded.  Model paths that do not exist
-here are replaced, on the command line (CLI beats config), by local config-only stand-ins:
+config.json for the block size).  Model weights are never loaded.  For DDTREE-* configs, the
+settings resolved at argument handling are re-checked on each of the tp_size (simulated) ranks.
+Model paths that do not exist here are replaced, on the command line (CLI beats config), by local
+config-only stand-ins:
   * /tmp/models/* (the test bed's tiny pairs): bench/device/mk_models.py --configs-only;
   * Hugging Face ids / absent local paths: config.json files with the real architecture's
     shapes (Qwen3-8B; Kimi K2.6 as its DeepSeek-V3 text model) and DFlash drafter configs.
@@ -14,6 +16,7 @@ Skips only when sglang is not importable.
 import glob
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -131,3 +134,16 @@ def test_config_parses_into_server_args(cfg, standins):
         assert sa.speculative_num_draft_tokens == raw["speculative-num-draft-tokens"]
         assert sa.speculative_num_steps == 1 and sa.speculative_eagle_topk == 1
         assert sa.attention_backend == "triton"
+        # the settings resolved here travel to every TP rank on server_args (pickled into each
+        # scheduler process); each rank re-resolves from its model's vocabulary and must agree
+        from sglang_ddtree import config as C
+        from sglang_ddtree.spec_algo import settings_for_worker
+
+        rec = getattr(sa, C.SETTINGS_ATTR)
+        with open(os.path.join(sa.model_path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        assert rec["budget"] + 1 == sa.speculative_num_draft_tokens and rec["vocab_size"] == vocab
+        for _ in range(sa.tp_size):
+            rank_args = pickle.loads(pickle.dumps(sa))
+            assert settings_for_worker(rank_args, algo=sa.speculative_algorithm,
+                                       vocab_size=vocab) == C.settings_from_record(rec)

@@ -209,3 +209,90 @@ def test_launch_server_rejects_bad_budget_before_starting(tiny_models):
                        text=True, timeout=300)
     assert r.returncode != 0
     assert "tree budget 1 is too small for the drafter's block size 8" in r.stderr
+
+
+# ---------------------------------------------------------------- settings travel to every TP rank
+def test_settings_record_roundtrip_and_disagreement():
+    s = C.resolve_settings(algo="X", num_draft_tokens=17, block_size=8, vocab_size=1000, env={})
+    rec = C.settings_record(s, 1000)
+    assert C.settings_from_record(rec) == s and C.settings_disagreement("X", rec, s, 1000) is None
+    other = C.resolve_settings(algo="X", num_draft_tokens=17, block_size=8, vocab_size=10, env={})
+    msg = C.settings_disagreement("X", rec, other, 10)
+    assert "top-k=10 (target vocabulary 10)" in msg and "top-k=16 (target vocabulary 1000)" in msg
+    assert "differ in topk" in msg and C.ENV_TOPK in msg
+    unknown = C.settings_disagreement("X", C.settings_record(other, None), s, 1000)
+    assert "vocabulary unknown" in unknown
+
+
+TP_SETTINGS = r'''
+import copy, dataclasses, json, pickle, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+from sglang_ddtree import config as C, spec_algo
+models, small = sys.argv[1], sys.argv[2]
+
+def args(target, *extra):
+    return ["--model-path", target, "--speculative-draft-model-path", f"{models}/drafter",
+            "--device", "cuda", "--speculative-algorithm", "DDTREE-GPU", "--tp", "2", *extra]
+
+def rank_copy(sa):  # what SGLang's spawned scheduler process receives (mp.Process pickles it)
+    return pickle.loads(pickle.dumps(sa))
+
+def worker(sa, vocab):
+    try:
+        return dataclasses.asdict(spec_algo.settings_for_worker(rank_copy(sa), algo="DDTREE-GPU",
+                                                                vocab_size=vocab))
+    except ValueError as e:
+        return "ValueError: " + str(e)
+
+out = {}
+sa = prepare_server_args(args(f"{models}/gqa_target"))
+out["tp"], out["n"], out["attn"] = sa.tp_size, sa.speculative_num_draft_tokens, sa.attention_backend
+out["rec"] = getattr(sa, C.SETTINGS_ATTR)
+out["deepcopy"] = getattr(copy.deepcopy(sa), C.SETTINGS_ATTR)   # the worker's drafter copy
+out["ranks"] = [worker(sa, 1024), worker(sa, 1024)]
+small_sa = prepare_server_args(args(small))                     # vocabulary 24 < budget 28
+out["small_rec"] = getattr(small_sa, C.SETTINGS_ATTR)
+out["small_ok"] = worker(small_sa, 24)
+out["small_rank_differs"] = worker(small_sa, 16)
+spec_algo._target_vocab_size = lambda server_args: None         # the launcher's lookup fails
+failed_sa = prepare_server_args(args(small))
+out["failed_rec"] = getattr(failed_sa, C.SETTINGS_ATTR)
+out["failed_rank"] = worker(failed_sa, 24)
+import os
+os.environ[C.ENV_TOPK] = "8"                                    # the remedy: pin the top-k
+pinned_sa = prepare_server_args(args(small))
+out["pinned"] = worker(pinned_sa, 24)
+print("RESULT" + json.dumps(out))
+'''
+
+
+def test_tp2_server_args_settings_travel_to_every_rank(tiny_models, tmp_path):
+    """ServerArgs --tp 2 with DDTREE-GPU resolves on the CPU; the launcher's settings reach every
+    (simulated) rank through pickling; a rank whose target vocabulary differs from the launcher's
+    lookup raises instead of running another top-k."""
+    small = tmp_path / "small_vocab_target"
+    import shutil
+    shutil.copytree(os.path.join(tiny_models, "gqa_target"), small)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["vocab_size"] = 24
+    (small / "config.json").write_text(json.dumps(cfg))
+    r = _py(TP_SETTINGS.replace("sys.argv[1], sys.argv[2]", f"{tiny_models!r}, {str(small)!r}"),
+            env={C.ENV_TOPK: "", C.ENV_BUDGET: ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert out["tp"] == 2 and out["n"] == 29 and out["attn"] == "triton"
+    want = {"budget": 28, "block_size": 8, "topk": 28}
+    assert out["rec"] == dict(want, vocab_size=1024) and out["deepcopy"] == out["rec"]
+    assert out["ranks"] == [want, want]
+    assert out["small_rec"] == {"budget": 28, "block_size": 8, "topk": 24, "vocab_size": 24}
+    assert out["small_ok"] == dict(want, topk=24)
+    msg = out["small_rank_differs"]
+    assert msg.startswith("ValueError: DDTREE-GPU: this rank resolved") and "top-k=16" in msg
+    assert "the launcher resolved budget=28, drafter block=8, top-k=24 (target vocabulary 24)" in msg
+    assert out["failed_rec"] == {"budget": 28, "block_size": 8, "topk": 28, "vocab_size": None}
+    msg = out["failed_rank"]
+    assert msg.startswith("ValueError:") and "top-k=24 (target vocabulary 24)" in msg
+    assert "top-k=28 (target vocabulary unknown" in msg and C.ENV_TOPK in msg
+    assert out["pinned"] == dict(want, topk=8)

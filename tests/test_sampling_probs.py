@@ -24,6 +24,7 @@ def _params(rng, bs, V):
 def test_matches_the_reference(rng, device, monkeypatch, chunk, V, N, bs):
     if chunk:
         monkeypatch.setattr(S, "CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(S, "SORT_CHUNK_ELEMS", chunk)
     for trial in range(4):
         temps, ks, ps, ms = _params(rng, bs, V)
         logits = torch.randn(bs * N, V, generator=rng) * (1 + 3 * torch.rand(1, generator=rng))

@@ -1,5 +1,5 @@
 """Worker logic that runs without a GPU: the tensor ops between the kernels (tree_ops), the
-drafter's top-k head (DDTreeDraftHead, tp = 1 and a simulated vocabulary-parallel tp = 3), and the
+drafter's top-k head (DDTreeDraftHead, tp = 1; tp > 1 is tests/test_tp_gloo.py), and the
 KV-commit index mapping, all on trees drawn fresh each run and checked against plain-Python
 references."""
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 
 from sglang_ddtree import ddtree, tree_ops
 from sglang_ddtree.draft_head import DDTreeDraftHead
-from sglang_ddtree.kernels.topk_logprobs import topk_logprobs_torch, topk_partial_triton
+from sglang_ddtree.kernels.topk_logprobs import topk_logprobs_torch
 
 from helpers import drafter_logits, logprobs_from_logits
 
@@ -142,35 +142,4 @@ def test_draft_head_ports_recipe_values(rng, device):
     torch.testing.assert_close(head.lp[: bs * (B - 1)], ref_lp, rtol=0, atol=1e-5)
 
 
-class _FakeTPGroup:
-    """all_gather_into_tensor over P simulated ranks: returns the ranks' precomputed tensors."""
-
-    def __init__(self, per_rank):
-        self.world_size = len(per_rank)
-        self.per_rank = per_rank   # list of dicts name -> tensor
-        self.calls = 0
-
-    def all_gather_into_tensor(self, out, inp):
-        key = ("m", "s", "keys")[self.calls % 3]
-        self.calls += 1
-        out.copy_(torch.cat([r[key].reshape(-1) for r in self.per_rank]))
-
-
-def test_draft_head_vocab_parallel_merge(rng, device):
-    bs, B, H, V, K, P = 2, 4, 16, 301, 8, 3
-    W, hs, logits = _head_inputs(rng, bs, B, H, V, device)
-    bounds = [0, 97, 211, V]
-    per_rank = []
-    for r in range(P):
-        m, s, keys = topk_partial_triton(logits[:, bounds[r]:bounds[r + 1]].contiguous(), K, bounds[r])
-        per_rank.append({"m": m, "s": s, "keys": keys})
-    group = _FakeTPGroup(per_rank)
-    r = 1  # this rank's shard of the lm_head
-    head = DDTreeDraftHead(weight=W[bounds[r]:bounds[r + 1]].contiguous(), block_size=B, topk=K,
-                           num_org=bounds[r + 1] - bounds[r], org_vocab_start=bounds[r], max_bs=bs,
-                           tp_group=group)
-    head(hs)
-    ref_lp, ref_ids = topk_logprobs_torch(logits, K)
-    n = bs * (B - 1)
-    assert torch.equal(head.ids[:n], ref_ids)
-    torch.testing.assert_close(head.lp[:n], ref_lp, rtol=0, atol=1e-5)
+# The vocabulary-parallel head (tp > 1) runs over a real gloo group in tests/test_tp_gloo.py.
