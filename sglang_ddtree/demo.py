@@ -34,7 +34,8 @@ import numpy as np  # noqa: E402
 
 from . import ddtree  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout (realpath: the GPU test bed installs the package as symlinks into the checkout)
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 TESTBED = os.path.join(ROOT, "bench", "device")
 
 

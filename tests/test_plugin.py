@@ -19,7 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _py(code, env=None, timeout=300):
     """Run code in a fresh interpreter outside the repo root (it must import the installed package)."""
     e = dict(os.environ, **(env or {}))
-    e.pop("PYTHONPATH", None)
+    # keep a PYTHONPATH that installs SGLang / the package (the GPU host's kit), never the checkout root
+    e["PYTHONPATH"] = os.pathsep.join(p for p in e.get("PYTHONPATH", "").split(os.pathsep)
+                                      if p and os.path.abspath(p) != REPO)
     r = subprocess.run([sys.executable, "-c", code], cwd="/", env=e, capture_output=True, text=True,
                        timeout=timeout)
     return r

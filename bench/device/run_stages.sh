@@ -115,10 +115,14 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       timeout -k 10 $lim python3 $REPO/bench/soak.py run --model-path /tmp/models/text_target \
         --draft-model-path /tmp/models/text_drafter --out $OUT/soak_h200 --port $port ${SOAK_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tail -60 $LOG/$st.log | cut -c1-400 > $LOG/$st.res ;;
-    pytest_gpu)  # the whole test suite on CUDA, SGLang from the kit; -P: the checkout root never on sys.path
-      timeout -k 10 $lim python3 -P -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -rs $REPO/tests \
-        > $OUT/pytest_gpu_h200.log 2>&1; rc=$?
-      tail -25 $OUT/pytest_gpu_h200.log | cut -c1-300 > $LOG/$st.res ;;
+    pytest_gpu*)  # the test suite on CUDA, SGLang from the kit; -P: the checkout root never on sys.path.
+                  # pytest_gpu-1 / pytest_gpu-2: the test files a..o / p..z (two lanes side by side)
+      local part=${st#pytest_gpu}; part=${part#-}; local files=$REPO/tests
+      [ "$part" = 1 ] && files=$(ls $REPO/tests/test_[a-o]*.py)
+      [ "$part" = 2 ] && files=$(ls $REPO/tests/test_[p-z]*.py)
+      timeout -k 10 $lim python3 -P -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -rfEs --tb=short \
+        $files > $OUT/pytest_gpu_h200${part:+_$part}.log 2>&1; rc=$?
+      grep -a -E "FAILED|ERROR|passed|failed" $OUT/pytest_gpu_h200${part:+_$part}.log | tail -25 | cut -c1-300 > $LOG/$st.res ;;
     sampledmem)  # bench/sampled_memory.py: the sampled accept's peak memory and time, SGLang's recipe vs ours
       timeout -k 10 $lim python3 -P $REPO/bench/sampled_memory.py --out $OUT/sampled_memory_h200 > $LOG/$st.log 2>&1; rc=$?
       tail -12 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
