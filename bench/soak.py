@@ -48,7 +48,7 @@ sys.path.insert(0, HERE)
 import ab_serve as AB  # noqa: E402
 
 MEM_FLAT_MIB = 512       # allowed GPU memory growth from the end of warm-up to the end of the load
-WARMUP_FRACTION = 0.2    # the first 20 % of completed requests are warm-up (allocator caches fill)
+WARMUP_FRACTION = 0.2    # the first 20 % of the load's monitor samples are warm-up (allocator caches fill)
 BAD_KINDS = ("id_vocab", "id_negative", "id_huge", "id_string", "temperature", "top_p", "max_new_tokens",
              "too_long", "logprob", "malformed", "id_vocab_stream")
 STOP_STRINGS = ("\n\n", "return", "):", "self.", "#")
@@ -56,7 +56,8 @@ STOP_STRINGS = ("\n\n", "return", "):", "self.", "#")
 
 # ------------------------------------------------------------------------------------------ plan
 def log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
-    return int(min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)) - 0.5)))))
+    """An int in [lo, hi], log-uniform: floor(exp(U(log lo, log(hi + 1))))."""
+    return int(min(hi, max(lo, math.floor(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))))
 
 
 def make_plan(n: int, stream_ids: List[int], vocab: int, context_len: int, seed: int = 0,
@@ -467,12 +468,19 @@ def evaluate(doc: dict, classification: Optional[dict]) -> dict:
             res["ids_out_of_vocab"] += 1
         if len(out) > s["sampling_params"]["max_new_tokens"]:
             res["over_length"] += 1
-    # GPU memory: after warm-up vs the end of the load
-    mem = [x["gpu_mib"] for x in soak.get("samples") or [] if x.get("gpu_mib") is not None]
+    # GPU memory: the load runs from the first sample with a running request to the last sample; its
+    # first WARMUP_FRACTION is warm-up (the allocator's caches fill on the first large batches); after
+    # it the used memory may grow by at most MEM_FLAT_MIB
+    samples = [x for x in soak.get("samples") or [] if x.get("gpu_mib") is not None]
+    mem = [x["gpu_mib"] for x in samples]
     if mem:
-        w = mem[int(len(mem) * WARMUP_FRACTION)] if len(mem) > 5 else mem[0]
-        res["gpu_mib"] = dict(first=mem[0], after_warmup=w, peak_after_warmup=max(mem[int(len(mem) * WARMUP_FRACTION):]),
-                              last=mem[-1], samples=len(mem))
+        start = next((k for k, x in enumerate(samples) if (x.get("running") or 0) > 0), 0)
+        active = mem[start:]
+        w_idx = min(len(active) - 1, int(math.ceil(len(active) * WARMUP_FRACTION)))
+        w = active[w_idx]
+        res["gpu_mib"] = dict(first=mem[0], load_start=active[0], after_warmup=w,
+                              peak_after_warmup=max(active[w_idx:]), last=mem[-1], samples=len(mem),
+                              load_samples=len(active))
         res["gpu_memory_flat"] = res["gpu_mib"]["peak_after_warmup"] - w <= MEM_FLAT_MIB
     else:
         res["gpu_memory_flat"] = None
@@ -567,8 +575,8 @@ def render_md(doc: dict, summ: dict) -> str:
           f"| server alive after the load | {summ['server_alive']} |",
           f"| idle: running, waiting, used KV tokens | {summ['idle'].get('running')}, {summ['idle'].get('waiting')}, "
           f"{summ['idle'].get('used_tokens')} (after {summ['idle'].get('waited_s')} s) |",
-          f"| GPU MiB: first / after warm-up / peak after / last | " + (
-              " / ".join(str(summ['gpu_mib'][k]) for k in ('first', 'after_warmup', 'peak_after_warmup', 'last'))
+          f"| GPU MiB: idle server / load start / after warm-up / peak after / last | " + (
+              " / ".join(str(summ['gpu_mib'][k]) for k in ('first', 'load_start', 'after_warmup', 'peak_after_warmup', 'last'))
               if summ.get("gpu_mib") else "-") + f" (flat: growth <= {MEM_FLAT_MIB} MiB: {summ['gpu_memory_flat']}) |"]
     g = summ.get("greedy_vs_plain")
     if g:

@@ -7,10 +7,12 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 * ``decode_graph_spec_info``: capture the target's verify CUDA graph with a tree mask.
 * ``validate_input_ids``: reject request token ids outside ``[0, vocab)`` with a 400 before any
   forward sees them (a bad id otherwise kills the scheduler).
+* ``req_update_finish_state``: a stop string / token inside a round's accepted tokens wins over
+  ``max_new_tokens`` reached in the same round (plain decoding's order).
 """
-from . import decode_graph_spec_info, validate_input_ids
+from . import decode_graph_spec_info, req_update_finish_state, validate_input_ids
 
-ALL = (decode_graph_spec_info, validate_input_ids)
+ALL = (decode_graph_spec_info, validate_input_ids, req_update_finish_state)
 
 
 def install_all() -> None:
