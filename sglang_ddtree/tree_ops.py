@@ -59,3 +59,17 @@ def path_from_accept_index(accept_index: torch.Tensor, num_slots: int) -> torch.
     base = torch.arange(bs, device=accept_index.device, dtype=torch.int64).unsqueeze(1) * num_slots
     slots = accept_index.to(torch.int64) - base
     return torch.where(accept_index >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def counterfactual_accept_len(path: torch.Tensor, budgets) -> torch.Tensor:
+    """Greedy accept length every smaller budget would have given this round, for free.
+
+    path [bs, W] (root first, -1 padded; the accepted slots of a budget-b tree); budgets: ints or a
+    [nb] tensor, each <= b -> [bs, nb] int32.  The first b' pops of a best-first tree of budget b are
+    exactly the budget-b' tree (same slots, same order; a rank-r node needs r earlier siblings, so
+    top-K = b' loses nothing), and slot numbers increase along a path, so the budget-b' tree accepts
+    exactly the leading accepted nodes with slot <= b': their count.  Static shapes, no host sync.
+    """
+    b = torch.as_tensor(budgets, device=path.device).to(torch.int64).view(1, 1, -1)
+    nodes = path[:, 1:].to(torch.int64).unsqueeze(-1)
+    return ((nodes >= 1) & (nodes <= b)).sum(1).to(torch.int32)
