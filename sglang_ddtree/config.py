@@ -107,14 +107,8 @@ def resolve_settings(*, algo: str, num_draft_tokens: Optional[int], block_size: 
     if not MIN_BUDGET <= budget <= MAX_BUDGET:
         raise ValueError(f"{algo}: the tree budget must be in [{MIN_BUDGET}, {MAX_BUDGET}] nodes "
                          f"(verify width budget + 1), got {budget}")
-    n = budget + 1
-    if 2 * n < block_size:
-        # SGLang reserves 2 x speculative_num_draft_tokens KV slots per request and step; the
-        # drafter writes block_size of them.
-        raise ValueError(
-            f"{algo}: tree budget {budget} is too small for the drafter's block size {block_size}: "
-            f"the verify width budget + 1 = {n} must be >= block_size / 2 "
-            f"(use a budget >= {-(-block_size // 2) - 1})")
+    # any budget works with any drafter block: a round may touch max(2N, N + B) KV slots past the
+    # committed length, and the hooks of sglang_ddtree/reservation.py make SGLang reserve that
     env_k = _env_int(env, ENV_TOPK)
     k = env_k if env_k is not None else budget
     if vocab_size is not None:

@@ -15,6 +15,11 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from sglang_ddtree.patches import req_update_finish_state as P  # noqa: E402
 
+import inspect  # noqa: E402
+
+# SGLang's own method, also when load_plugins() already hooked it in this process
+ORIGINAL = inspect.unwrap(Req.update_finish_state)
+
 
 class _Tok:
     """token t decodes to the letter chr(97 + t % 26); eos is 0."""
@@ -45,9 +50,9 @@ def _finish(req, blocks, hooked):
             break
         req.output_ids.extend(blk)
         if hooked:
-            P.update_finish_state_stop_first(Req.update_finish_state, req, len(blk))
+            P.update_finish_state_stop_first(ORIGINAL, req, len(blk))
         else:
-            Req.update_finish_state(req, len(blk))
+            ORIGINAL(req, len(blk))
     return req
 
 
