@@ -1,4 +1,5 @@
-"""bench/ab_serve.py against a fake SGLang-like HTTP server (no GPU, no real server).
+"""bench/ab_serve.py (the wrapper around the package sglang_ddtree.ab) against a fake SGLang-like HTTP
+server (no GPU, no real server).
 
 The fake speaks SGLang 0.5.16's streaming /generate: HTTP/1.1 chunked, SSE lines ``data: {json}``
 with cumulative ``output_ids`` (deltas for an --incremental-streaming-output server) and
@@ -27,8 +28,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _load = load_bench
 
 
-ab = _load("ab_serve")
-ab.HEALTH_POLL_S = 0.05
+ab = _load("ab_serve")  # every name of the package's modules, as the single-file script had them
+from sglang_ddtree.ab import client as ab_client, servers as ab_servers  # noqa: E402  (what the tests replace)
+
+
+@pytest.fixture(autouse=True)
+def _fast_health_poll(monkeypatch):
+    monkeypatch.setattr(ab_servers, "HEALTH_POLL_S", 0.05)
 
 VOCAB = 1000
 
@@ -498,7 +504,7 @@ def test_interrupt_stops_the_server_and_writes(tmp_path, monkeypatch):
             orig()
         srv.stop = stop
         return srv
-    real = ab.run_level
+    real = ab_client.run_level
     calls = []
 
     def run_level(*a, **k):
@@ -506,7 +512,7 @@ def test_interrupt_stops_the_server_and_writes(tmp_path, monkeypatch):
         if len(started) == 2 and a[2] == 4:  # second arm, level c=4: SIGTERM arrives
             raise KeyboardInterrupt
         return real(*a, **k)
-    monkeypatch.setattr(ab, "run_level", run_level)
+    monkeypatch.setattr(ab_client, "run_level", run_level)  # the runner calls it through the client module
     doc = ab.run(_args(tmp_path, "--arms", "base,dflash,ddtree_b16"), launcher=launcher)
     assert doc["interrupted"] and len(started) == 2 and len(stopped) == 2
     st = {a["name"]: a for a in doc["arms"]}

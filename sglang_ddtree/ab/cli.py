@@ -1,0 +1,125 @@
+"""The command line: ``sglang-ddtree-ab`` (console entry point) and ``python bench/ab_serve.py`` (a
+wrapper around this) parse the same arguments and run the same ``main``.  ``--help`` needs no GPU,
+no torch, no SGLang and no checkout."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+
+import sglang_ddtree.ab as _pkg
+
+from . import checkout
+from .environment import env_info
+from .merge import merge
+from .report import render_markdown, render_summary, write_outputs
+from .runner import run
+from .sweep import SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS, kernel_sweep_child, run_kernel_sweep
+from .servers import DEFAULT_ARMS
+
+DEFAULT_OUT = "ab_serve"  # OUT.json / OUT.md / OUT.png in the current folder (bench/ab_serve.py: bench/results/ab_h200)
+
+
+def build_parser(default_out: str = DEFAULT_OUT):
+    ap = argparse.ArgumentParser(description=_pkg.__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path")
+    ap.add_argument("--draft-model-path")
+    ap.add_argument("--pair", choices=("text", "gqa", "mla"),
+                    help="a test-bed pair: text (the stdlib-trained pair, the default when no model is "
+                         "given: MODELS_DIR/text_target + text_drafter from bench/textpair/materialize.py), "
+                         "or the toy gqa / mla pairs (MODELS_DIR/<pair>_target + drafter); token ids")
+    ap.add_argument("--models-dir", default="/tmp/models")
+    ap.add_argument("--config", help="an SGLang YAML config (configs/*.yaml): its speculative/host/port keys are dropped")
+    ap.add_argument("--arms", default=DEFAULT_ARMS)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--prompts", help="JSON list / JSON lines: strings, {text|prompt} or {input_ids}")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), all = N, or a number")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each level (radix cache flushed before each); "
+                                                           "the one with the median output tok/s is reported")
+    ap.add_argument("--max-input-tokens", type=int, default=512, help="token-id prompts are cut to this (tail kept)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="fold token ids into the vocabulary (ids mode)")
+    ap.add_argument("--token-ids", action="store_true", help="send input_ids (tokenized here) + --skip-tokenizer-init")
+    ap.add_argument("--prompt-template", default="{prompt}", help='e.g. a chat format around "{prompt}"')
+    ap.add_argument("--out", default=default_out)
+    ap.add_argument("--server-args", default="", help="extra flags for every server (appended last: they win)")
+    ap.add_argument("--python", default=None, help="interpreter that runs launch_server (default: this one)")
+    ap.add_argument("--port", type=int, default=31000, help="arm i listens on port + 10 i")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.6)
+    ap.add_argument("--cuda-graph-bs", default=None, help="decode CUDA-graph batch sizes, e.g. 1,2,4,8,16,32,64 "
+                                                          "(default: SGLang's list up to max concurrency)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run; arms that no longer fit are skipped")
+    ap.add_argument("--min-arm-s", type=float, default=75.0, help="do not start an arm with less time than this left")
+    ap.add_argument("--reserve-s", type=float, default=10.0, help="kept free at the end of the deadline")
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--warmup", type=int, default=2, help="full-length requests at c=1 after a short "
+                                                          "max-concurrency batch (0: no warm-up)")
+    ap.add_argument("--profile-every", type=int, default=16, help="SGLANG_DDTREE_PROFILE_EVERY for DDTREE arms")
+    ap.add_argument("--no-stage-profile", action="store_true")
+    ap.add_argument("--reference-arm", default="base")
+    ap.add_argument("--kernel-sweep", action="store_true", help="also time GPU build_tree vs the CPU heap (bs 1..256)")
+    ap.add_argument("--sweep-s", type=float, default=120.0, help="time reserved for --kernel-sweep under --deadline")
+    ap.add_argument("--kernel-sweep-only", action="store_true", help="only the kernel sweep (no servers)")
+    ap.add_argument("--workdir", default=None, help="server logs and profile files (default: a temp dir)")
+    ap.add_argument("--save-prompts", default=None, help="write the prompts used as JSON lines")
+    ap.add_argument("--save-output-ids", action="store_true", help="keep every output id list in the JSON")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="print the server command lines and the prompt summary")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    ap.add_argument("--no-env-probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite JSON's markdown (and nothing else)")
+    ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), help="OUT a.json b.json ...: one report")
+    ap.add_argument("--invalid", nargs=4, action="append", metavar=("FILE", "ARM", "C", "REASON"),
+                    help="with --merge: mark one measured level of FILE (a merged file's name) as broken")
+    ap.add_argument("--summary", metavar="JSON", help="print the summary tables of a result (the README's table)")
+    ap.add_argument("--kernel-sweep-child", metavar="JSONL", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None, default_out: str = DEFAULT_OUT):
+    args = build_parser(default_out).parse_args(argv)
+    if args.kernel_sweep_child:
+        return kernel_sweep_child(args.kernel_sweep_child, SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS)
+    if args.report_only:
+        doc = json.load(open(args.report_only))
+        out = args.report_only[:-5] if args.report_only.endswith(".json") else args.report_only
+        with open(out + ".md", "w") as f:
+            f.write(render_markdown(doc))
+        print(f"wrote {out}.md")
+        return 0
+    if args.summary:
+        print("\n".join(render_summary(json.load(open(args.summary)), h="####")).rstrip())
+        return 0
+    if args.merge:
+        if len(args.merge) < 2:
+            raise SystemExit("--merge OUT a.json [b.json ...]")
+        merge(args.merge[0], args.merge[1:], args.invalid)
+        return 0
+    if args.kernel_sweep_only:
+        tmp = args.workdir or tempfile.mkdtemp(prefix="ab_sweep_")
+        os.makedirs(tmp, exist_ok=True)
+        doc = dict(kind="ab_serve", meta=env_info(args.python or sys.executable),
+                   settings=dict(model_path=None, draft_model_path=None, pair=None, concurrency=[], arms=[],
+                                 max_new_tokens=None, requests_per_level={}, greedy="-"),
+                   prompts=dict(source="-", count=0, kind="-", mean_input_len=0, sha256_16="-"),
+                   arms=[], identity=None,
+                   kernel_sweep=run_kernel_sweep(args.python or sys.executable, args.deadline or 1800, tmp))
+        write_outputs(doc, args.out, plot=not args.no_plot)
+        return 0
+    def _term(signum, frame):  # `timeout` / a job killer: stop the running server, write the results
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        run(args)
+    except checkout.CheckoutMissing as e:  # e.g. --pair text (the default without --model-path), installed
+        raise SystemExit(f"error: {e}") from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

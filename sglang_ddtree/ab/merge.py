@@ -1,0 +1,54 @@
+"""One report (JSON + MD + PNG, per-request columns in a gzip file beside it) from several runs."""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+from .report import _level, _runs, write_outputs
+
+
+def merge(out: str, paths: List[str], invalid: Optional[List[List[str]]] = None):
+    """One report from several runs.  invalid: [source file name, arm, concurrency, reason] entries that
+    mark a measured level as broken (kept in the JSON, left out of every ratio)."""
+    runs, sources, sweep = [], [], None  # sources[i]: the file name runs[i] came from
+    for p in paths:
+        d = json.load(open(p))
+        for r in _runs(d):
+            if r.get("kernel_sweep") and (r["kernel_sweep"].get("rows")) and sweep is None:
+                sweep = r["kernel_sweep"]
+            if r.get("arms"):  # a --kernel-sweep-only run contributes its sweep only
+                runs.append(r)
+                sources.append(os.path.basename(p))
+    unknown = sorted({src for src, *_ in invalid or []} - set(sources))
+    if unknown:
+        raise SystemExit(f"--invalid names files that were not merged: {unknown}")
+    for src, arm, c, why in invalid or []:
+        lv = next((_level(a, int(c)) for s, r in zip(sources, runs) if s == src for a in r["arms"]
+                   if a["name"] == arm and _level(a, int(c))), None)
+        if lv is None:
+            raise SystemExit(f"--invalid {src} {arm} {c}: no such level")
+        lv["invalid"] = why
+    count = {}
+    for r in runs:  # run ids per pair: text-1, text-2, ...
+        pair = (r.get("settings") or {}).get("pair") or "run"
+        count[pair] = count.get(pair, 0) + 1
+        r["run_id"] = str(count[pair])
+    doc = dict(kind="ab_serve_merged", runs=runs, kernel_sweep=sweep, sources=[os.path.basename(p) for p in paths],
+               per_request_file=os.path.basename(out) + ".per_request.json.gz (keys: run index/arm/concurrency)")
+    per_request = {}
+    for k, r in enumerate(runs):  # the sweep is reported once, at the end; output ids stay in the run files
+        r.pop("kernel_sweep", None)
+        r.pop("output_ids", None)
+        r.pop("prompt_ids", None)
+        for a in r.get("arms") or []:  # per-request columns: a gzip file beside the report (it stays small)
+            for lv in a.get("levels") or []:
+                if "per_request" in lv:
+                    per_request[f"{k}/{a['name']}/{lv['concurrency']}"] = lv.pop("per_request")
+    if per_request:
+        import gzip
+        with gzip.open(out + ".per_request.json.gz", "wt") as f:
+            json.dump(per_request, f, separators=(",", ":"))
+    write_outputs(doc, out, plot=True)
+    return doc
+

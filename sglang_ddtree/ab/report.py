@@ -1,0 +1,353 @@
+"""The report: markdown of a single or merged result, the summary tables (the README's), the plot
+hook (bench/ab_plot.py), and writing JSON + MD (+ PNG)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import List
+
+from . import checkout
+from .stats import STAGES
+
+
+# ------------------------------------------------------------------------------------------ report
+def _f(v, nd=1):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _runs(doc):
+    return doc["runs"] if doc.get("kind") == "ab_serve_merged" else [doc]
+
+
+def _valid(lv) -> bool:
+    """A complete level that was not marked invalid (``merge --invalid``: a measurement known to be broken)."""
+    return bool(lv) and not lv.get("partial") and not lv.get("invalid")
+
+
+def _level(arm, c):
+    for lv in arm.get("levels") or []:
+        if lv["concurrency"] == c:
+            return lv
+    return None
+
+
+PAIR_TITLES = {"text": "text-trained pair (bench/textpair)", "gqa": "tiny GQA pair", "mla": "tiny MLA + MoE pair"}
+
+
+def _identity_cell(run, arm_name):
+    """'identical (n)', or 'k of n differ' (+ the text pair's classification)."""
+    idn = (run.get("identity") or {})
+    if arm_name == idn.get("reference"):
+        return "reference"
+    d = (idn.get("arms") or {}).get(arm_name)
+    if not d or not d.get("compared"):
+        return "-"
+    if not d["mismatched"]:
+        return f"identical ({d['compared']})"
+    txt = f"{d['mismatched']} of {d['compared']} differ"
+    c = ((idn.get("classification") or {}).get("arms") or {}).get(arm_name)
+    if c:
+        txt += (f": all {c['near_tie']} near ties" if not c["error"] else
+                f": {c['near_tie']} near ties, **{c['error']} errors**")
+    return txt
+
+
+def summary_rows(doc: dict) -> List[dict]:
+    """One row per (run, arm) of a merged (or single) result: pair, run id, output tok/s per concurrency,
+    x base of the same run, accept length, identity."""
+    rows = []
+    for run in _runs(doc):
+        s = run.get("settings") or {}
+        arms = run.get("arms") or []
+        by = {a["name"]: a for a in arms}
+        for a in arms:
+            if a.get("status") == "skipped":  # never started (deadline): measured in another run, if at all
+                continue
+            cells = {}
+            for c in s.get("concurrency") or []:
+                lv, blv = _level(a, c), _level(by["base"], c) if "base" in by else None
+                t = lv.get("output_throughput") if _valid(lv) else None
+                bt = blv.get("output_throughput") if _valid(blv) else None
+                cells[c] = dict(tput=t, x_base=(t / bt) if t and bt else None,
+                                accept=lv.get("accept_length") if lv else None,
+                                invalid=bool(lv and lv.get("invalid")))
+            rows.append(dict(pair=s.get("pair"), run=run.get("run_id", "1"), arm=a["name"], levels=cells,
+                             identity=_identity_cell(run, a["name"]), status=a.get("status")))
+    return rows
+
+
+def render_summary(doc: dict, h: str = "##") -> List[str]:
+    """Per pair: every arm of every run, output tok/s (x the same run's base) at each concurrency,
+    accepted tokens per round, and the token-identity verdict.  The README's results table."""
+    rows = summary_rows(doc)
+    L = []
+    for pair in dict.fromkeys(r["pair"] for r in rows):
+        pr = [r for r in rows if r["pair"] == pair]
+        levels = sorted({c for r in pr for c in r["levels"]})
+        nruns = len({r["run"] for r in pr})
+        L += [f"{h} {PAIR_TITLES.get(pair, pair)}", "",
+              "| arm | " + ("run | " if nruns > 1 else "") + " | ".join(f"c={c}" for c in levels)
+              + " | accepted / round | outputs vs base |",
+              "|---|" + ("---|" if nruns > 1 else "") + "---:|" * len(levels) + "---:|---|"]
+        for r in pr:
+            cells = []
+            for c in levels:
+                v = r["levels"].get(c) or {}
+                if v.get("invalid"):
+                    cells.append("invalid")
+                elif v.get("tput") is None:
+                    cells.append("-")
+                elif r["arm"] == "base":
+                    cells.append(f"{v['tput']:.0f}")
+                elif v.get("x_base") is None:
+                    cells.append(f"{v['tput']:.0f} (-)")
+                else:
+                    cells.append(f"{v['tput']:.0f} ({v['x_base']:.2f}x)")
+            acc = [r["levels"][c].get("accept") for c in levels if (r["levels"].get(c) or {}).get("accept")]
+            acc_txt = f"{min(acc):.2f}-{max(acc):.2f}" if acc and min(acc) != max(acc) else (f"{acc[0]:.2f}" if acc else "-")
+            L.append(f"| {r['arm']} | " + (f"{r['run']} | " if nruns > 1 else "") + " | ".join(cells)
+                     + f" | {acc_txt} | {r['identity']} |")
+        L.append("")
+    return L
+
+
+def render_markdown(doc: dict) -> str:
+    L = []
+    runs = _runs(doc)
+    if doc.get("kind") == "ab_serve_merged":
+        L += ["# A/B serving benchmark", "", f"{len(runs)} runs merged by `python bench/ab_serve.py --merge`. "
+              "Output tokens per second at each concurrency (x the base arm of the same run: runs are never "
+              "compared with each other), accepted tokens per verify round, and whether every output equals "
+              "the base arm's. Details of each run follow the summary.", ""]
+        L += ["## Summary", ""] + render_summary(doc, h="###")
+    for run in runs:
+        L += _render_run(run, top=doc.get("kind") != "ab_serve_merged")
+    ks = doc.get("kernel_sweep") if doc.get("kind") == "ab_serve_merged" else None
+    if ks:
+        L += _render_sweep(ks)
+    return "\n".join(L).rstrip() + "\n"
+
+
+def _render_run(doc, top=True):
+    s, m, p = doc["settings"], doc.get("meta", {}), doc["prompts"]
+    title = (s.get("pair") == "text" and "the text-trained pair (bench/textpair)"
+             or s.get("pair") and f"tiny {s['pair']} pair" or os.path.basename(str(s.get("model_path"))))
+    h = "##" if top else "###"
+    v = m.get("versions") or {}
+    stamp = (f"{m.get('date', '?')} · GPU {', '.join(m.get('gpu') or ['?'])} · torch {v.get('torch')} · triton "
+             f"{v.get('triton')} · sglang {v.get('sglang')} · commit {m.get('git_commit')}"
+             f"{' (dirty)' if m.get('git_dirty') else ''}")
+    if not doc["arms"]:  # --kernel-sweep-only
+        L = [("# " if top else "## ") + "Tree build: GPU kernels vs the CPU heap", "", stamp, "",
+             "Command: `" + " ".join(m.get("argv") or []) + "`."]
+        if doc.get("kernel_sweep"):
+            L += _render_sweep(doc["kernel_sweep"], h)
+        return L + [""]
+    L = [("# " if top else "## ") + f"A/B serving benchmark: {title}"
+         + (f", run {doc['run_id']}" if doc.get("run_id") else ""), ""]
+    kinds = {k: n for k, n in (p.get("kinds") or {}).items() if n}
+    L += [f"{stamp} · {doc.get('elapsed_s')} s", "",
+          f"Target `{s['model_path']}`, drafter `{s['draft_model_path']}`. {p['count']} prompts "
+          f"({p['kind']}{'; ' + ', '.join(f'{n} {k}' for k, n in kinds.items()) if kinds else ''}; mean input {p['mean_input_len']} {p.get('input_len_unit', '')}; "
+          f"sha256 {p['sha256_16']}), {p['source']}. Greedy ({s['greedy']}), max_new_tokens "
+          f"{s['max_new_tokens']}; requests per level {s['requests_per_level']}; each level run "
+          f"{s.get('repeats', 1)} time(s), the run with the median output tok/s reported. "
+          "Command: `" + " ".join(m.get("argv") or []) + "`.", ""]
+    arms = doc["arms"]
+    levels = s["concurrency"]
+    by = {a["name"]: a for a in arms}
+    hdr = "| arm | " + " | ".join(f"c={c}" for c in levels) + " |"
+    sep = "|---|" + "---:|" * len(levels)
+
+    def tput(name, c):
+        a = by.get(name)
+        lv = _level(a, c) if a else None
+        return lv.get("output_throughput") if _valid(lv) else None
+
+    L += [f"{h} Output tokens per second (x base, x dflash)", "", hdr, sep]
+    for a in arms:
+        cells = []
+        for c in levels:
+            t = tput(a["name"], c)
+            if t is None:
+                lv = _level(a, c)
+                cells.append("-" if lv is None else "partial" if lv.get("partial") else
+                             f"invalid: {str(lv.get('invalid'))[:60]}")
+                continue
+            r = []
+            for ref in ("base", "dflash"):
+                rt = tput(ref, c)
+                if rt and a["name"] != ref:
+                    r.append(f"{t / rt:.2f}x")
+                elif a["name"] == ref:
+                    r.append("1.00x")
+                else:
+                    r.append("-")
+            cells.append(f"{t:.0f} ({' / '.join(r)})")
+        L.append(f"| {a['name']} | " + " | ".join(cells) + " |")
+    def level_table(title, cell):
+        """One row per arm, one column per concurrency; cell(level record) -> text."""
+        L.extend(["", f"{h} {title}", "", hdr, sep])
+        for a in arms:
+            L.append(f"| {a['name']} | " + " | ".join(
+                "-" if not lv else cell(lv) for lv in (_level(a, c) for c in levels)) + " |")
+
+    repeated = any((lv.get("repeats") or 1) > 1 for a in arms for lv in a.get("levels") or [])
+    if repeated:
+        level_table("Every repeat's output tok/s (the median one is reported above)",
+                    lambda lv: " / ".join(f"{x:.0f}" for x in lv.get("output_throughput_repeats") or []
+                                          if x is not None) or "-")
+    level_table("Latency: TTFT median / p99, ITL median / p99 (ms)",
+                lambda lv: f"{_f(lv['median_ttft_ms'])} / {_f(lv['p99_ttft_ms'])} · "
+                           f"{_f(lv['median_itl_ms'], 2)} / {_f(lv['p99_itl_ms'], 2)}")
+    level_table("Accepted tokens per verify round; client ms per decode round",
+                lambda lv: f"{_f(lv['accept_length'], 2)} · {_f(lv['ms_per_step'], 2)} ms")
+    idn = doc.get("identity") or {}
+    L += ["", f"{h} Token identity against `{idn.get('reference')}` (same prompt, same concurrency)", ""]
+    if idn.get("note"):
+        L += [idn["note"], ""]
+    if idn.get("arms"):
+        L += ["| arm | requests compared | mismatching | errors | by concurrency | first mismatches (c, prompt, index) |",
+              "|---|---:|---:|---:|---|---|"]
+        for name, d in idn["arms"].items():
+            ex = ", ".join(f"({e['concurrency']}, {e['prompt']}, {e['first_diff']})" for e in d["examples"][:4])
+            L.append(f"| {name} | {d['compared']} | {'**' + str(d['mismatched']) + '**' if d['mismatched'] else 0} | "
+                     f"{d['errors']} | {d['by_concurrency']} | {ex or '-'} |")
+        rs = idn.get("reference_vs_own_first_level")
+        if rs:
+            L += ["", f"`{idn['reference']}` against itself at c={rs['level']} (mismatching requests per level): "
+                      f"{rs['mismatched_by_concurrency']}."]
+    if repeated:
+        rep = {a["name"]: sum(lv.get("repeat_output_mismatches") or 0 for lv in a.get("levels") or [])
+               for a in arms}
+        L += ["", "Outputs that differ between the repeats of one arm and level (same server): "
+                  + ", ".join(f"{k} {v}" for k, v in rep.items()) + "."]
+    cls = idn.get("classification")
+    if cls:
+        L += _render_classification(cls, h)
+    # stage split
+    rows = []
+    for a in arms:
+        for lv in a.get("levels") or []:
+            sp = lv.get("stage_profile")
+            if sp:
+                st = sp["stage_ms"]
+                rows.append(f"| {a['name']} | {lv['concurrency']} | {_f(sp['bs_mean'])} | {sp['rounds']} | "
+                            + " | ".join(_f(st.get(k), 3) for k in STAGES)
+                            + f" | {_f(sp['round_ms'], 3)} | {_f(sp['host_ms'], 3)} | {_f(lv.get('ms_per_step'), 3)} | "
+                              f"{_f(sp.get('outside_ms'), 3)} |")
+    L += ["", f"{h} Round time split of the DDTREE arms (ms, GPU time between CUDA events, per-record medians "
+              "weighted by rounds)", ""]
+    if rows:
+        L += ["draft includes the drafter's top-K head; tree = build_tree + mask; host = the worker call's host wall "
+              "time; client = ms per decode round seen by the client; outside = client - round (scheduler, "
+              "output processing, HTTP).", "",
+              "| arm | c | bs mean | rounds | " + " | ".join(STAGES) + " | round | host | client | outside |",
+              "|---|---:|---:|---:|" + "---:|" * (len(STAGES) + 4)] + rows
+    else:
+        L += ["No stage records (no DDTREE arm measured, or --no-stage-profile)."]
+    bad = [a for a in arms if a.get("status") != "ok"]
+    if bad:
+        L += ["", f"{h} Arms not fully measured", ""]
+        for a in bad:
+            L.append(f"- `{a['name']}`: {a.get('status')}: {a.get('error', '')}"
+                     + (f" (skipped levels {a['skipped_levels']})" if a.get("skipped_levels") else ""))
+            if a.get("log_tail"):
+                L += ["", "```", "\n".join(a["log_tail"].splitlines()[-12:]), "```"]
+    L += ["", f"{h} Server command lines", ""]
+    for a in arms:
+        if a.get("command_str"):
+            env = " ".join(f"{k}=..." for k in (a.get("env") or {}))
+            L.append(f"- `{a['name']}` (up in {a.get('start_s')} s): `{(env + ' ') if env else ''}{a['command_str']}`")
+    if doc.get("kernel_sweep"):
+        L += _render_sweep(doc["kernel_sweep"], h)
+    L += ["", f"{h} Definitions", ""] + [f"- {k}: {v}" for k, v in (doc.get("definitions") or {}).items()]
+    return L + [""]
+
+
+def _render_classification(cls, h):
+    """bench/ab_divergence.py's verdict on every mismatch (text pair: bf16 near ties vs errors)."""
+    cal = cls.get("calibration") or {}
+    L = ["", f"{h} Why outputs differ: every first divergence classified", "", cls["method"] + "."
+         + (f" Noise quantiles over {cal['positions']} positions: {cal['quantiles']}." if cal else ""), "",
+         "| compared | requests | diverged | near ties | errors |", "|---|---:|---:|---:|---:|"]
+    rows = list(cls["arms"].items())
+    r = cls.get("reference_vs_own_first_level")
+    if r:
+        rows.append((f"{cls['reference']} (c>1) vs {cls['reference']} (c={r['level']})", r))
+    for name, d in rows:
+        L.append(f"| {name} | {d['compared']} | {d['diverged']} | {d['near_tie']} | "
+                 f"{'**' + str(d['error']) + '**' if d['error'] else 0} |")
+    for pair in cls.get("cpu_vs_gpu") or []:
+        L += ["", f"`{pair['cpu']}` and `{pair['gpu']}` (the CPU heap and the GPU kernels build the same trees): "
+                  f"{pair['identical']} of {pair['compared']} outputs identical; by concurrency "
+                  f"{pair['identical_by_concurrency']}."]
+    errs = [x for _, d in rows for x in d["rows"] if not x.get("near_tie")]
+    if errs:
+        L += ["", "Errors (a token outside the noise band of the target's top logit):", "",
+              "| arm | c | prompt | index | reference token | arm token | logit gap | below top | target top-2 gap |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for x in errs[:20]:
+            L.append(f"| {x['arm']} | {x['concurrency']} | {x['prompt']} | {x['pos']} | {x.get('ref_tok', '-')} | "
+                     f"{x.get('out_tok', '-')} | {x.get('gap', x.get('note', '-'))} | {x.get('below_top', '-')} | "
+                     f"{x.get('top2_gap', '-')} |")
+    gaps = sorted(x.get("below_top", x["gap"]) for _, d in rows for x in d["rows"] if x.get("near_tie"))
+    if gaps:
+        L += ["", f"Near ties: {len(gaps)}; the lower token's distance below the top fp32 logit "
+                  f"{gaps[0]}-{gaps[-1]} (median {gaps[len(gaps) // 2]})."]
+    return L
+
+
+def _render_sweep(ks, h="##"):
+    L = ["", f"{h} Kernel level: GPU tree build vs the CPU heap (same inputs, same card)", ""]
+    if ks.get("status") != "ok":
+        L += [f"Status: {ks.get('status')}. {ks.get('note', '')}", ""]
+    info = ks.get("info") or {}
+    if ks.get("rows"):
+        L += [f"{info.get('gpu', '')} · torch {info.get('torch')} · triton {info.get('triton')}. {ks.get('method', '')}.", "",
+              "| D | bs | budget | GPU build+mask (us) | CPU heap (us) | speed-up | identical |",
+              "|---:|---:|---:|---:|---:|---:|:---:|"]
+        for r in ks["rows"]:
+            L.append(f"| {r['D']} | {r['bs']} | {r['budget']} | {r['gpu_us']:.2f} | {r['cpu_heap_us']:.0f} | "
+                     f"{r['speedup']:.0f}x | {'yes' if r['exact'] else '**NO**'} |")
+    return L
+
+
+def write_outputs(doc: dict, out: str, plot: bool = True):
+    d = os.path.dirname(os.path.abspath(out))
+    os.makedirs(d, exist_ok=True)
+    with open(out + ".json", "w") as f:  # a merged report is written compact (it is committed whole)
+        json.dump(doc, f, **({"separators": (",", ":")} if doc.get("kind") == "ab_serve_merged" else {"indent": 1}))
+    with open(out + ".md", "w") as f:
+        f.write(render_markdown(doc))
+    if plot:
+        plot_hook(doc, out)
+    print(f"wrote {out}.json, {out}.md", flush=True)
+
+
+def plot_hook(doc: dict, out: str):
+    """OUT.png by bench/ab_plot.py (a checkout file; matplotlib): a message instead when either is missing."""
+    try:
+        bench = os.path.dirname(checkout.path("bench", "ab_plot.py", what="the PNG plot"))
+    except checkout.CheckoutMissing as e:
+        print(f"no plot ({e}); run `python bench/ab_plot.py {out}.json` in a checkout where matplotlib is "
+              "installed", flush=True)
+        return
+    try:
+        sys.path.insert(0, bench)
+        import ab_plot
+        ab_plot.plot(doc, out + ".png")
+        print(f"wrote {out}.png", flush=True)
+    except ImportError as e:
+        print(f"no plot ({e}); run `python bench/ab_plot.py {out}.json` where matplotlib is installed", flush=True)
+    except Exception as e:  # noqa: BLE001 - the numbers are written already
+        print(f"plot failed: {e!r}", flush=True)
+    finally:
+        if sys.path and sys.path[0] == bench:
+            sys.path.pop(0)
+

@@ -1,0 +1,300 @@
+"""The measurement loop: inputs from the arguments, one server per arm (started, warmed up, measured
+level by level, stopped), the result document, written after every arm."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+from . import client  # client.run_level is looked up at call time (the tests replace it)
+from .client import http_json
+from .environment import env_info
+from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_heldout_files, tokenize_prompts
+from .report import write_outputs
+from .servers import (CONFIG_DROP, build_server_cmd, load_yaml_config, log_tail, parse_arms, popen_launcher,
+                      wait_healthy)
+from .stats import aggregate_level, aggregate_profile, identity_check, mean, pick_repeat, read_profile
+from .sweep import run_kernel_sweep
+
+
+# ------------------------------------------------------------------------------------------ main loop
+def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: List[dict], levels: List[int],
+                per_level, args, deadline_at: Optional[float], launcher, tmpdir: str, profile_path: Optional[str]):
+    rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"],
+               num_draft_tokens=arm["num_draft_tokens"], command=cmd, command_str=shlex.join(cmd),
+               env={k: v for k, v in env.items() if k.startswith("SGLANG_DDTREE")}, status="failed", levels=[])
+    outputs = {}
+    log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
+    rec["log"] = log_path
+    t0 = time.time()
+    server = None
+    try:
+        server = launcher(cmd, env, log_path)
+        limit = args.start_timeout
+        if deadline_at is not None:
+            limit = min(limit, max(5.0, deadline_at - time.time()))
+        why = wait_healthy(base_url, server, limit)
+        rec["start_s"] = round(time.time() - t0, 1)
+        if why:
+            rec["error"] = why
+            rec["log_tail"] = log_tail(log_path)
+            print(f"[{arm['name']}] FAILED to start: {why}", flush=True)
+            return rec, outputs
+        print(f"[{arm['name']}] up after {rec['start_s']} s", flush=True)
+        # warm-up: the widest batch once (short), then one full-length request
+        tw = time.time()
+        wn = min(len(prompts), max(levels))
+        if args.warmup:
+            client.run_level(base_url, prompts[:wn], max(levels), min(16, args.max_new_tokens), None, progress=False)
+            client.run_level(base_url, prompts[:args.warmup], 1, args.max_new_tokens, None, progress=False)
+        rec["warmup_s"] = round(time.time() - tw, 1)
+        prof_mark = len(read_profile(profile_path))
+        for c in levels:
+            if deadline_at is not None and time.time() > deadline_at - 1:
+                rec.setdefault("skipped_levels", []).append(c)
+                continue
+            n = per_level(c)
+            reps = []  # (level record, output ids) per repeat
+            for rep in range(max(1, args.repeats)):
+                if rep and deadline_at is not None and time.time() > deadline_at - 1:
+                    break
+                try:
+                    http_json(base_url, "POST", "/flush_cache", timeout=30)
+                except Exception:  # noqa: BLE001
+                    pass
+                # socket timeout per read: a hung server cannot hold the run much past the deadline
+                tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
+                res, dur, partial = client.run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
+                                              desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
+                lv = aggregate_level(c, res, dur, prompts[:n], partial)
+                if profile_path:
+                    time.sleep(0.2)
+                    recs = read_profile(profile_path)
+                    lv["stage_profile"] = aggregate_profile(recs[prof_mark:])
+                    prof_mark = len(recs)
+                    sp = lv["stage_profile"]
+                    if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
+                        sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
+                reps.append((lv, [r["output_ids"] if r and r["ok"] else None for r in res]))
+                if partial:
+                    break
+            lv, outputs[c] = pick_repeat(reps)
+            rec["levels"].append(lv)
+            print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s (repeats "
+                  f"{lv['output_throughput_repeats']}), TTFT med {lv['median_ttft_ms']} ms, ITL med "
+                  f"{lv['median_itl_ms']} p99 {lv['p99_itl_ms']} ms, accept {lv['accept_length']}, failed "
+                  f"{lv['failed']}{' PARTIAL' if lv['partial'] else ''}", flush=True)
+        if profile_path:
+            rec["stage_profile_all"] = aggregate_profile(read_profile(profile_path)[:])
+        rec["status"] = "ok" if rec["levels"] and all(lv["failed"] == 0 and not lv["partial"]
+                                                      for lv in rec["levels"]) else "partial"
+    except Exception as e:  # noqa: BLE001 - one arm's failure never stops the others
+        rec["error"] = repr(e)[:1000]
+        rec["log_tail"] = log_tail(log_path)
+        print(f"[{arm['name']}] ERROR {e!r}", flush=True)
+    except KeyboardInterrupt:
+        rec["error"] = "interrupted"
+        rec["status"] = "partial" if rec["levels"] else "failed"
+        rec["_interrupted"] = True
+    finally:
+        if server is not None:
+            ts = time.time()
+            try:
+                server.stop()
+            except Exception as e:  # noqa: BLE001
+                rec["stop_error"] = repr(e)
+            rec["stop_s"] = round(time.time() - ts, 1)
+        rec["total_s"] = round(time.time() - t0, 1)
+    if rec.pop("_interrupted", False):
+        raise _ArmInterrupted(rec, outputs)
+    return rec, outputs
+
+
+class _ArmInterrupted(KeyboardInterrupt):
+    def __init__(self, rec, outputs):
+        super().__init__()
+        self.rec, self.outputs = rec, outputs
+
+
+def resolve_inputs(args):
+    """Model paths, config, prompts (text or ids) from the arguments."""
+    model, draft, token_ids = args.model_path, args.draft_model_path, args.token_ids
+    cfg_path, cfg_keys = None, set()
+    if args.pair == "text":  # the text-trained pair (bench/textpair/materialize.py MODELS_DIR)
+        model = model or os.path.join(args.models_dir, "text_target")
+        draft = draft or os.path.join(args.models_dir, "text_drafter")
+        token_ids = True  # tokenized here with the pair's own tokenizer
+    elif args.pair:
+        model = model or os.path.join(args.models_dir, f"{args.pair}_target")
+        draft = draft or os.path.join(args.models_dir, "drafter")
+        token_ids = True
+    if args.config:
+        raw = load_yaml_config(args.config)
+        model = model or raw.get("model-path")
+        draft = draft or raw.get("speculative-draft-model-path")
+        kept = {k: v for k, v in raw.items() if k not in CONFIG_DROP and k != "model-path"}
+        cfg_keys = set(kept)
+        fd, cfg_path = tempfile.mkstemp(prefix="ab_serve_cfg_", suffix=".yaml")
+        import yaml
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(kept, f, sort_keys=False)
+        if int(kept.get("max-running-requests", 10 ** 9)) < max(args.concurrency):
+            print(f"WARNING: the config's max-running-requests {kept['max-running-requests']} < the largest "
+                  f"concurrency {max(args.concurrency)}", flush=True)
+    if not model and not args.config and not args.pair:
+        # the default pair: the text-trained pair (bench/textpair), materialized in MODELS_DIR
+        model = os.path.join(args.models_dir, "text_target")
+        draft = draft or os.path.join(args.models_dir, "text_drafter")
+        token_ids = True
+        args.pair = "text"
+    if not model:
+        raise SystemExit("give --model-path, --pair or --config")
+    if args.prompts:
+        prompts = load_prompts_file(args.prompts, args.prompt_template)
+        source = os.path.abspath(args.prompts)
+    elif args.pair == "text":
+        prompts = make_prompts(args.num_prompts, args.prompt_template, files=textpair_heldout_files())
+        source = f"generated from the text pair's held-out files of the Python {platform.python_version()} " \
+                 "standard library (bench/textpair/corpus_manifest.tsv; code windows and module docstrings)"
+    else:
+        prompts = make_prompts(args.num_prompts, args.prompt_template)
+        source = f"generated from the Python {platform.python_version()} standard library (code windows and " \
+                 "pydoc_data topics prose, alternating)"
+    prompts = prompts[: args.num_prompts]
+    if any("input_ids" in p for p in prompts):
+        token_ids = True
+    how = None
+    if token_ids:
+        how = tokenize_prompts(prompts, model, args.max_input_tokens, args.vocab_size)
+    return model, draft, token_ids, cfg_path, cfg_keys, prompts, source, how
+
+
+def run(args, launcher: Callable = popen_launcher) -> dict:
+    t_start = time.time()
+    deadline_at = t_start + args.deadline if args.deadline else None
+    arms = parse_arms(args.arms)
+    levels = list(args.concurrency)
+    maxc = max(levels)
+    model, draft, token_ids, cfg_path, cfg_keys, prompts, source, how = resolve_inputs(args)
+    N = len(prompts)
+
+    def per_level(c):
+        if args.requests_per_level == "all":
+            return N
+        if args.requests_per_level == "auto":
+            return min(N, max(16, 4 * c))
+        return min(N, int(args.requests_per_level))
+
+    tmpdir = args.workdir or tempfile.mkdtemp(prefix="ab_serve_")
+    os.makedirs(tmpdir, exist_ok=True)
+    python = args.python or sys.executable
+    opts = dict(python=python, model_path=model, draft_model_path=draft, maxc=maxc, token_ids=token_ids,
+                mem_fraction=args.mem_fraction_static, server_args=args.server_args,
+                cuda_graph_bs=[int(x) for x in args.cuda_graph_bs.split(",")] if args.cuda_graph_bs else None)
+    doc = dict(
+        kind="ab_serve", meta=env_info(python) if not args.no_env_probe else dict(argv=sys.argv),
+        settings=dict(model_path=model, draft_model_path=draft, pair=args.pair, config=args.config,
+                      arms=[a["name"] for a in arms], concurrency=levels, max_new_tokens=args.max_new_tokens,
+                      requests_per_level={str(c): per_level(c) for c in levels}, num_prompts=N,
+                      greedy="temperature 0, ignore_eos, stream", token_ids=token_ids, server_args=args.server_args,
+                      profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm,
+                      repeats=args.repeats),
+        prompts=dict(source=source, count=N, kind="input_ids" if token_ids else "text", tokenized_with=how,
+                     sha256_16=prompt_digest(prompts),
+                     mean_input_len=round(mean([len(p["input_ids"]) if token_ids else len(p["text"])
+                                                for p in prompts]), 1),
+                     input_len_unit="tokens" if token_ids else "characters",
+                     kinds={k: sum(1 for p in prompts if p.get("kind") == k) for k in ("code", "prose")},
+                     sources=[p.get("source") for p in prompts]),
+        arms=[], identity=None, kernel_sweep=None,
+        definitions=dict(
+            output_throughput="total completion tokens of the level / wall time of the level (first send to last byte)",
+            ttft="time from sending the request to the first streamed chunk that carries a token",
+            itl="gap between consecutive chunks / tokens in the chunk, counted once per token (sglang.bench_serving)",
+            accept_length="sum(completion_tokens) / sum(spec_verify_ct) (SGLang's spec_accept_length)",
+            ms_per_step="(e2e - TTFT) / (spec_verify_ct, or completion_tokens - 1 without speculation), "
+                        "mean over requests: client-side time of one decode round",
+            stage_profile="rounds-weighted mean of the per-record medians of sglang_ddtree.profiling records "
+                          "written during the level (GPU time between CUDA events); draft includes the top-K; "
+                          "outside_ms = ms_per_step - round_ms"))
+    if args.save_prompts:
+        with open(args.save_prompts, "w") as f:
+            for p in prompts:
+                f.write(json.dumps({k: p[k] for k in ("text", "input_ids", "source") if k in p}) + "\n")
+    outputs: Dict[str, Dict[int, list]] = {}
+    reserve = args.reserve_s + (args.sweep_s if args.kernel_sweep else 0)
+    print(f"ab_serve: {len(arms)} arms x concurrency {levels}, {N} prompts ({doc['prompts']['kind']}), "
+          f"max_new_tokens {args.max_new_tokens}, work dir {tmpdir}", flush=True)
+    if args.dry_run:
+        for i, arm in enumerate(arms):
+            print(f"[{arm['name']}] {shlex.join(build_server_cmd(arm, opts, args.port + 10 * i, cfg_path, cfg_keys))}")
+        print(json.dumps({k: v for k, v in doc["prompts"].items() if k != "sources"}))
+        if cfg_path:
+            os.remove(cfg_path)
+        return doc
+    try:
+        _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadline_at, reserve, launcher,
+                  tmpdir, cfg_path, cfg_keys, t_start)
+    except KeyboardInterrupt:  # SIGINT / SIGTERM: the running server was stopped; keep what was measured
+        doc["interrupted"] = True
+        print("interrupted: writing what was measured", flush=True)
+    if args.kernel_sweep and not doc.get("interrupted"):
+        left = (deadline_at - time.time() - 5) if deadline_at else args.sweep_s * 4
+        if left > 20:
+            print(f"kernel sweep (limit {left:.0f} s)", flush=True)
+            doc["kernel_sweep"] = run_kernel_sweep(python, left, tmpdir)
+        else:
+            doc["kernel_sweep"] = dict(status="skipped", note="deadline", rows=[])
+    doc["identity"] = identity_check(outputs, args.reference_arm)
+    doc["elapsed_s"] = round(time.time() - t_start, 1)
+    if args.save_output_ids:
+        doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in outputs.items()}
+        if token_ids:  # what bench/ab_divergence.py needs to replay any first divergence
+            doc["prompt_ids"] = [p["input_ids"] for p in prompts]
+    write_outputs(doc, args.out, plot=not args.no_plot)
+    if cfg_path:
+        os.remove(cfg_path)
+    return doc
+
+
+def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadline_at, reserve, launcher, tmpdir,
+              cfg_path, cfg_keys, t_start):
+    for i, arm in enumerate(arms):
+        arm_deadline = deadline_at - reserve if deadline_at else None
+        if arm_deadline is not None and arm_deadline - time.time() < args.min_arm_s:
+            doc["arms"].append(dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"],
+                                    status="skipped", error=f"deadline: {arm_deadline - time.time():.0f} s left "
+                                                            f"< --min-arm-s {args.min_arm_s}"))
+            print(f"[{arm['name']}] SKIPPED (deadline)", flush=True)
+            continue
+        port = args.port + 10 * i
+        cmd = build_server_cmd(arm, opts, port, cfg_path, cfg_keys)
+        env = dict(os.environ)
+        prof = None
+        if arm["kind"].startswith("ddtree") and not args.no_stage_profile:
+            prof = os.path.join(tmpdir, f"profile_{arm['name']}.jsonl")
+            if os.path.exists(prof):
+                os.remove(prof)
+            env["SGLANG_DDTREE_PROFILE_FILE"] = prof
+            env["SGLANG_DDTREE_PROFILE_EVERY"] = str(args.profile_every)
+        print(f"[{arm['name']}] ({i + 1}/{len(arms)}) {shlex.join(cmd)}", flush=True)
+        try:
+            rec, outs = measure_arm(arm, cmd, env, f"http://127.0.0.1:{port}", prompts, levels, per_level, args,
+                                    arm_deadline, launcher, tmpdir, prof)
+        except _ArmInterrupted as e:
+            doc["arms"].append(e.rec)
+            if e.outputs:
+                outputs[arm["name"]] = e.outputs
+            raise
+        doc["arms"].append(rec)
+        if outs:
+            outputs[arm["name"]] = outs
+        doc["identity"] = identity_check(outputs, args.reference_arm)
+        doc["elapsed_s"] = round(time.time() - t_start, 1)
+        write_outputs(doc, args.out, plot=False)
+

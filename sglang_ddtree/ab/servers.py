@@ -1,0 +1,191 @@
+"""Arms, the exact launch_server command line of each, the server process (its own process group) and
+its health wait."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from .client import http_json
+
+DEFAULT_ARMS = "base,dflash,ddtree_b16,ddtreecpu_b16,ddtree_b32,ddtree_b8,ddtree_b64"
+ALGO = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "DDTREE-CPU"}
+
+
+# ------------------------------------------------------------------------------------------ arms
+def parse_arm(name: str) -> dict:
+    """'base' | 'dflash' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' -> {name, kind, algo, budget, num_draft_tokens}."""
+    name = name.strip()
+    kind, _, rest = name.partition("_")
+    if kind not in ALGO:
+        raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>)")
+    budget = None
+    if kind.startswith("ddtree"):
+        if not (rest.startswith("b") and rest[1:].isdigit()):
+            raise ValueError(f"arm {name!r}: write the budget as {kind}_b<B>, e.g. {kind}_b16")
+        budget = int(rest[1:])
+    elif rest:
+        raise ValueError(f"arm {name!r}: {kind} takes no suffix")
+    return dict(name=name, kind=kind, algo=ALGO[kind], budget=budget,
+                num_draft_tokens=None if budget is None else budget + 1)
+
+
+def parse_arms(spec: str) -> List[dict]:
+    arms = [parse_arm(a) for a in spec.split(",") if a.strip()]
+    names = [a["name"] for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate arms in {spec!r}")
+    # the reference arm runs first: identity needs it, and a deadline cuts the tail
+    arms.sort(key=lambda a: a["kind"] != "base")
+    return arms
+
+
+def cuda_graph_default_bs(maxc: int) -> List[int]:
+    return sorted({b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b <= maxc} | {maxc})
+
+
+def load_yaml_config(path: str) -> dict:
+    import yaml  # SGLang's own dependency (its --config loader)
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a YAML mapping")
+    return raw
+
+
+CONFIG_DROP = ("speculative-algorithm", "speculative-num-draft-tokens", "speculative-draft-model-path",
+               "speculative-num-steps", "speculative-eagle-topk", "port", "host")
+
+
+def build_server_cmd(arm: dict, opts: dict, port: int, config_path: Optional[str] = None,
+                     config_keys: Optional[set] = None) -> List[str]:
+    """The exact launch_server command line of one arm.  ``opts``: python, model_path,
+    draft_model_path, maxc, token_ids, mem_fraction, cuda_graph_bs (list or None), server_args."""
+    keys = config_keys or set()
+    cmd = [opts.get("python") or sys.executable, "-m", "sglang.launch_server"]
+    if config_path:
+        cmd += ["--config", config_path]
+
+    def add(flag, *vals, key=None):
+        k = key or flag.lstrip("-")
+        if k in keys:
+            return
+        cmd.append(flag)
+        cmd.extend(str(v) for v in vals)
+
+    if opts.get("model_path"):
+        cmd += ["--model-path", opts["model_path"]]
+    add("--attention-backend", "triton")
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    add("--mem-fraction-static", opts.get("mem_fraction", 0.6))
+    maxc = int(opts["maxc"])
+    if "cuda-graph-config" not in keys:
+        add("--cuda-graph-max-bs-decode", maxc, key="cuda-graph-max-bs-decode")
+        if opts.get("cuda_graph_bs"):
+            add("--cuda-graph-bs-decode", *opts["cuda_graph_bs"], key="cuda-graph-bs-decode")
+        add("--disable-prefill-cuda-graph", key="disable-prefill-cuda-graph")
+    if "max-running-requests" in keys:
+        pass  # the config's value (a warning is recorded by the caller if it is < maxc)
+    else:
+        cmd += ["--max-running-requests", str(maxc)]
+    add("--skip-server-warmup")
+    add("--random-seed", 0)
+    if opts.get("token_ids"):
+        add("--skip-tokenizer-init")
+    if arm["algo"]:
+        if not opts.get("draft_model_path"):
+            raise ValueError(f"arm {arm['name']} needs --draft-model-path")
+        cmd += ["--speculative-algorithm", arm["algo"],
+                "--speculative-draft-model-path", opts["draft_model_path"]]
+        if arm["num_draft_tokens"] is not None:
+            cmd += ["--speculative-num-draft-tokens", str(arm["num_draft_tokens"])]
+    cmd += shlex.split(opts.get("server_args") or "")
+    return cmd
+
+
+# ------------------------------------------------------------------------------------------ servers
+class PopenServer:
+    """A launch_server process in its own process group (killed as a group)."""
+
+    def __init__(self, cmd, env, log_path):
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+
+    def poll(self):
+        return self.proc.poll()
+
+    def stop(self, grace: float = 15.0):
+        try:
+            pgid = os.getpgid(self.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        if pgid is not None:  # children (scheduler, detokenizer) may outlive the launcher
+            t = time.time() + 5
+            while time.time() < t:
+                try:
+                    os.killpg(pgid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.3)
+            else:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+
+def popen_launcher(cmd, env, log_path):
+    return PopenServer(cmd, env, log_path)
+
+
+def log_tail(path, n=40):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 16000))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        return "\n".join(lines[-n:])
+    except OSError:
+        return ""
+
+
+HEALTH_POLL_S = 1.0
+
+
+def wait_healthy(base_url: str, server, limit_s: float) -> Optional[str]:
+    """None when /health_generate answers 200, else the reason."""
+    t0 = time.time()
+    while time.time() - t0 < limit_s:
+        rc = server.poll()
+        if rc is not None:
+            return f"server exited with code {rc}"
+        try:
+            st, _ = http_json(base_url, "GET", "/health_generate", timeout=5)
+            if st == 200:
+                return None
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(HEALTH_POLL_S)
+    return f"not healthy after {limit_s:.0f} s"
+
