@@ -221,16 +221,7 @@ def send_one(base_url: str, spec: dict, stream_ids: List[int], vocab: int, conte
                 rec["error"] = r.read()[:300].decode("utf-8", "replace")
                 return rec
             last, n_chunks = None, 0
-            while True:
-                line = r.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            for data in AB.iter_sse_data(r):
                 n_chunks += 1
                 last = data
                 if spec["kind"] == "abort" and n_chunks == spec["abort_after_chunks"]:
@@ -407,8 +398,7 @@ def cmd_run(args) -> int:
             doc[phase] = ph
         finally:
             srv.stop()
-        _write_raw(doc, plan, stream_ids, args.out)   # after each phase: a later kill keeps it
-    _write_raw(doc, plan, stream_ids, args.out)
+            _write_raw(doc, plan, stream_ids, args.out)   # after each phase: a later kill keeps it
     summ = evaluate(doc, classification=None)
     print(json.dumps({k: v for k, v in summ.items() if k != "rows"}, indent=1))
     return 0

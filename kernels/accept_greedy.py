@@ -47,15 +47,20 @@ def _accept_greedy_kernel(
     tl.store(bonus_ptr + b, tl.load(target_ptr + b * N + cur))
 
 
+def alloc_accept_outputs(bs: int, max_depth: int, device):
+    """(accept_len [bs] int32, path [bs, max_depth + 1] int32, bonus [bs] int64), uninitialised."""
+    return (torch.empty((bs,), dtype=torch.int32, device=device),
+            torch.empty((bs, max_depth + 1), dtype=torch.int32, device=device),
+            torch.empty((bs,), dtype=torch.int64, device=device))
+
+
 def accept_greedy_triton(tokens: torch.Tensor, parent: torch.Tensor, target_tokens: torch.Tensor,
                          max_depth: int, out=None):
     """See module docstring.  ``out``: optional preallocated (accept_len, path, bonus)."""
     bs, N = tokens.shape
     dev = tokens.device
     if out is None:
-        out = (torch.empty((bs,), dtype=torch.int32, device=dev),
-               torch.empty((bs, max_depth + 1), dtype=torch.int32, device=dev),
-               torch.empty((bs,), dtype=torch.int64, device=dev))
+        out = alloc_accept_outputs(bs, max_depth, dev)
     accept_len, path, bonus = out
     if bs == 0:
         return out

@@ -45,6 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .accept_greedy import alloc_accept_outputs
+from ..reference import children_by_parent
+
 COIN_BITS = 24
 
 
@@ -154,9 +157,7 @@ def accept_sampled_triton(tokens: torch.Tensor, parent: torch.Tensor, probs: tor
     V = probs.shape[-1]
     dev = tokens.device
     if out is None:
-        out = (torch.empty((bs,), dtype=torch.int32, device=dev),
-               torch.empty((bs, max_depth + 1), dtype=torch.int32, device=dev),
-               torch.empty((bs,), dtype=torch.int64, device=dev))
+        out = alloc_accept_outputs(bs, max_depth, dev)
     accept_len, path, bonus = out
     if bs == 0:
         return out
@@ -222,10 +223,7 @@ def accept_sampled_ref(tokens, parent, probs, uniforms, max_depth: int):
     path = np.full((bs, max_depth + 1), -1, np.int32)
     bonus = np.empty(bs, np.int64)
     for b in range(bs):
-        children = {}
-        for i in range(1, N):
-            if parent[b, i] >= 0:
-                children.setdefault(int(parent[b, i]), []).append(i)
+        children = children_by_parent(parent[b])
         cur, steps = 0, 0
         path[b, 0] = 0
         while True:

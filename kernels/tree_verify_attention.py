@@ -258,6 +258,13 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
     return out
 
 
+def _check_index_args(req_to_token, req_pool_indices, prefix_lens, mask_words):
+    _check("req_to_token", req_to_token, 2, _INT)
+    _check("req_pool_indices", req_pool_indices, 1, _INT)
+    _check("prefix_lens", prefix_lens, 1, _INT)
+    _check("mask_words", mask_words, 3, (torch.int32,))
+
+
 def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
                           mask_words, sm_scale, *, out=None, num_splits: Optional[int] = None,
                           max_prefix: Optional[int] = None, workspace=None):
@@ -267,10 +274,7 @@ def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, p
     _check("q", q, 3, _FLOAT)
     _check("k_cache", k_cache, 3, (q.dtype,))
     _check("v_cache", v_cache, 3, (q.dtype,))
-    _check("req_to_token", req_to_token, 2, _INT)
-    _check("req_pool_indices", req_pool_indices, 1, _INT)
-    _check("prefix_lens", prefix_lens, 1, _INT)
-    _check("mask_words", mask_words, 3, (torch.int32,))
+    _check_index_args(req_to_token, req_pool_indices, prefix_lens, mask_words)
     Hq, Hkv = q.shape[1], k_cache.shape[1]
     if (q.shape[2] != k_cache.shape[2] or v_cache.shape[:2] != k_cache.shape[:2]
             or Hkv == 0 or Hq % Hkv):
@@ -288,10 +292,7 @@ def tree_verify_attention_mla(q_nope_absorbed, q_rope, kv_cache, req_to_token, r
     _check("q_nope_absorbed", q_nope_absorbed, 3, _FLOAT)
     _check("q_rope", q_rope, 3, (q_nope_absorbed.dtype,))
     _check("kv_cache", kv_cache, 3, (q_nope_absorbed.dtype,))
-    _check("req_to_token", req_to_token, 2, _INT)
-    _check("req_pool_indices", req_pool_indices, 1, _INT)
-    _check("prefix_lens", prefix_lens, 1, _INT)
-    _check("mask_words", mask_words, 3, (torch.int32,))
+    _check_index_args(req_to_token, req_pool_indices, prefix_lens, mask_words)
     L = int(kv_lora_rank)
     T, H, _ = q_nope_absorbed.shape
     R = kv_cache.shape[2] - L

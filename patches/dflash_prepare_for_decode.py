@@ -36,10 +36,11 @@ def prepare_for_decode_with_block_reservation(original, self, batch, *args, **kw
     from sglang_ddtree.reservation import per_decode_len, short_reservation
 
     real_get = mod.get_server_args
-    shape = short_reservation(real_get())
+    server_args = real_get()
+    shape = short_reservation(server_args)
     if shape is None:
         return original(self, batch, *args, **kwargs)
-    view = _WidthView(real_get(), per_decode_len(*shape))
+    view = _WidthView(server_args, per_decode_len(*shape))
     mod.get_server_args = lambda: view
     try:
         return original(self, batch, *args, **kwargs)

@@ -144,6 +144,15 @@ def build_tree_ref(log_probs, token_ids, budget: int, root_tokens=None):
                 visibility=vis, mask_words=pack_visibility(vis))
 
 
+def children_by_parent(parent_row) -> dict:
+    """parent [N] (root / padding -1) -> {slot: [child slots in slot order]}."""
+    children = {}
+    for i in range(1, len(parent_row)):
+        if parent_row[i] >= 0:
+            children.setdefault(int(parent_row[i]), []).append(i)
+    return children
+
+
 def accept_greedy_ref(tokens, parent, target_tokens, max_depth: int):
     """Greedy walk.  tokens/parent/target_tokens [bs, N].  Returns (accept_len [bs] int32,
     path [bs, max_depth + 1] int32 (-1 padded, root first), bonus [bs] int64)."""
@@ -155,10 +164,7 @@ def accept_greedy_ref(tokens, parent, target_tokens, max_depth: int):
     path = np.full((bs, max_depth + 1), -1, np.int32)
     bonus = np.empty(bs, np.int64)
     for b in range(bs):
-        children = {}
-        for i in range(1, N):
-            if parent[b, i] >= 0:
-                children.setdefault(int(parent[b, i]), []).append(i)
+        children = children_by_parent(parent[b])
         cur, steps = 0, 0
         path[b, 0] = 0
         while steps < max_depth:

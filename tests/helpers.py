@@ -16,6 +16,16 @@ def load_bench(name):
     return mod
 
 
+def env_without_checkout(**extra):
+    """os.environ (+ extra) for a fresh interpreter: its PYTHONPATH keeps what installs SGLang and the
+    package (the GPU host's kit) but never the checkout root, whose kernels/ would shadow Hugging
+    Face's ``kernels`` that SGLang imports."""
+    e = dict(os.environ, **extra)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in e.get("PYTHONPATH", "").split(os.pathsep)
+                                      if p and os.path.abspath(p) != REPO)
+    return e
+
+
 def drafter_logits(bs, D, V, generator, dtype=torch.bfloat16, peak=8.0, scale=2.0, neg_inf_frac=0.0):
     """Logits shaped like a drafter's: N(0, scale^2) plus a few boosted tokens per row, rounded to
     ``dtype`` (bf16 makes exact ties common).  ``neg_inf_frac`` of the vocabulary is set to -inf."""

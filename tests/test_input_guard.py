@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from helpers import env_without_checkout
 from sglang_ddtree.patches.validate_input_ids import (TARGET, check_input_ids,
                                                       validate_one_request_with_vocab)
 
@@ -77,11 +78,7 @@ print("RESULT" + json.dumps(out))
 
 def test_real_tokenizer_manager_rejects_out_of_vocab_ids_after_load_plugins():
     pytest.importorskip("sglang.srt.plugins")
-    e = dict(os.environ)
-    # keep a PYTHONPATH that installs SGLang / the package (the GPU host's kit), never the checkout root
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parts = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
-    e["PYTHONPATH"] = os.pathsep.join(parts)
+    e = env_without_checkout()
     r = subprocess.run([sys.executable, "-c", f"TARGET = {TARGET!r}\n" + HOOKED], cwd="/", env=e,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

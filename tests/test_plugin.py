@@ -12,16 +12,14 @@ import pytest
 pytest.importorskip("sglang.srt.plugins")
 
 from sglang_ddtree import config as C  # noqa: E402
+from helpers import env_without_checkout  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _py(code, env=None, timeout=300):
     """Run code in a fresh interpreter outside the repo root (it must import the installed package)."""
-    e = dict(os.environ, **(env or {}))
-    # keep a PYTHONPATH that installs SGLang / the package (the GPU host's kit), never the checkout root
-    e["PYTHONPATH"] = os.pathsep.join(p for p in e.get("PYTHONPATH", "").split(os.pathsep)
-                                      if p and os.path.abspath(p) != REPO)
+    e = env_without_checkout(**(env or {}))
     r = subprocess.run([sys.executable, "-c", code], cwd="/", env=e, capture_output=True, text=True,
                        timeout=timeout)
     return r
@@ -208,9 +206,7 @@ def test_server_args_resolution_and_rejections(tiny_models):
 
 def test_launch_server_rejects_bad_budget_before_starting(tiny_models):
     """The CLI exits with the message (argument resolution), before any scheduler process exists."""
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in e.get("PYTHONPATH", "").split(os.pathsep)
-                                      if p and os.path.abspath(p) != REPO)
+    e = env_without_checkout()
     r = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path",
                         f"{tiny_models}/gqa_target", "--speculative-algorithm", "DDTREE-GPU",
                         "--speculative-draft-model-path", f"{tiny_models}/drafter", "--device", "cuda",

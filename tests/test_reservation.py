@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("sglang.srt.speculative.dflash_info_v2")
 
 from sglang_ddtree import reservation as R  # noqa: E402
+from helpers import env_without_checkout  # noqa: E402
 from sglang_ddtree.config import SETTINGS_ATTR  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,9 +116,7 @@ def test_block16_drafter_server_args_account_for_the_block(tmp_path):
         if f != "config.json":
             os.symlink(models / "drafter" / f, d16 / f)
     json.dump(cfg, open(d16 / "config.json", "w"))
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in e.get("PYTHONPATH", "").split(os.pathsep)
-                                      if p and os.path.abspath(p) != REPO)
+    e = env_without_checkout()
     r = subprocess.run([sys.executable, "-c", BLOCK16, str(models), str(d16)], cwd="/", env=e,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

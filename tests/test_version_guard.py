@@ -3,13 +3,13 @@ were not checked against, DDTREE-GPU is refused at argument checking with one li
 checked versions and no hook is installed; ``SGLANG_DDTREE_ALLOW_UNCHECKED_SGLANG=1`` lets it run
 (with a warning).  Fresh processes with SGLang's version string changed before ``load_plugins()``."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from sglang_ddtree import plugin
+from helpers import env_without_checkout
 
 pytest.importorskip("sglang.srt.plugins")
 
@@ -53,10 +53,7 @@ print("RESULT" + json.dumps(out))
 
 
 def _run(version, env_extra=None):
-    e = dict(os.environ, **(env_extra or {}))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    e["PYTHONPATH"] = os.pathsep.join(p for p in e.get("PYTHONPATH", "").split(os.pathsep)
-                                      if p and os.path.abspath(p) != root)
+    e = env_without_checkout(**(env_extra or {}))
     r = subprocess.run([sys.executable, "-c", CODE, version], cwd="/", env=e, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

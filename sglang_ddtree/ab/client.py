@@ -32,6 +32,21 @@ def http_json(base_url: str, method: str, path: str, body=None, timeout: float =
         c.close()
 
 
+def iter_sse_data(response):
+    """The ``data:`` payloads (bytes) of an SSE response, until ``data: [DONE]`` or the end."""
+    while True:
+        line = response.readline()
+        if not line:
+            return
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield data
+
+
 def stream_generate(base_url: str, payload: dict, timeout: float = 600.0) -> dict:
     """One streaming /generate.  SGLang 0.5.16 streams SSE lines ``data: {json}`` (output_ids are
     cumulative by default, deltas with --incremental-streaming-output; meta_info.completion_tokens is
@@ -49,16 +64,7 @@ def stream_generate(base_url: str, payload: dict, timeout: float = 600.0) -> dic
             res["error"] = f"HTTP {r.status}: {r.read()[:300].decode('utf-8', 'replace')}"
             return res
         prev_n, t_prev = 0, None
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
+        for data in iter_sse_data(r):
             t = time.perf_counter()
             chunks.append(data)
             m = RE_COMPLETION.search(data)
