@@ -661,7 +661,31 @@ def cmd_probe(args) -> int:
         doc["runs"].append(run)
     with open(args.out + ".probe.json", "w") as f:
         json.dump(doc, f, indent=1)
+    with open(args.out + ".probe.md", "w") as f:
+        f.write(render_probe_md(doc))
     print(json.dumps([{k: v for k, v in r.items() if k != "log_tail"} for r in doc["runs"]], indent=1))
+    return 0
+
+
+def render_probe_md(doc: dict) -> str:
+    """The bad-id probe's table (``python bench/soak.py probe-report JSON`` re-renders it)."""
+    e = doc["env"]
+    L = [f"# Does a token id outside the vocabulary kill the server?", "",
+         f"Made by `bench/soak.py probe` on {e.get('date')}, commit {e.get('git_commit')}, GPU {e.get('gpu')}, "
+         f"versions {json.dumps(e.get('versions'))}. A plain server (no speculation), once with the plugin "
+         f"left out and once with it; one request whose `input_ids` end with id {doc['vocab']} (= the "
+         f"vocabulary size), then a valid request and `/health_generate`.", "",
+         "| server | bad request | answer | valid request after | health after | alive |", "|---|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        L.append(f"| {r['label']} | {r.get('bad_status')} | {str(r.get('bad_body', ''))[:110].replace('|', '/')} | "
+                 f"{r.get('good_after_status')} | {r.get('health_after')} | {r.get('alive')} |")
+    return "\n".join(L) + "\n"
+
+
+def cmd_probe_report(args) -> int:
+    doc = json.load(open(args.json))
+    with open(args.out, "w") as f:
+        f.write(render_probe_md(doc))
     return 0
 
 
@@ -695,12 +719,15 @@ def main(argv=None):
     q.add_argument("--start-limit", type=float, default=240)
     q.add_argument("--server-args", default="")
     q.add_argument("--out", required=True)
+    pr = sub.add_parser("probe-report")
+    pr.add_argument("json")
+    pr.add_argument("--out", required=True)
     p = sub.add_parser("report")
     p.add_argument("raw")
     p.add_argument("--out", required=True)
     p.add_argument("--noise", type=float, default=None, help="near-tie bound (default: calibrated on the soak's contexts)")
     a = ap.parse_args(argv)
-    return {"run": cmd_run, "probe": cmd_probe, "report": cmd_report}[a.cmd](a)
+    return {"run": cmd_run, "probe": cmd_probe, "probe-report": cmd_probe_report, "report": cmd_report}[a.cmd](a)
 
 
 if __name__ == "__main__":

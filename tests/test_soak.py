@@ -103,3 +103,10 @@ def test_evaluate_passes_a_clean_run_and_fails_each_breakage():
     assert not broken(lambda d: d["soak"]["idle"].update(used_tokens=12))["ok"]
     assert not broken(lambda d: d["soak"]["samples"][-1].update(gpu_mib=60000))["ok"]
     assert not broken(lambda d: d["reference"]["records"].pop())["ok"]     # a greedy output not compared
+
+
+def test_probe_report_renders_from_its_json():
+    """Report check: bench/results/badids_h200.md is render_probe_md of the committed JSON."""
+    res = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
+    doc = json.load(open(os.path.join(res, "badids_h200.json")))
+    assert soak.render_probe_md(doc) == open(os.path.join(res, "badids_h200.md")).read()
