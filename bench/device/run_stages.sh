@@ -13,6 +13,7 @@
 #   sweep                                   bench/ab_serve.py --kernel-sweep-only (GPU tree build vs CPU heap)
 #   prompts_<pair>                          the A/B prompts this host generates for the pair -> $OUT/prompts_<pair>.jsonl
 #   pytest_gpu                              the whole test suite on CUDA -> $OUT/pytest_gpu_h200.log
+#   pytest_gpu-1 / -2 / -<name>             test files a..o / p..z / tests/test_<name>.py only
 #   sampledmem                              bench/sampled_memory.py (sampled accept memory, old vs new)
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
@@ -120,6 +121,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local part=${st#pytest_gpu}; part=${part#-}; local files=$REPO/tests
       [ "$part" = 1 ] && files=$(ls $REPO/tests/test_[a-o]*.py)
       [ "$part" = 2 ] && files=$(ls $REPO/tests/test_[p-z]*.py)
+      case "$part" in ""|1|2) ;; *) files=$REPO/tests/test_$part.py ;; esac  # pytest_gpu-plugin: one file
       timeout -k 10 $lim python3 -P -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -rfEs --tb=short \
         $files > $OUT/pytest_gpu_h200${part:+_$part}.log 2>&1; rc=$?
       grep -a -E "FAILED|ERROR|passed|failed" $OUT/pytest_gpu_h200${part:+_$part}.log | tail -25 | cut -c1-300 > $LOG/$st.res ;;
