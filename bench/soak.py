@@ -17,7 +17,10 @@ client threads against one server; each request is drawn independently:
   * 5 % bad requests (token ids outside the vocabulary, negative or non-integer ids, a negative
     temperature, top_p > 1, negative max_new_tokens, a prompt longer than the context,
     ``return_logprob``, malformed JSON), interleaved with the rest.
-During the load a monitor thread samples GPU memory (nvidia-smi) and ``/v1/loads`` every second.
+Before the load, ``warmup_plan``'s requests (every sampling mode, then a full batch of long prompts)
+compile what a cold host compiles on first use; the load's window starts after them.
+During the load a monitor thread samples GPU memory (nvidia-smi) and ``/v1/loads`` every
+``--monitor-period`` s (0.25).
 After it: the server must answer ``/health_generate``; once idle, ``/v1/loads`` must show no
 running request and 0 used KV tokens; GPU memory after the warm-up must stay flat.  Then a plain
 (no speculation) server with the same flags replays every greedy request that completed without
@@ -118,6 +121,24 @@ def make_plan(n: int, stream_ids: List[int], vocab: int, context_len: int, seed:
             spec["abort_how"] = "disconnect" if rng.random() < 0.5 else "abort_request"
             spec["abort_after_chunks"] = rng.randint(1, 6)
         plan.append(spec)
+    return plan
+
+
+def warmup_plan(stream_ids: List[int], context_len: int, concurrency: int) -> List[dict]:
+    """Requests sent before the measured load, outside its memory window: every sampling mode of the
+    plan (greedy; temperature alone, with top-p, top-k, both) at batch 1 and then ``concurrency``
+    at once with long prompts, so one-time JIT compiles (flashinfer's renorm kernels under
+    sgl-kernel compile ~90 s on a cold host) and the allocator's first large batches happen here."""
+    modes = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9},
+             {"temperature": 0.8, "top_k": 40}, {"temperature": 0.8, "top_p": 0.9, "top_k": 40}]
+    plen = min(3000, context_len - 80, len(stream_ids) // 2)
+    plan = []
+    for k in range(len(modes) + concurrency):
+        sp = dict(modes[k % len(modes)], max_new_tokens=64, ignore_eos=True)
+        start = (k * 7919) % (len(stream_ids) - plen)
+        plan.append(dict(i=-1 - k, rid=f"soak-warmup-{k}", kind="ok", start=start,
+                         prompt_len=16 if k < len(modes) else plen, greedy=sp["temperature"] == 0.0,
+                         stream=False, sampling_params=sp))
     return plan
 
 
@@ -373,7 +394,15 @@ def cmd_run(args) -> int:
                 break
             ph = dict(start_s=round(time.time() - t_start, 1))
             if phase == "soak":
-                mon = Monitor(base, gpu)
+                t0 = time.time()
+                wp = warmup_plan(stream_ids, args.context_len, args.concurrency)
+                n_modes = len(wp) - args.concurrency
+                warm = run_load(base, wp[:n_modes], stream_ids, vocab, args.context_len, 1)
+                warm += run_load(base, wp[n_modes:], stream_ids, vocab, args.context_len, args.concurrency)
+                ph["warmup"] = dict(requests=len(wp), s=round(time.time() - t0, 1),
+                                    first_s=[r["latency_s"] for r in warm[:n_modes]],
+                                    errors=[r["error"] for r in warm if r["error"] or r["status"] != 200])
+                mon = Monitor(base, gpu, period=args.monitor_period)
                 mon.start()
                 t0 = time.time()
                 recs = run_load(base, plan, stream_ids, vocab, args.context_len, args.concurrency)
@@ -500,7 +529,9 @@ def evaluate(doc: dict, classification: Optional[dict]) -> dict:
     if classification is not None:
         res["classification"] = {k: classification[k] for k in ("compared", "diverged", "near_tie", "error", "length")}
         res["classification"]["noise"] = classification.get("noise")
-    res["ok"] = bool(res["status_5xx"] == 0 and not res["unexpected_errors"] and not res["bad_not_rejected"]
+    res["warmup"] = soak.get("warmup")   # absent in soaks recorded before the warm-up phase existed
+    res["ok"] = bool(not (res["warmup"] or {}).get("errors")
+                     and res["status_5xx"] == 0 and not res["unexpected_errors"] and not res["bad_not_rejected"]
                      and not res["aborts_not_ok"] and res["server_alive"] and res["kv_zero_when_idle"]
                      and res["gpu_memory_flat"] and res["ids_out_of_vocab"] == 0 and res["over_length"] == 0
                      and ref is not None and res["greedy_vs_plain"]["missing"] == 0
@@ -555,6 +586,9 @@ def render_md(doc: dict, summ: dict) -> str:
           f"{sum('stop_token_ids' in p['sampling_params'] for p in ok_specs)} |",
           f"| prompt tokens (min / median / max) | {_mmm([p['prompt_len'] for p in ok_specs])} |",
           f"| max_new_tokens (min / median / max) | {_mmm([p['sampling_params']['max_new_tokens'] for p in ok_specs])} |",
+          f"| warm-up before the load: requests, s (first request of each sampling mode, s), errors | " + (
+              f"{summ['warmup']['requests']}, {summ['warmup']['s']} ({', '.join(map(str, summ['warmup']['first_s']))}), "
+              f"{len(summ['warmup']['errors'])}" if summ.get("warmup") else "none (recorded before the warm-up phase)") + " |",
           f"| load duration | {summ['load_s']} s |",
           f"| completed normally | {summ['completed']} of {kinds.get('ok', 0)} |",
           f"| HTTP 5xx | {summ['status_5xx']} |",
@@ -706,6 +740,7 @@ def main(argv=None):
     r.add_argument("--port", type=int, default=31000)
     r.add_argument("--start-limit", type=float, default=240)
     r.add_argument("--server-args", default="")
+    r.add_argument("--monitor-period", type=float, default=0.25, help="s between GPU memory / load samples")
     r.add_argument("--no-reference", action="store_true")
     r.add_argument("--out", required=True)
     q = sub.add_parser("probe")

@@ -74,9 +74,16 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         server_args.speculative_eagle_topk = 1
         if server_args.attention_backend is None and server_args.decode_attention_backend is None \
                 and server_args.prefill_attention_backend is None:
-            server_args.attention_backend = SUPPORTED_TARGET_BACKENDS[0]
+            # SGLang 0.5.16 resolves its default backend as a *declaration* (fa3 on Hopper) that
+            # materialize_declarations writes over the fields at the end of __post_init__; a plain
+            # assignment here would be overwritten, so declare ours through the same pipeline
+            # (last writer wins), like SGLang's own _hrm_text_attention_force.
+            from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+            run_post_process_pass(server_args, _ddtree_target_attention_backend)
             logger.info("%s: attention backend set to %s (the tree-mask verify path)", self.name,
-                        server_args.attention_backend)
+                        SUPPORTED_TARGET_BACKENDS[0])
+        check_resolved_target_backend(server_args, self.name)
         from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
 
         _resolve_dflash_draft_attention_backend(server_args)
@@ -96,6 +103,46 @@ class DDTreeGPUSpecAlgo(DDTreeSpecAlgo):
 
 class DDTreeCPUSpecAlgo(DDTreeSpecAlgo):
     tree_backend = "reference"
+
+
+def _ddtree_target_attention_backend(view) -> dict:
+    """Post-process pass (SGLang's declaration pipeline): the target attention backend whose
+    TARGET_VERIFY applies the tree mask, declared when the user chose none."""
+    if view.attention_backend not in (None, SUPPORTED_TARGET_BACKENDS[0]):
+        logger.info("DDTREE: attention backend %r (SGLang's default for this GPU) -> %r: the tree "
+                    "verify needs a backend that applies a custom mask", view.attention_backend,
+                    SUPPORTED_TARGET_BACKENDS[0])
+    return {"attention_backend": SUPPORTED_TARGET_BACKENDS[0]}
+
+
+def _verify_backend(cfg) -> Optional[str]:
+    """The backend a TARGET_VERIFY forward runs on: the prefill (default) or decode backend of the
+    speculative attention mode, falling back to --attention-backend."""
+    mode = getattr(cfg, "speculative_attention_mode", "prefill")
+    split = cfg.prefill_attention_backend if mode == "prefill" else cfg.decode_attention_backend
+    return split or cfg.attention_backend
+
+
+def _unsupported_backend_message(algo: str, backend: str, where: str) -> str:
+    return (f"{algo} verifies a tree with a custom attention mask; the target attention backend "
+            f"{backend!r}{where} is not one whose TARGET_VERIFY path applies it under CUDA graphs "
+            f"in SGLang 0.5.16. Use --attention-backend {' or '.join(SUPPORTED_TARGET_BACKENDS)} "
+            "(or leave it unset)")
+
+
+def check_resolved_target_backend(server_args, algo: str) -> None:
+    """Raise ValueError unless the backend SGLang will actually run the verify on (the resolving
+    configuration: the fields with every declaration so far overlaid) applies the tree mask, and
+    the page size it resolves to is 1."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    view = resolved_view(server_args)
+    backend = _verify_backend(view)
+    if backend is not None and backend not in SUPPORTED_TARGET_BACKENDS:
+        raise ValueError(_unsupported_backend_message(algo, backend, " (as SGLang resolved it)"))
+    if view.page_size not in (None, 1):
+        raise ValueError(f"{algo} is validated with --page-size 1 only (SGLang resolved "
+                         f"page_size={view.page_size})")
 
 
 def drafter_block_size(server_args) -> Optional[int]:
@@ -218,13 +265,6 @@ def validate_server_args(server_args) -> None:
         raise ValueError(f"{algo} is validated with --page-size 1 only (got {server_args.page_size})")
     if getattr(server_args, "enable_lora", False):
         raise ValueError(f"{algo} does not support LoRA")
-    mode = getattr(server_args, "speculative_attention_mode", "prefill")
-    chosen = [b for b in (server_args.prefill_attention_backend if mode == "prefill"
-                          else server_args.decode_attention_backend,
-                          server_args.attention_backend) if b is not None]
-    if chosen and chosen[0] not in SUPPORTED_TARGET_BACKENDS:
-        raise ValueError(
-            f"{algo} verifies a tree with a custom attention mask; the target attention backend "
-            f"{chosen[0]!r} is not one whose TARGET_VERIFY path applies it under CUDA graphs in "
-            f"SGLang 0.5.16. Use --attention-backend {' or '.join(SUPPORTED_TARGET_BACKENDS)} "
-            "(or leave it unset)")
+    chosen = _verify_backend(server_args)  # the user's own choice (the fields before resolution)
+    if chosen is not None and chosen not in SUPPORTED_TARGET_BACKENDS:
+        raise ValueError(_unsupported_backend_message(algo, chosen, ""))

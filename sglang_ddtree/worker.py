@@ -73,6 +73,34 @@ def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
     return None
 
 
+def verify_attention_backend(attn_backend):
+    """The backend object a TARGET_VERIFY forward of the target runs on: unwraps SGLang's
+    HybridAttnBackend (prefill / decode split, by speculative_attention_mode) and the hybrid-model
+    wrapper (``full_attn_backend``)."""
+    b = attn_backend
+    for _ in range(4):
+        if hasattr(b, "prefill_backend") and hasattr(b, "decode_backend"):
+            b = b.decode_backend if getattr(b, "spec_attn_is_decode", False) else b.prefill_backend
+        elif getattr(b, "full_attn_backend", None) is not None:
+            b = b.full_attn_backend
+        else:
+            return b
+    return b
+
+
+def check_tree_verify_backend(attn_backend, algo: str) -> None:
+    """Raise ValueError unless the target's verify runs on SGLang's triton backend, the one whose
+    TARGET_VERIFY applies our tree mask (eager and under CUDA graphs).  Argument handling already
+    resolves it; this guards a server whose resolution was bypassed or overridden, which would
+    otherwise verify the tree with a causal chain mask and emit wrong tokens."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    b = verify_attention_backend(attn_backend)
+    if not isinstance(b, TritonAttnBackend):
+        raise ValueError(f"{algo}: the target verifies on {type(b).__name__}, which does not apply "
+                         "the tree attention mask; launch with --attention-backend triton")
+
+
 # Test switch: pretend the target's CUDA-graph mask buffer holds only this many elements, so the
 # eager fallback of _mask_out_buffer runs at test-bed sizes (bench/device stage suffix maskcap<N>).
 _GRAPH_MASK_CAP_ENV = "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"
@@ -120,6 +148,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self.algo_name = algo.name
         self.tree_backend = getattr(algo, "tree_backend", "triton")
         mc = target_worker.model_runner.model_config
+        check_tree_verify_backend(target_worker.model_runner.attn_backend, self.algo_name)
         if mambaish_config(mc) is not None:
             raise ValueError(f"{self.algo_name} does not support hybrid (Mamba / linear-attention) "
                              "targets: their verify state commit is chain-only")

@@ -216,6 +216,78 @@ def test_launch_server_rejects_bad_budget_before_starting(tiny_models):
     assert "the tree budget must be in [1, 256] nodes (verify width budget + 1), got 299" in r.stderr
 
 
+HOPPER_DEFAULT = r'''
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt import server_args as SA
+# What SGLang 0.5.16 picks on an H100/H200 (is_hopper_with_cuda_12_3): fa3, declared during argument
+# resolution and written over the fields at the end of __post_init__ (materialize_declarations).
+SA.ServerArgs._get_default_attn_backend = lambda self, use_mla_backend, model_config: "fa3"
+models = sys.argv[1]
+base = ["--model-path", f"{models}/gqa_target", "--speculative-draft-model-path", f"{models}/drafter",
+        "--device", "cuda"]
+out = {}
+for name, extra in [("ddtree", ["--speculative-algorithm", "DDTREE-GPU"]),
+                    ("dflash", ["--speculative-algorithm", "DFLASH"]),
+                    ("ddtree_fa3", ["--speculative-algorithm", "DDTREE-GPU", "--attention-backend", "fa3"]),
+                    ("ddtree_split", ["--speculative-algorithm", "DDTREE-GPU",
+                                      "--prefill-attention-backend", "fa3",
+                                      "--decode-attention-backend", "triton"])]:
+    try:
+        sa = SA.prepare_server_args(base + extra)
+        out[name] = [sa.attention_backend, sa.prefill_attention_backend,
+                     sa.decode_attention_backend, sa.speculative_draft_attention_backend]
+    except ValueError as e:
+        out[name] = "ValueError: " + str(e)
+print("RESULT" + json.dumps(out))
+'''
+
+
+def test_default_backend_on_hopper_is_the_tree_mask_one(tiny_models):
+    """On a Hopper GPU SGLang's default target backend is fa3, whose TARGET_VERIFY ignores our tree
+    mask: a DDTREE-GPU launch without --attention-backend must still end with triton after the whole
+    resolution (SGLang writes its declared default over the fields last), and an explicit fa3, also
+    through a split prefill backend, is refused.  The H200 host found the first case (the default
+    ended as fa3); here SGLang's Hopper choice is simulated."""
+    r = _py(HOPPER_DEFAULT.replace("sys.argv[1]", repr(tiny_models)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert out["dflash"][0] == "fa3", out      # the simulation is what SGLang picks
+    assert out["ddtree"][0] == "triton" and out["ddtree"][3] == "triton", out
+    assert out["ddtree"][1] in (None, "triton") and out["ddtree"][2] in (None, "triton"), out
+    for k in ("ddtree_fa3", "ddtree_split"):
+        assert out[k].startswith("ValueError: DDTREE-GPU verifies a tree with a custom attention mask"), out
+        assert "'fa3'" in out[k] and "--attention-backend triton" in out[k]
+
+
+def test_worker_refuses_a_target_that_verifies_without_the_tree_mask():
+    """The worker's own guard (a resolution that was bypassed): only SGLang's TritonAttnBackend, also
+    behind HybridAttnBackend's verify side, passes (torch_native stands in for fa3, whose module needs
+    sgl-kernel's CUDA ops to import)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang_ddtree.worker import check_tree_verify_backend
+
+    triton_be, fa3_be = object.__new__(TritonAttnBackend), object.__new__(TorchNativeAttnBackend)
+    check_tree_verify_backend(triton_be, "DDTREE-GPU")
+    with pytest.raises(ValueError, match="TorchNativeAttnBackend, which does not apply the tree"):
+        check_tree_verify_backend(fa3_be, "DDTREE-GPU")
+    for verify_on_decode, ok in ((False, False), (True, True)):
+        hybrid = object.__new__(HybridAttnBackend)
+        hybrid.prefill_backend, hybrid.decode_backend = fa3_be, triton_be
+        hybrid.spec_attn_is_decode = verify_on_decode
+        if ok:
+            check_tree_verify_backend(hybrid, "DDTREE-GPU")
+        else:
+            with pytest.raises(ValueError, match="launch with --attention-backend triton"):
+                check_tree_verify_backend(hybrid, "DDTREE-GPU")
+    wrapped = types.SimpleNamespace(full_attn_backend=fa3_be)
+    with pytest.raises(ValueError):
+        check_tree_verify_backend(wrapped, "DDTREE-GPU")
+
+
 # ---------------------------------------------------------------- settings travel to every TP rank
 def test_settings_record_roundtrip_and_disagreement():
     s = C.resolve_settings(algo="X", num_draft_tokens=17, block_size=8, vocab_size=1000, env={})

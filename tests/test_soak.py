@@ -103,6 +103,22 @@ def test_evaluate_passes_a_clean_run_and_fails_each_breakage():
     assert not broken(lambda d: d["soak"]["idle"].update(used_tokens=12))["ok"]
     assert not broken(lambda d: d["soak"]["samples"][-1].update(gpu_mib=60000))["ok"]
     assert not broken(lambda d: d["reference"]["records"].pop())["ok"]     # a greedy output not compared
+    warm = dict(requests=69, s=3.0, first_s=[0.1] * 5, errors=[])
+    assert broken(lambda d: d["soak"].update(warmup=warm))["ok"]
+    assert not broken(lambda d: d["soak"].update(warmup=dict(warm, errors=["HTTP 500"])))["ok"]
+
+
+def test_warmup_plan_covers_every_sampling_mode_then_a_full_batch():
+    ids = _stream()
+    wp = soak.warmup_plan(ids, CTX, concurrency=8)
+    modes = {tuple(sorted(k for k in w["sampling_params"] if k in ("top_p", "top_k"))) + (w["greedy"],)
+             for w in wp}
+    assert modes == {(True,), (False,), ("top_p", False), ("top_k", False), ("top_k", "top_p", False)}
+    assert len(wp) == 5 + 8 and all(w["kind"] == "ok" and not w["stream"] for w in wp)
+    assert all(w["start"] + w["prompt_len"] <= len(ids) for w in wp)
+    assert all(w["prompt_len"] + w["sampling_params"]["max_new_tokens"] < CTX for w in wp)
+    assert min(w["prompt_len"] for w in wp[5:]) > 1000            # the batch is long prompts
+    assert len({w["rid"] for w in wp}) == len(wp) and all(w["i"] < 0 for w in wp)  # never a plan index
 
 
 def test_probe_report_renders_from_its_json():
