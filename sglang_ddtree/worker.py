@@ -148,7 +148,6 @@ class DDTreeWorker(DFlashWorkerV2):
         self.algo_name = algo.name
         self.tree_backend = getattr(algo, "tree_backend", "triton")
         mc = target_worker.model_runner.model_config
-        check_tree_verify_backend(target_worker.model_runner.attn_backend, self.algo_name)
         if mambaish_config(mc) is not None:
             raise ValueError(f"{self.algo_name} does not support hybrid (Mamba / linear-attention) "
                              "targets: their verify state commit is chain-only")
@@ -180,6 +179,12 @@ class DDTreeWorker(DFlashWorkerV2):
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
                         self.block_size, self.topk, self.tree_backend)
+
+    def init_attention_backends(self):
+        """SGLang's scheduler creates the target's attention backend, then the drafter's (this
+        call): the first point where the target's backend exists, still at startup."""
+        super().init_attention_backends()
+        check_tree_verify_backend(self._target_worker.model_runner.attn_backend, self.algo_name)
 
     # ------------------------------------------------------------------ the drafter's head
     def _make_head(self, max_bs: int) -> DDTreeDraftHead:

@@ -288,6 +288,29 @@ def test_worker_refuses_a_target_that_verifies_without_the_tree_mask():
         check_tree_verify_backend(wrapped, "DDTREE-GPU")
 
 
+def test_worker_checks_the_backend_once_the_scheduler_made_it(monkeypatch):
+    """The target's attn_backend does not exist while the worker is constructed (SGLang's scheduler
+    makes the target's backend, then calls the draft worker's init_attention_backends): the check
+    runs there, at startup, after DFlash's own initialisation."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+    from sglang_ddtree.worker import DDTreeWorker
+
+    calls = []
+    monkeypatch.setattr(DFlashWorkerV2, "init_attention_backends", lambda self: calls.append("dflash"))
+    w = object.__new__(DDTreeWorker)
+    w.algo_name = "DDTREE-GPU"
+    runner = types.SimpleNamespace()
+    w._target_worker = types.SimpleNamespace(model_runner=runner)
+    runner.attn_backend = object.__new__(TritonAttnBackend)
+    w.init_attention_backends()
+    runner.attn_backend = object.__new__(TorchNativeAttnBackend)
+    with pytest.raises(ValueError, match="launch with --attention-backend triton"):
+        w.init_attention_backends()
+    assert calls == ["dflash", "dflash"]
+
+
 # ---------------------------------------------------------------- settings travel to every TP rank
 def test_settings_record_roundtrip_and_disagreement():
     s = C.resolve_settings(algo="X", num_draft_tokens=17, block_size=8, vocab_size=1000, env={})
