@@ -9,7 +9,7 @@ The code is the package ``sglang_ddtree.ab`` (its docstring states the arms, the
 identity check, the stage split and the outputs); the installed command ``sglang-ddtree-ab`` runs the
 same CLI.  This file is the checkout's entry point and compatibility module: same arguments, same
 output, ``--out`` defaults to bench/results/ab_h200, the package finds the checkout's files
-(bench/textpair, bench/tree_kernels.py, bench/ab_plot.py, git) in this checkout, and every name of the
+(bench/textpair, bench/tree_kernels.py, git) in this checkout, and every name of the
 package's modules is importable from here (``import ab_serve as AB``: bench/ab_divergence.py,
 bench/soak.py, bench/text_divergence.py, the tests).  Setting a name here does not change the package:
 replace ``sglang_ddtree.ab.<module>.<name>`` to change its behaviour.

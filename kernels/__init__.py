@@ -1,4 +1,8 @@
 """DDTree GPU kernels (Triton), one op per file; each module documents its reference."""
+from . import _interpreter_compat
+
+_interpreter_compat.apply()  # before any kernel runs under TRITON_INTERPRET (see the module)
+
 from .accept_greedy import accept_greedy_triton
 from .accept_sampled import accept_sampled_ref, accept_sampled_triton
 from .topk_logprobs import (topk_logprobs_torch, topk_logprobs_triton, topk_merge_triton,

@@ -19,6 +19,9 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$SPEC" ]; 
   "$VENV/bin/python" -m pip install -q $SPEC
   echo "$SPEC" > "$STAMP"
 fi
+# setuptools >= 70.1 builds wheels without the separate `wheel` package (tests/test_wheel.py builds
+# one with --no-build-isolation); a no-op when already satisfied
+"$VENV/bin/python" -m pip install -q "setuptools>=70.1"
 # editable install of this checkout: maps kernels/ -> sglang_ddtree.kernels (never a top-level
 # `kernels`, which is Hugging Face's package that SGLang imports)
 "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO" 2>&1 | grep -v "^WARNING: Location" || true

@@ -4,13 +4,13 @@
 
 Runs on CUDA when present, else on the CPU with the Triton kernels under the interpreter.
 
-1. Captured tensors: every ``tests/fixtures/*.npz`` (top-k captured from the text pair's DFlash
+1. Captured tensors: every ``sglang_ddtree/data/fixtures/*.npz`` (package data: top-k captured from the text pair's DFlash
    drafter inside SGLang on the GPU test bed) is turned into trees by the GPU kernels and by the
    exact CPU heap; they must agree node for node.
-2. A tiny model pair, end to end (``--pair``): by default the text pair (``bench/textpair``: a
-   Qwen3 target and its DFlash drafter trained on the Python standard library, 4 held-out
-   prompts); ``--pair gqa`` is the test bed's deterministic permutation-chain GQA target and its
-   drafter.  Both run in plain torch (fp32) on the forward SGLang runs.  Each round: drafter block
+2. A tiny model pair, end to end (``--pair``): by default the text pair (package data; model card
+   in the checkout's ``bench/textpair``: a Qwen3 target and its DFlash drafter trained on the Python
+   standard library, 4 held-out prompts); ``--pair gqa`` (checkout only) is the test bed's
+   deterministic permutation-chain GQA target and its drafter.  Both run in plain torch (fp32) on the forward SGLang runs.  Each round: drafter block
    forward -> ``topk_logprobs`` ->
    ``build_tree`` -> one target forward over the tree (positions start + depth, ancestor-only
    mask) -> ``accept_greedy`` -> commit.  The output must equal the target's own greedy decoding
@@ -32,9 +32,12 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 
-from . import ddtree  # noqa: E402
+from . import assets, ddtree  # noqa: E402
+from . import reference_model as RM  # noqa: E402
+from . import textpair as TP  # noqa: E402
 
-# the checkout (realpath: the GPU test bed installs the package as symlinks into the checkout)
+# the checkout, for --pair gqa only (realpath: the GPU test bed installs the package as symlinks
+# into the checkout); the default run needs nothing outside the package
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 TESTBED = os.path.join(ROOT, "bench", "device")
 
@@ -92,29 +95,14 @@ def true_path_targets(tree, greedy):
     return torch.where(tree.depth.cpu() >= D, torch.zeros_like(out), out)
 
 
-class TinyPair:
-    """The test bed's GQA target + trained DFlash drafter, in plain torch (fp32 compute)."""
-
-    def __init__(self, drafter_path=None):
-        sys.path.insert(0, TESTBED)
-        import mk_models as M
-        import train_drafter as T
-        from safetensors.torch import load_file
-        self.M, self.T = M, T
-        self.sd, self.perm = M.qwen3_target_state()
-        self.E, self.W = self.sd["model.embed_tokens.weight"], self.sd["lm_head.weight"]
-        path = drafter_path or M.DEFAULT_DRAFTER
-        self.P = {k: v.float() for k, v in load_file(path).items()}
-        self.depth = M.BLOCK_SIZE - 1
-        self.vocab = M.VOCAB
-
-    def prompts(self, g):
-        return [torch.randint(3, self.vocab - 1, (int(n),), generator=g).tolist() for n in (3, 5, 8, 6)]
-
+class _Pair:
+    """A target + DFlash drafter in plain torch (fp32 compute): the forwards SGLang runs
+    (:mod:`sglang_ddtree.reference_model`).  Subclasses set sd / P / E / W, the two configs,
+    block_size, mask_id, layer_ids and vocab."""
 
     def target_logits(self, ids, pos, mask):
         """Target forward of ids [T] at positions pos [T] with a boolean mask [T, T] -> logits [T, V]."""
-        return self.T.target_logits(self.sd, ids[None], pos, mask)[0]
+        return RM.target_logits(self.sd, self.target_cfg, ids[None], pos, mask)[0]
 
     def greedy(self, prompt, n_new):
         seq = list(prompt)
@@ -129,9 +117,10 @@ class TinyPair:
         """Drafter block logits [D, V] (bf16-rounded, as SGLang's are) for committed tokens seq."""
         n = len(seq) - 1  # features of tokens 0..n-1; seq[n] (the bonus) is the block's root
         ids = torch.tensor(seq[:n])[None]
-        f = self.T.target_features(self.sd, ids, self.M.TARGET_LAYER_IDS)
-        feats = torch.cat([f[i] for i in self.M.TARGET_LAYER_IDS], -1)
-        lg = self.T.drafter_forward(self.P, self.E, self.W, feats, torch.tensor([seq[n]]), n)
+        f = RM.target_features(self.sd, self.target_cfg, ids, self.layer_ids)
+        feats = torch.cat([f[i] for i in self.layer_ids], -1)
+        lg = RM.drafter_forward(self.P, self.drafter_cfg, self.block_size, self.mask_id, self.E, self.W,
+                                feats, torch.tensor([seq[n]]), n)
         return lg[0].to(torch.bfloat16)
 
     def verify(self, seq, tree_tokens, tree_depth, visibility):
@@ -146,31 +135,52 @@ class TinyPair:
         mask[n:, n:] = visibility
         return self.target_logits(ids, pos, mask)[n:].argmax(-1)
 
+    def _heads(self):
+        self.E, self.W = self.sd["model.embed_tokens.weight"], self.sd["lm_head.weight"]
+        self.depth = self.block_size - 1
 
-class TextPair(TinyPair):
-    """The text-trained pair (bench/textpair: weights, tokenizer, held-out prompts), same forward.
 
-    bench/textpair/common.install() points the test bed's reference forward at this pair's configs,
-    so one process runs one pair."""
+class TextPair(_Pair):
+    """The text-trained pair (:mod:`sglang_ddtree.textpair`: its weights and held-out prompts ship
+    with the package)."""
 
     def __init__(self, drafter_path=None):
-        sys.path.insert(0, os.path.join(ROOT, "bench", "textpair"))
-        import common as C
-        from materialize import load_pair
         from safetensors.torch import load_file
-        M, T = C.install()
-        self.M, self.T, self.C = M, T, C
-        tgt, drf = load_pair()
+
+        tgt, drf = TP.load_pair()
         self.sd = {k: v.float() for k, v in tgt.items()}
-        self.E, self.W = self.sd["model.embed_tokens.weight"], self.sd["lm_head.weight"]
         self.P = {k: v.float() for k, v in (load_file(drafter_path).items() if drafter_path
                                              else drf.items())}
-        self.depth = C.BLOCK_SIZE - 1
-        self.vocab = C.VOCAB
+        self.target_cfg, self.drafter_cfg = TP.TARGET, TP.DRAFTER
+        self.block_size, self.mask_id, self.layer_ids = TP.BLOCK_SIZE, TP.MASK, TP.TARGET_LAYER_IDS
+        self.vocab = TP.VOCAB
+        self._heads()
 
     def prompts(self, g):
-        held = json.load(open(self.C.PROMPTS))
-        return [p["ids"] for p in sorted(held, key=lambda p: len(p["ids"]))[:4]]
+        return [p["ids"] for p in sorted(TP.heldout_prompts(), key=lambda p: len(p["ids"]))[:4]]
+
+
+class TinyPair(_Pair):
+    """The test bed's GQA permutation-chain target + its trained drafter (``bench/device``: needs the
+    checkout, the wheel does not carry the test bed)."""
+
+    def __init__(self, drafter_path=None):
+        if not os.path.isfile(os.path.join(TESTBED, "mk_models.py")):
+            raise SystemExit(f"--pair gqa needs the sglang-ddtree checkout (bench/device/, not found at "
+                             f"{TESTBED}); the installed package runs the default --pair text")
+        sys.path.insert(0, TESTBED)
+        import mk_models as M
+        from safetensors.torch import load_file
+        self.M = M
+        self.sd, self.perm = M.qwen3_target_state()
+        self.P = {k: v.float() for k, v in load_file(drafter_path or M.DEFAULT_DRAFTER).items()}
+        self.target_cfg, self.drafter_cfg = M.QWEN3, M.DRAFTER
+        self.block_size, self.mask_id, self.layer_ids = M.BLOCK_SIZE, M.MASK_ID, M.TARGET_LAYER_IDS
+        self.vocab = M.VOCAB
+        self._heads()
+
+    def prompts(self, g):
+        return [torch.randint(3, self.vocab - 1, (int(n),), generator=g).tolist() for n in (3, 5, 8, 6)]
 
 
 def run_pipeline(pair, prompts, budget, n_new, dev):
@@ -215,7 +225,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--fixtures", default=os.path.join(ROOT, "tests", "fixtures"))
+    ap.add_argument("--fixtures", default=assets.FIXTURES_DIR)
     ap.add_argument("--pair", choices=("text", "gqa"), default="text",
                     help="text: the stdlib-trained pair (default); gqa: the test bed's permutation-chain pair")
     ap.add_argument("--drafter", default=None, help="drafter safetensors (default: the pair's own)")
@@ -226,6 +236,7 @@ def main(argv=None):
     dev = _device()
     print(f"sglang-ddtree demo on {dev} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})")
     report = dict(device=str(dev))
+    pair = (TextPair if a.pair == "text" else TinyPair)(a.drafter)   # fails fast without its files
 
     print("\n[1] captured drafter top-k -> GPU tree kernels vs the exact CPU heap")
     fx = run_fixtures(a.fixtures, sorted({8, a.budget, 32}), dev)
@@ -243,7 +254,6 @@ def main(argv=None):
     name = ("text pair (Qwen3 target + DFlash drafter trained on the Python stdlib, held-out prompts)"
             if a.pair == "text" else "tiny GQA permutation-chain target + trained DFlash drafter")
     print(f"\n[2] {name}, budget {a.budget}, {a.new_tokens} new tokens")
-    pair = (TextPair if a.pair == "text" else TinyPair)(a.drafter)
     g = torch.Generator().manual_seed(0)
     prompts = pair.prompts(g)
     t0 = time.perf_counter()

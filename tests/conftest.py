@@ -14,6 +14,12 @@ if not HAS_CUDA:
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
+# NumPy >= 2.4 raises where 2.3 only warns when a one-element array is used as a Python int (the
+# Triton interpreter hands kernels such arrays, e.g. as loop bounds): make it an error here and in
+# every subprocess the tests start, so this machine fails the way a newer NumPy would.
+NUMPY_SCALAR_FILTER = "error:Conversion of an array with ndim:DeprecationWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), NUMPY_SCALAR_FILTER) if w)
+
 
 def pytest_report_header(config):
     return f"sglang-ddtree tests on {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})"

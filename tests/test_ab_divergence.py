@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from helpers import load_bench
+from sglang_ddtree import assets
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -36,7 +37,7 @@ def greedy_case():
     T, _ = load_pair()
     T = {k: v.float() for k, v in T.items()}
     rng = random.Random()
-    prompts = json.load(open(os.path.join(REPO, "bench", "textpair", "heldout_prompts.json")))
+    prompts = json.load(open(assets.TEXTPAIR_PROMPTS))
     p_len, G = 32, 24
     picks = rng.sample([k for k, p in enumerate(prompts) if len(p["ids"]) >= p_len], 6)
     ids = torch.tensor([prompts[i]["ids"][-p_len:] for i in picks])

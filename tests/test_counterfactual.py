@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from helpers import drafter_logits, logprobs_from_logits
-from sglang_ddtree import ddtree, tree_ops
+from sglang_ddtree import assets, ddtree, tree_ops
 
 
 def _slot_paths(tree):
@@ -76,7 +76,7 @@ def test_random_trees_against_a_brute_force_replay(rng):
 
 
 def test_captured_topk_along_the_true_continuation():
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "fixtures", "*.npz"))):
+    for path in sorted(glob.glob(os.path.join(assets.FIXTURES_DIR, "*.npz"))):
         z = np.load(path, allow_pickle=False)
         meta = json.loads(str(z["meta"]))
         lp, ids = torch.from_numpy(z["log_probs"]), torch.from_numpy(z["token_ids"])

@@ -1,4 +1,4 @@
-"""Captured drafter top-k (tests/fixtures/*.npz): Triton tree == reference; accept walks along the
+"""Captured drafter top-k (sglang_ddtree/data/fixtures/*.npz): Triton tree == reference; accept walks along the
 target's captured true continuation and through a rank >= 1 sibling, against the reference AND the
 accept length / path / bonus walked independently in plain Python."""
 import glob
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
-from sglang_ddtree import ddtree
+from sglang_ddtree import assets, ddtree
 
-FIXTURES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "fixtures", "*.npz")))
+FIXTURES = sorted(glob.glob(os.path.join(assets.FIXTURES_DIR, "*.npz")))
 REQUIRED_META = {"logits_dtype", "vocab_size", "budget", "K", "D", "source", "captured_by", "date",
                  "root_ids", "target_greedy"}
 
@@ -24,7 +24,7 @@ def load(path):
 
 
 def test_fixtures_exist():
-    assert FIXTURES, "tests/fixtures/ must hold captured drafter top-k (*.npz)"
+    assert FIXTURES, "sglang_ddtree/data/fixtures/ must hold captured drafter top-k (*.npz)"
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[os.path.basename(p) for p in FIXTURES])
@@ -155,7 +155,7 @@ import json, sys
 import numpy as np, torch
 from sglang_ddtree import demo
 pair = demo.TextPair()
-held = json.load(open(pair.C.PROMPTS))[:8]
+held = demo.TP.heldout_prompts()[:8]
 z = np.load(sys.argv[1]); meta = json.loads(str(z["meta"]))
 agree, total, worst = 0, 0, 0.0
 for b, root in enumerate(meta["root_ids"]):
@@ -176,7 +176,7 @@ def test_sglang_drafter_equals_the_reference_forward():
     trained, so acceptance differences come from the data, not from a convention mismatch."""
     import subprocess
     import sys
-    path = os.path.join(os.path.dirname(__file__), "fixtures", "topk_text_dflash_r01.npz")
+    path = os.path.join(assets.FIXTURES_DIR, "topk_text_dflash_r01.npz")
     r = subprocess.run([sys.executable, "-c", SGLANG_VS_REFERENCE, path], cwd="/", capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,4 +1,6 @@
 """topk_logprobs: Triton vs torch (stable sort + logsumexp in fp32) and the numpy reference."""
+import os
+import types
 import pytest
 import torch
 
@@ -114,3 +116,20 @@ def test_vocab_shards_merge_like_one_pass(P, rng, device):
     want_lp, want_ids = topk_logprobs_torch(logits, k)
     assert torch.equal(ids.cpu(), want_ids.cpu())
     torch.testing.assert_close(lp.cpu(), want_lp.cpu(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter shim only acts under TRITON_INTERPRET")
+def test_interpreter_reads_one_element_scalars_like_numpy_2_4_wants():
+    """NumPy >= 2.4 refuses int() of a one-element 1-d array, which Triton 3.6's interpreter does for
+    every runtime loop bound; the suite turns the NumPy 2.3 deprecation into an error (conftest), so
+    every interpreter kernel test here runs as it would on NumPy 2.4.  The shim's own contract:"""
+    import numpy as np
+    from triton.runtime import interpreter
+    from sglang_ddtree.kernels import _interpreter_compat
+
+    assert _interpreter_compat.apply() and getattr(interpreter._patch_lang_tensor, "_ddtree_scalar_index", False)
+    one = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7], dtype=np.int32)))
+    zero_d = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array(5, dtype=np.int64)))
+    assert _interpreter_compat._scalar_index(one) == 7 and _interpreter_compat._scalar_index(zero_d) == 5
+    with pytest.raises((DeprecationWarning, TypeError)):  # the interpreter's own conversion (2.3 / 2.4)
+        int(np.array([7], dtype=np.int32))

@@ -79,7 +79,7 @@ python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;pr
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
 # the text-trained pair (bench/textpair), when its weights are in the checkout
-if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/bench/textpair/weights/*.safetensors >/dev/null 2>&1; then
+if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/sglang_ddtree/data/textpair/*.safetensors >/dev/null 2>&1; then
   python3 $REPO/bench/textpair/materialize.py /tmp/models > $LOG/materialize_text.log 2>&1 \
     && echo "text pair at $(el)s: $(tail -1 $LOG/materialize_text.log | cut -c1-200)" | tee -a $S \
     || tail -5 $LOG/materialize_text.log | tee -a $S

@@ -31,101 +31,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mk_models as M  # noqa: E402
 
 
-def rms(x, w, eps=1e-6):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * w
+# The forwards live in the package (the main job runs them from the wheel); here they read the
+# shapes from mk_models' module attributes, which bench/textpair/common.install() repoints.
+try:
+    from sglang_ddtree import reference_model as RM  # noqa: E402
+except ImportError:  # a bare checkout without the package installed: its pure-torch modules import
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from sglang_ddtree import reference_model as RM  # noqa: E402
+
+rms, rope_cos_sin, apply_rope = RM.rms, RM.rope_cos_sin, RM.apply_rope
 
 
-def rope_cos_sin(pos, hd, theta):
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    f = pos.float()[..., None] * inv  # [..., hd/2]
-    emb = torch.cat([f, f], -1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x, cos, sin):  # x [B, T, H, hd]; cos [B?, T, hd]
-    x1, x2 = x.chunk(2, -1)
-    rot = torch.cat([-x2, x1], -1)
-    return x * cos[..., None, :] + rot * sin[..., None, :]
-
-
-# ---------------------------------------------------------------- target (Qwen3 reference, fp32)
 def target_features(sd, ids, upto_layers, pos=None, mask=None):
-    """Qwen3 forward; returns {layer_id: hidden after that layer} for layer_id in upto_layers.
-
-    pos [T] / mask [T, T] bool default to 0..T-1 and causal (a tree verify passes its own)."""
-    c = M.QWEN3
-    hd, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-    B, T = ids.shape
-    x = sd["model.embed_tokens.weight"][ids]
-    cos, sin = rope_cos_sin(torch.arange(T) if pos is None else pos, hd, c["rope_theta"])
-    out = {}
-    if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
-    for i in range(max(upto_layers) + 1):
-        p = f"model.layers.{i}."
-        h = rms(x, sd[p + "input_layernorm.weight"])
-        q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(B, T, nq, hd)
-        k = (h @ sd[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
-        v = (h @ sd[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
-        q = apply_rope(rms(q, sd[p + "self_attn.q_norm.weight"]), cos, sin)
-        k = apply_rope(rms(k, sd[p + "self_attn.k_norm.weight"]), cos, sin)
-        rep = nq // nkv
-        k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask)
-        x = x + a.transpose(1, 2).reshape(B, T, nq * hd) @ sd[p + "self_attn.o_proj.weight"].T
-        h = rms(x, sd[p + "post_attention_layernorm.weight"])
-        g = h @ sd[p + "mlp.gate_proj.weight"].T
-        u = h @ sd[p + "mlp.up_proj.weight"].T
-        x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
-        if i in upto_layers:
-            out[i] = x
-    return out
+    """Qwen3 forward (config mk_models.QWEN3); see reference_model.target_features."""
+    return RM.target_features(sd, M.QWEN3, ids, upto_layers, pos, mask)
 
 
 def target_logits(sd, ids, pos=None, mask=None):
-    """Full Qwen3 forward -> logits [B, T, V] (same arguments as target_features)."""
-    last = M.QWEN3["num_hidden_layers"] - 1
-    x = target_features(sd, ids, [last], pos, mask)[last]
-    return rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T
+    """Full Qwen3 forward -> logits [B, T, V] (config mk_models.QWEN3)."""
+    return RM.target_logits(sd, M.QWEN3, ids, pos, mask)
 
 
-# ---------------------------------------------------------------- drafter (SGLang DFlash forward)
 def drafter_forward(P, E, W, feats, root, n):
-    """feats [B, n, 2*H] target features of the context; root [B]; block at positions n..n+L-1.
-    Returns logits [B, L-1, V] for block positions 1..L-1."""
-    c = M.DRAFTER
-    L = M.BLOCK_SIZE
-    hd, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-    B = root.shape[0]
-    ctx = rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"])  # [B, n, H]
-    block = torch.full((B, L), M.MASK_ID, dtype=torch.long)
-    block[:, 0] = root
-    x = E[block]
-    cos_c, sin_c = rope_cos_sin(torch.arange(n), hd, c["rope_theta"])
-    cos_b, sin_b = rope_cos_sin(torch.arange(n, n + L), hd, c["rope_theta"])
-    rep = nq // nkv
-    for i in range(c["num_hidden_layers"]):
-        p = f"layers.{i}."
-        h = rms(x, P[p + "input_layernorm.weight"])
-        Wq, Wk, Wv = P[p + "self_attn.q_proj.weight"], P[p + "self_attn.k_proj.weight"], P[p + "self_attn.v_proj.weight"]
-        qn, kn = P[p + "self_attn.q_norm.weight"], P[p + "self_attn.k_norm.weight"]
-        q = apply_rope(rms((h @ Wq.T).view(B, L, nq, hd), qn), cos_b, sin_b)
-        kb = apply_rope(rms((h @ Wk.T).view(B, L, nkv, hd), kn), cos_b, sin_b)
-        vb = (h @ Wv.T).view(B, L, nkv, hd)
-        kc = apply_rope(rms((ctx @ Wk.T).view(B, n, nkv, hd), kn), cos_c, sin_c)
-        vc = (ctx @ Wv.T).view(B, n, nkv, hd)
-        k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
-        v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        x = x + a.transpose(1, 2).reshape(B, L, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
-        h = rms(x, P[p + "post_attention_layernorm.weight"])
-        g = h @ P[p + "mlp.gate_proj.weight"].T
-        u = h @ P[p + "mlp.up_proj.weight"].T
-        x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
-    hN = rms(x, P["norm.weight"])[:, 1:]
-    return hN @ W.T
+    """DFlash block forward (config mk_models.DRAFTER, BLOCK_SIZE, MASK_ID): logits [B, L-1, V]."""
+    return RM.drafter_forward(P, M.DRAFTER, M.BLOCK_SIZE, M.MASK_ID, E, W, feats, root, n)
 
 
 def chain(perm, root, D):

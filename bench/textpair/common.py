@@ -1,4 +1,5 @@
-"""Shared constants of the text pair (torch + stdlib only: the device trainer imports this).
+"""Shared constants of the text pair (torch + stdlib only: the device trainer imports this); the
+shapes, weights and prompts themselves are the package's (sglang_ddtree.textpair / .assets).
 
 The reference forwards are the test bed's (bench/device/train_drafter.py: target_features,
 target_logits, drafter_forward). They read their shapes from module attributes of mk_models
@@ -13,39 +14,25 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 DEVICE_DIR = os.path.join(REPO, "bench", "device")
 CACHE = os.path.join(HERE, "cache")            # git-ignored: tokenized corpus, checkpoints
 TOKENIZER_DIR = os.path.join(HERE, "tokenizer")
-WEIGHTS_DIR = os.path.join(HERE, "weights")
 MANIFEST = os.path.join(HERE, "corpus_manifest.tsv")
-PROMPTS = os.path.join(HERE, "heldout_prompts.json")
 
-SEED = 20261206
-VOCAB = 2048
-HIDDEN = 256                                    # = mk_models.HIDDEN (its layer builder uses it)
-PAD, BOS, EOS, UNK, MASK = 0, 1, 2, 3, 4
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
-BLOCK_SIZE = 8
-N_TARGET_LAYERS = 4
-TARGET_LAYER_IDS = [1, 2]                       # SGLang captures before layer k+1: k < last layer
-HELDOUT_EVERY, HELDOUT_AT = 20, 10              # sorted file i is held out iff i % 20 == 10
+# The pair's shapes, weights and prompts live in the package (the wheel's main job runs it):
+# sglang_ddtree.textpair / sglang_ddtree.assets.  A bare checkout (the device trainer's own call)
+# imports the package's pure modules from the repo root, appended last so nothing is shadowed.
+try:
+    from sglang_ddtree import assets as _assets, textpair as _tp
+except ImportError:
+    sys.path.append(REPO)
+    from sglang_ddtree import assets as _assets, textpair as _tp
 
-TARGET = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
-    intermediate_size=384, num_hidden_layers=N_TARGET_LAYERS, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
-    rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, torch_dtype="bfloat16",
-    initializer_range=0.02, use_cache=True,
-)
-DRAFTER = dict(
-    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
-    intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
-    hidden_act="silu", tie_word_embeddings=False, attention_bias=False, bos_token_id=BOS,
-    eos_token_id=EOS, pad_token_id=PAD, torch_dtype="bfloat16", num_target_layers=N_TARGET_LAYERS,
-    block_size=BLOCK_SIZE,
-    dflash_config={"block_size": BLOCK_SIZE, "target_layer_ids": TARGET_LAYER_IDS,
-                   "mask_token": "<mask>", "mask_token_id": MASK,
-                   "num_target_layers": N_TARGET_LAYERS},
-)
+WEIGHTS_DIR = _assets.TEXTPAIR_DIR              # target.safetensors, drafter.safetensors
+PROMPTS = _assets.TEXTPAIR_PROMPTS
+SEED, VOCAB, HIDDEN = _tp.SEED, _tp.VOCAB, _tp.HIDDEN   # HIDDEN = mk_models.HIDDEN (its layer builder)
+PAD, BOS, EOS, UNK, MASK = _tp.PAD, _tp.BOS, _tp.EOS, _tp.UNK, _tp.MASK
+SPECIALS = _tp.SPECIALS
+BLOCK_SIZE, N_TARGET_LAYERS, TARGET_LAYER_IDS = _tp.BLOCK_SIZE, _tp.N_TARGET_LAYERS, _tp.TARGET_LAYER_IDS
+HELDOUT_EVERY, HELDOUT_AT = _tp.HELDOUT_EVERY, _tp.HELDOUT_AT
+TARGET, DRAFTER = _tp.TARGET, _tp.DRAFTER
 
 
 def install():

@@ -1,6 +1,6 @@
 """Convert the trainer's target.pt / drafter.pt (bf16 state dicts) into the committed safetensors.
 
-    python bench/textpair/export.py RUN_DIR [--dest bench/textpair/weights]
+    python bench/textpair/export.py RUN_DIR [--dest sglang_ddtree/data/textpair]
 
 RUN_DIR holds target.pt, drafter.pt and log.json (train.py --out; a --target-init run has no
 target.pt, and the committed target stays). The safetensors metadata keeps

@@ -31,10 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def load_pair(weights=C.WEIGHTS_DIR):
     """(target state dict incl. lm_head.weight, drafter state dict), bf16, from the committed files."""
-    T = load_file(os.path.join(weights, "target.safetensors"))
-    T["lm_head.weight"] = T["model.embed_tokens.weight"].clone()
-    D = load_file(os.path.join(weights, "drafter.safetensors"))
-    return T, D
+    return C._tp.load_pair(weights)
 
 
 def _write(d, cfg, sd):

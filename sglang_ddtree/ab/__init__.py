@@ -56,7 +56,7 @@ drafter-like bf16 logits -> top-k log-probs (bench/tree_kernels.py's inputs and 
 
 Outputs: ``OUT.json`` (every number, per-request columns, identity, stage times, kernel sweep,
 GPU, versions, git commit, date, the exact server command lines), ``OUT.md`` and, when matplotlib
-is importable, ``OUT.png`` (bench/ab_plot.py; run it later on the JSON otherwise).  JSON + MD are
+is importable, ``OUT.png`` (:mod:`sglang_ddtree.ab.plot`; run it later on the JSON otherwise).  JSON + MD are
 rewritten after every arm, so a killed run keeps what it measured; ``--deadline`` skips what no
 longer fits and still writes both.
 

@@ -5,7 +5,6 @@ built-in or ``--prompts`` prompts).  Only these read checkout files:
   - ``--pair text`` (the default when no model is given): ``bench/textpair/corpus_manifest.tsv``, the text
     pair's held-out files its prompts are drawn from;
   - ``--kernel-sweep``: ``bench/tree_kernels.py`` (its input maker and timers);
-  - the PNG plot: ``bench/ab_plot.py``;
   - the git commit recorded in a result's meta.
 
 The checkout is, first found: the ``root`` argument of a call, the environment variable

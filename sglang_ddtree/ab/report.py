@@ -1,13 +1,11 @@
 """The report: markdown of a single or merged result, the summary tables (the README's), the plot
-hook (bench/ab_plot.py), and writing JSON + MD (+ PNG)."""
+hook (:mod:`sglang_ddtree.ab.plot`), and writing JSON + MD (+ PNG)."""
 from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import List
 
-from . import checkout
 from .stats import STAGES
 
 
@@ -331,23 +329,14 @@ def write_outputs(doc: dict, out: str, plot: bool = True):
 
 
 def plot_hook(doc: dict, out: str):
-    """OUT.png by bench/ab_plot.py (a checkout file; matplotlib): a message instead when either is missing."""
+    """OUT.png (:mod:`sglang_ddtree.ab.plot`, matplotlib): a message instead when matplotlib is missing."""
     try:
-        bench = os.path.dirname(checkout.path("bench", "ab_plot.py", what="the PNG plot"))
-    except checkout.CheckoutMissing as e:
-        print(f"no plot ({e}); run `python bench/ab_plot.py {out}.json` in a checkout where matplotlib is "
-              "installed", flush=True)
-        return
-    try:
-        sys.path.insert(0, bench)
-        import ab_plot
-        ab_plot.plot(doc, out + ".png")
+        from . import plot
+        plot.plot(doc, out + ".png")
         print(f"wrote {out}.png", flush=True)
     except ImportError as e:
-        print(f"no plot ({e}); run `python bench/ab_plot.py {out}.json` where matplotlib is installed", flush=True)
+        print(f"no plot ({e}); `pip install matplotlib`, then `python -m sglang_ddtree.ab.plot {out}.json`",
+              flush=True)
     except Exception as e:  # noqa: BLE001 - the numbers are written already
         print(f"plot failed: {e!r}", flush=True)
-    finally:
-        if sys.path and sys.path[0] == bench:
-            sys.path.pop(0)
 

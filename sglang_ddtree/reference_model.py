@@ -1,0 +1,114 @@
+"""Plain-torch (fp32) forwards of a Qwen3 target and a DFlash drafter, as SGLang 0.5.16 runs them.
+
+The main job (:mod:`sglang_ddtree.demo`) runs its model pairs with these, and the GPU test bed
+(``bench/device/train_drafter.py``) trains and checks its drafters with the same code.  The
+drafter forward follows ``sglang/srt/models/dflash.py`` and ``DFlashWorkerV2``:
+  * context: for each committed token j < n, the target's hidden states after the layers
+    ``target_layer_ids`` (SGLang captures "before layer k+1"), concatenated; ``ctx =
+    hidden_norm(fc(.))``; per draft layer K/V of the context = ``k_norm(k_proj(ctx))`` with RoPE at
+    position j, ``v_proj(ctx)`` (no input norm);
+  * block: ``[root, mask x (L - 1)]`` at positions n..n+L-1, input = the target's embeddings; each
+    draft layer is a pre-norm Qwen3 layer (per-head q/k RMSNorm, neox RoPE), attention NON-causal
+    over ``[context ; block]``;
+  * logits at block positions 1..L-1 = the target's lm_head(norm(h)).
+Configs are the Hugging Face ``config.json`` dicts (``head_dim``, ``num_attention_heads``, ...).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
+def rope_cos_sin(pos, hd, theta):
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    f = pos.float()[..., None] * inv  # [..., hd/2]
+    emb = torch.cat([f, f], -1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):  # x [B, T, H, hd]; cos [B?, T, hd]
+    x1, x2 = x.chunk(2, -1)
+    rot = torch.cat([-x2, x1], -1)
+    return x * cos[..., None, :] + rot * sin[..., None, :]
+
+
+def target_features(sd, cfg, ids, upto_layers, pos=None, mask=None):
+    """Qwen3 forward of ids [B, T]; returns {layer_id: hidden [B, T, H] after that layer} for
+    layer_id in upto_layers.  pos [T] / mask [T, T] bool default to 0..T-1 and causal (a tree
+    verify passes its own: positions start + depth, the ancestor-only mask)."""
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    B, T = ids.shape
+    x = sd["model.embed_tokens.weight"][ids]
+    cos, sin = rope_cos_sin(torch.arange(T) if pos is None else pos, hd, cfg["rope_theta"])
+    out = {}
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+    for i in range(max(upto_layers) + 1):
+        p = f"model.layers.{i}."
+        h = rms(x, sd[p + "input_layernorm.weight"])
+        q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(B, T, nq, hd)
+        k = (h @ sd[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
+        v = (h @ sd[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
+        q = apply_rope(rms(q, sd[p + "self_attn.q_norm.weight"]), cos, sin)
+        k = apply_rope(rms(k, sd[p + "self_attn.k_norm.weight"]), cos, sin)
+        rep = nq // nkv
+        k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask)
+        x = x + a.transpose(1, 2).reshape(B, T, nq * hd) @ sd[p + "self_attn.o_proj.weight"].T
+        h = rms(x, sd[p + "post_attention_layernorm.weight"])
+        g = h @ sd[p + "mlp.gate_proj.weight"].T
+        u = h @ sd[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
+        if i in upto_layers:
+            out[i] = x
+    return out
+
+
+def target_logits(sd, cfg, ids, pos=None, mask=None):
+    """Full Qwen3 forward -> logits [B, T, V] (same arguments as target_features)."""
+    last = cfg["num_hidden_layers"] - 1
+    x = target_features(sd, cfg, ids, [last], pos, mask)[last]
+    return rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T
+
+
+def drafter_forward(P, cfg, block_size, mask_id, E, W, feats, root, n):
+    """DFlash block forward.  P: drafter state dict; E / W: the target's embeddings / lm_head;
+    feats [B, n, len(target_layer_ids) * H]: target features of the context; root [B]: the block's
+    first token; the block sits at positions n..n+L-1 (L = block_size).
+    Returns logits [B, L-1, V] for block positions 1..L-1."""
+    L = block_size
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    B = root.shape[0]
+    ctx = rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"])  # [B, n, H]
+    block = torch.full((B, L), mask_id, dtype=torch.long)
+    block[:, 0] = root
+    x = E[block]
+    cos_c, sin_c = rope_cos_sin(torch.arange(n), hd, cfg["rope_theta"])
+    cos_b, sin_b = rope_cos_sin(torch.arange(n, n + L), hd, cfg["rope_theta"])
+    rep = nq // nkv
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, P[p + "input_layernorm.weight"])
+        Wq, Wk, Wv = P[p + "self_attn.q_proj.weight"], P[p + "self_attn.k_proj.weight"], P[p + "self_attn.v_proj.weight"]
+        qn, kn = P[p + "self_attn.q_norm.weight"], P[p + "self_attn.k_norm.weight"]
+        q = apply_rope(rms((h @ Wq.T).view(B, L, nq, hd), qn), cos_b, sin_b)
+        kb = apply_rope(rms((h @ Wk.T).view(B, L, nkv, hd), kn), cos_b, sin_b)
+        vb = (h @ Wv.T).view(B, L, nkv, hd)
+        kc = apply_rope(rms((ctx @ Wk.T).view(B, n, nkv, hd), kn), cos_c, sin_c)
+        vc = (ctx @ Wv.T).view(B, n, nkv, hd)
+        k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
+        v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = x + a.transpose(1, 2).reshape(B, L, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
+        h = rms(x, P[p + "post_attention_layernorm.weight"])
+        g = h @ P[p + "mlp.gate_proj.weight"].T
+        u = h @ P[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
+    hN = rms(x, P["norm.weight"])[:, 1:]
+    return hN @ W.T
