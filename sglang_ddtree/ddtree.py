@@ -25,7 +25,7 @@ import torch
 from . import reference as _ref
 
 __all__ = ["Tree", "Accept", "topk_logprobs", "build_tree", "tree_mask", "verify_mask",
-           "accept_greedy", "accept_sampled"]
+           "accept_greedy", "accept_sampled", "tree_verify_attention", "tree_verify_attention_mla"]
 
 _BACKENDS = ("triton", "reference")
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -379,3 +379,67 @@ def accept_sampled(tree: Tree, target_probs: torch.Tensor, uniforms: torch.Tenso
     res = accept_sampled_triton(tree.tokens, tree.parent, target_probs, uniforms, D,
                                 out=None if out is None else (out.accept_len, out.path, out.bonus))
     return Accept(*res)
+
+
+# ------------------------------------------------------------------ tree-verify attention
+def _attention_out(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return result
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise ValueError(f"out must be a {result.dtype} tensor of shape {tuple(result.shape)} on "
+                         f"{result.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    out.copy_(result)
+    return out
+
+
+def tree_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                          prefix_lens: torch.Tensor, mask_words: torch.Tensor, sm_scale: float, *,
+                          out: Optional[torch.Tensor] = None, backend: str = "triton",
+                          num_splits: Optional[int] = None, max_prefix: Optional[int] = None,
+                          workspace=None) -> torch.Tensor:
+    """Attention of a tree verify over SGLang's paged KV (page size 1) -> ``[bs*N, Hq, Dv]``.
+
+    q ``[bs*N, Hq, D]`` (request b's query i is row b*N + i); ``k_cache [S, Hkv, D]``, ``v_cache
+    [S, Hkv, Dv]``; request b's slots are ``req_to_token[req_pool_indices[b], 0:prefix_lens[b]+N]``
+    (the prefix, then the tree's own K/V); ``mask_words [bs, N, ceil(N/32)] int32`` =
+    ``Tree.mask_words``.  Query i sees the whole prefix and the tree slots whose bit is set.
+    GQA: query head h reads kv head ``h // (Hq // Hkv)``.  fp32 softmax / accumulation.
+    ``backend="triton"``: split-KV kernel (prefix without a mask, the N x N tail from the bits, LSE
+    merge; static shapes, CUDA-graph capturable; ``num_splits`` / ``max_prefix`` host ints fix the
+    split count, ``workspace`` is its optional fp32 scratch); ``"reference"``: dense torch.
+    """
+    _check_backend(backend, q)
+    from .kernels import tree_verify_attention as _tva
+
+    if backend == "reference":
+        return _attention_out(_tva.tree_verify_attention_torch(
+            q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, mask_words, sm_scale), out)
+    return _tva.tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices,
+                                      prefix_lens, mask_words, sm_scale, out=out,
+                                      num_splits=num_splits, max_prefix=max_prefix,
+                                      workspace=workspace)
+
+
+def tree_verify_attention_mla(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor,
+                              kv_cache: torch.Tensor, req_to_token: torch.Tensor,
+                              req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                              mask_words: torch.Tensor, sm_scale: float, *, kv_lora_rank: int,
+                              out: Optional[torch.Tensor] = None, backend: str = "triton",
+                              num_splits: Optional[int] = None, max_prefix: Optional[int] = None,
+                              workspace=None) -> torch.Tensor:
+    """The absorbed-MLA form (DeepseekV3 / Kimi K2 as SGLang's triton backend runs it) ->
+    ``[bs*N, H, kv_lora_rank]``: ``kv_cache [S, 1, kv_lora_rank + rope_dim]`` is the one latent
+    head every query head reads; score = ``sm_scale * (q_nope_absorbed . kv[:lora] + q_rope .
+    kv[lora:])``, value = ``kv[:lora]``.  Other arguments as :func:`tree_verify_attention`."""
+    _check_backend(backend, q_nope_absorbed)
+    from .kernels import tree_verify_attention as _tva
+
+    if backend == "reference":
+        return _attention_out(_tva.tree_verify_attention_mla_torch(
+            q_nope_absorbed, q_rope, kv_cache, req_to_token, req_pool_indices, prefix_lens,
+            mask_words, sm_scale, kv_lora_rank=kv_lora_rank), out)
+    return _tva.tree_verify_attention_mla(q_nope_absorbed, q_rope, kv_cache, req_to_token,
+                                          req_pool_indices, prefix_lens, mask_words, sm_scale,
+                                          kv_lora_rank=kv_lora_rank, out=out, num_splits=num_splits,
+                                          max_prefix=max_prefix, workspace=workspace)

@@ -242,3 +242,26 @@ def test_bad_shapes(rng, device):
         tree_verify_attention(**{**args, "q": args["q"][:, :3]})
     with pytest.raises(ValueError):
         tree_verify_attention(**args, out=torch.empty(10, 4, 8, device=device))
+
+
+def test_public_api_in_ddtree(rng, device):
+    """``sglang_ddtree.ddtree.tree_verify_attention[_mla]``: the stable API the worker and tests bind
+    to; both backends agree, ``out`` (poisoned) is written in place, and bad arguments raise."""
+    bs, N = 3, 9
+    prefixes = draw_prefixes(bs, 120, rng)
+    args, _ = gqa_case(bs, N, prefixes, 2, 4, 64, 64, torch.bfloat16, rng, device)
+    want = ddtree.tree_verify_attention(**args, backend="reference")
+    out = torch.full_like(want, float("nan"))
+    got = ddtree.tree_verify_attention(**args, out=out, num_splits=2)
+    assert got.data_ptr() == out.data_ptr()
+    close(got, want, torch.bfloat16)
+    ref_out = torch.full_like(want, float("nan"))
+    assert ddtree.tree_verify_attention(**args, backend="reference", out=ref_out) is ref_out
+    close(ref_out, want, torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be"):
+        ddtree.tree_verify_attention(**args, backend="reference", out=want[:, :1])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ddtree.tree_verify_attention(**args, backend="cuda")
+    margs, _ = mla_case(2, 5, draw_prefixes(2, 60, rng), 4, 512, 64, torch.bfloat16, rng, device)
+    close(ddtree.tree_verify_attention_mla(**margs, kv_lora_rank=512, num_splits=1),
+          ddtree.tree_verify_attention_mla(**margs, kv_lora_rank=512, backend="reference"), torch.bfloat16)

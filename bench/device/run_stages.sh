@@ -183,7 +183,10 @@ done
 [ -f $R ] && python3 $DEV/stage.py summarize $R 2>&1 | tee -a $S
 [ -d $OUT/fixtures ] && tar -cf $OUT/fixtures.tar -C $OUT fixtures && rm -rf $OUT/fixtures
 tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
-(cd / && { find tmp/tvmcache -name '*.so'; find tmp/tritoncache -type f; } > /tmp/cachelist; tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
+# JIT caches: sgl-kernel (tvm-ffi), Triton, flashinfer (its sampling renorm compiles ~107 s on a cold
+# host).  xz -3 here (fast); recompress with `xz -9e` on the CPU machine before carrying it as
+# .kit/cache.tar.xz (12 MB -> 5.7 MB in session 5): the carry limit is 64 MiB with the kit.
+(cd / && { find tmp/tvmcache -name '*.so'; find tmp/tritoncache -type f; find tmp/fi -name '*.so' 2>/dev/null; } > /tmp/cachelist; tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
 echo "== end at $(el)s; cache $(du -h $OUT/cache.tar.xz | cut -f1)" | tee -a $S
 # at most 8 files come back from $OUT: bundle the rest (A/B reports, prompts, sweep) into one tar
 if [ $(find $OUT -maxdepth 1 -type f | wc -l) -gt 8 ]; then

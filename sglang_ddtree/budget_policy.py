@@ -1,0 +1,140 @@
+"""Choosing the verify width per round from measured cost and counterfactual acceptance (issue 17).
+
+The decision, separate from the worker so it is testable on the CPU and cheap to call:
+
+* ``widths``: the verify widths the server can run (one captured target-verify graph each;
+  ``N = budget + 1``), plus the choice 0 = no speculation this round (a plain decode step).
+* the **cost table**: milliseconds per round for (batch size, width), measured at start-up (graph
+  replays) or online; ``base_ms[bs]`` is the plain decode step.  Batch sizes between measured ones
+  are interpolated linearly, beyond them clamped (a cost table is at most a few dozen numbers).
+* the **acceptance**: tokens accepted per request-round at each width, from
+  ``tree_ops.counterfactual_accept_len`` (one round of the widest tree gives the exact count for
+  every smaller budget: a best-first tree is prefix-closed), kept as an exponential moving average
+  over rounds.  A round yields accepted + 1 tokens (the bonus).
+* the **choice** for a batch of ``bs`` requests: the width maximising tokens per millisecond,
+  ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation; a new
+  choice must beat the current one by ``hysteresis`` (a fraction) to switch, so noise in the EMA
+  does not flap between graphs.
+
+``BudgetPolicy.update`` takes the per-request counterfactual counts of one round (a host tensor or
+list); the worker hands them over every few rounds from a device accumulator, so the round itself
+stays free of host synchronisation.  Not yet wired into the worker: that needs one target-verify
+graph per width (issue 17 item 3), which the worker does not capture yet.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence
+
+NO_SPEC = 0   # the choice "no speculation this round": a plain decode step
+
+
+def _interp(table: Mapping[int, float], bs: int) -> float:
+    """Linear interpolation of a {batch size: ms} table at bs (clamped outside its range)."""
+    if not table:
+        raise ValueError("empty cost table")
+    keys = sorted(table)
+    if bs <= keys[0]:
+        return float(table[keys[0]])
+    if bs >= keys[-1]:
+        return float(table[keys[-1]])
+    j = bisect.bisect_left(keys, bs)
+    lo, hi = keys[j - 1], keys[j]
+    if hi == bs:
+        return float(table[hi])
+    t = (bs - lo) / (hi - lo)
+    return float(table[lo]) * (1 - t) + float(table[hi]) * t
+
+
+@dataclass
+class CostTable:
+    """Round cost in ms: ``verify_ms[width][bs]`` for each verify width, ``base_ms[bs]`` for a plain
+    decode step.  Every value must be a positive finite number."""
+
+    verify_ms: Dict[int, Dict[int, float]]
+    base_ms: Dict[int, float]
+
+    def __post_init__(self):
+        if not self.verify_ms:
+            raise ValueError("the cost table needs at least one verify width")
+        for w, row in self.verify_ms.items():
+            if int(w) < 2:
+                raise ValueError(f"verify width must be >= 2 (budget >= 1), got {w}")
+            self._check_row(f"verify_ms[{w}]", row)
+        self._check_row("base_ms", self.base_ms)
+
+    @staticmethod
+    def _check_row(name, row):
+        if not row:
+            raise ValueError(f"{name} is empty")
+        for bs, ms in row.items():
+            if int(bs) < 1 or not (float(ms) > 0 and float(ms) < float("inf")):
+                raise ValueError(f"{name}[{bs}] = {ms!r}: batch sizes >= 1, costs positive and finite")
+
+    @property
+    def widths(self) -> List[int]:
+        return sorted(int(w) for w in self.verify_ms)
+
+    def cost(self, bs: int, width: int) -> float:
+        return _interp(self.base_ms, bs) if width == NO_SPEC else _interp(self.verify_ms[width], bs)
+
+
+@dataclass
+class BudgetPolicy:
+    """EMA of counterfactual acceptance per width + the cost table -> the width of the next round."""
+
+    costs: CostTable
+    ema: float = 0.9            # weight of the past in the acceptance average
+    hysteresis: float = 0.03    # a new choice must be this much better (tokens / ms) to switch
+    allow_no_spec: bool = True  # include "no speculation" (plain decode) among the choices
+    prior_accept: float = 0.0   # acceptance assumed before any round was seen
+    accept: Dict[int, float] = field(default_factory=dict)
+    rounds_seen: int = 0
+    current: Optional[int] = None
+
+    def __post_init__(self):
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.hysteresis < 0:
+            raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
+        for w in self.costs.widths:
+            self.accept.setdefault(w, float(self.prior_accept))
+
+    def update(self, counterfactual: Sequence[Sequence[int]], widths: Sequence[int]) -> None:
+        """One round: ``counterfactual[r][j]`` = tokens request r would have accepted at verify width
+        ``widths[j]`` (``tree_ops.counterfactual_accept_len`` with budgets ``w - 1``).  Widths not in
+        the cost table are ignored; a width of the table missing here keeps its average."""
+        rows = [list(map(float, r)) for r in counterfactual]
+        if not rows:
+            return
+        if any(len(r) != len(widths) for r in rows):
+            raise ValueError(f"each row needs one count per width ({len(widths)})")
+        for j, w in enumerate(widths):
+            if int(w) not in self.accept:
+                continue
+            mean = sum(r[j] for r in rows) / len(rows)
+            if mean < 0:
+                raise ValueError(f"negative acceptance at width {w}: {mean}")
+            old = self.accept[int(w)]
+            self.accept[int(w)] = mean if self.rounds_seen == 0 else self.ema * old + (1 - self.ema) * mean
+        self.rounds_seen += 1
+
+    def tokens_per_ms(self, bs: int, width: int) -> float:
+        """Expected output tokens per millisecond of a round of ``bs`` requests at ``width``."""
+        per_req = 1.0 if width == NO_SPEC else 1.0 + self.accept[width]
+        return bs * per_req / self.costs.cost(bs, width)
+
+    def candidates(self) -> List[int]:
+        return ([NO_SPEC] if self.allow_no_spec else []) + self.costs.widths
+
+    def choose(self, bs: int) -> int:
+        """The verify width for the next round of ``bs`` requests (NO_SPEC: plain decode)."""
+        if bs < 1:
+            raise ValueError(f"batch size must be >= 1, got {bs}")
+        scores = {w: self.tokens_per_ms(bs, w) for w in self.candidates()}
+        best = max(scores, key=lambda w: (scores[w], -w))   # ties: the narrower (cheaper) width
+        if self.current in scores and scores[best] <= scores[self.current] * (1 + self.hysteresis):
+            return self.current
+        self.current = best
+        return best

@@ -1,0 +1,110 @@
+"""sglang_ddtree.budget_policy: the per-round verify width from a cost table and counterfactual
+acceptance (issue 17 item 3, host-side decision; not wired into the worker yet).
+
+The cost table below is the H200 measurement at the Qwen3-8B shape
+(../shared/design/scale-cost-2026-12-01.md: base 5.23 / 5.62 / 7.15 ms, width 17 8.25 / 11.30 /
+31.02 ms, width 33 8.42 / 13.48 / 44.91 ms at c = 1 / 8 / 32).  Every choice is checked against a
+brute force over the candidates on fresh random acceptance curves; counterfactual counts come from
+real trees (``ddtree.build_tree`` + the reference accept walk) through ``tree_ops``."""
+import random
+
+import pytest
+import torch
+
+from helpers import drafter_logits, logprobs_from_logits
+from sglang_ddtree import ddtree, tree_ops
+from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp
+
+H200_8B = CostTable(verify_ms={17: {1: 8.25, 8: 11.30, 32: 31.02}, 33: {1: 8.42, 8: 13.48, 32: 44.91}},
+                    base_ms={1: 5.23, 8: 5.62, 32: 7.15})
+
+
+def test_interpolation_and_table_checks():
+    assert _interp({1: 2.0, 9: 10.0}, 5) == pytest.approx(6.0)
+    assert _interp({1: 2.0, 9: 10.0}, 0) == 2.0 and _interp({1: 2.0, 9: 10.0}, 64) == 10.0
+    assert H200_8B.cost(8, 17) == pytest.approx(11.30) and H200_8B.cost(8, NO_SPEC) == pytest.approx(5.62)
+    for bad in ({17: {1: 0.0}}, {17: {1: float("nan")}}, {1: {1: 3.0}}, {}):
+        with pytest.raises(ValueError):
+            CostTable(verify_ms=bad, base_ms={1: 5.0})
+    with pytest.raises(ValueError):
+        BudgetPolicy(H200_8B, ema=1.0)
+    with pytest.raises(ValueError):
+        BudgetPolicy(H200_8B).choose(0)
+
+
+def test_choice_follows_load_on_the_measured_8b_costs():
+    """With the text pair's acceptance (~0.75 accepted at b16, hardly more at b32) speculation pays at
+    c=1, and at c=32 the compute-bound verify makes plain decoding the better choice."""
+    p = BudgetPolicy(H200_8B, hysteresis=0.0)
+    p.update([[0.75, 0.78]] * 4, widths=[17, 33])
+    assert p.choose(1) == 17                     # 1.75 / 8.25 > 1.78 / 8.42 > 1 / 5.23
+    assert p.choose(32) == NO_SPEC               # 32 * 1.75 / 31.02 < 32 / 7.15
+    p2 = BudgetPolicy(H200_8B, hysteresis=0.0)
+    p2.update([[3.0, 5.0]] * 4, widths=[17, 33])  # a drafter that accepts a lot: the wide tree wins at c=1
+    assert p2.choose(1) == 33
+    no_base = BudgetPolicy(H200_8B, hysteresis=0.0, allow_no_spec=False)
+    no_base.update([[0.75, 0.78]], widths=[17, 33])
+    assert no_base.choose(32) == 17
+
+
+def test_choice_is_the_brute_force_argmax_on_random_curves():
+    rng = random.Random()
+    for _ in range(200):
+        widths = sorted(rng.sample(range(2, 66), rng.randint(1, 4)))
+        bss = sorted(rng.sample(range(1, 129), rng.randint(1, 4)))
+        verify = {w: {b: rng.uniform(2, 60) for b in bss} for w in widths}
+        base = {b: rng.uniform(2, 20) for b in bss}
+        p = BudgetPolicy(CostTable(verify, base), hysteresis=0.0, ema=0.0)
+        acc = sorted(rng.uniform(0, 6) for _ in widths)   # more nodes never accept less
+        p.update([acc], widths=widths)
+        bs = rng.randint(1, 140)
+        want = max([NO_SPEC] + widths,
+                   key=lambda w: (bs * (1 if w == NO_SPEC else 1 + acc[widths.index(w)])
+                                  / _interp(base if w == NO_SPEC else verify[w], bs), -w))
+        assert p.choose(bs) == want
+
+
+def test_hysteresis_keeps_the_current_width_until_a_clear_gain():
+    p = BudgetPolicy(H200_8B, hysteresis=0.05, ema=0.0)
+    p.update([[0.75, 0.78]], widths=[17, 33])
+    assert p.choose(1) == 17
+    p.update([[0.75, 0.83]], widths=[17, 33])    # b32 now 2.5 % better at c=1 (1.83 / 8.42): stay
+    assert p.tokens_per_ms(1, 33) > p.tokens_per_ms(1, 17)
+    assert p.choose(1) == 17
+    p.update([[0.75, 2.5]], widths=[17, 33])     # clearly better: switch
+    assert p.choose(1) == 33
+
+
+def test_ema_and_update_checks():
+    p = BudgetPolicy(H200_8B, ema=0.5)
+    p.update([[1.0, 2.0], [3.0, 4.0]], widths=[17, 33])     # the first round sets the average
+    assert p.accept == {17: 2.0, 33: 3.0}
+    p.update([[0.0, 1.0]], widths=[17, 33])
+    assert p.accept == {17: 1.0, 33: 2.0}
+    p.update([[5.0]], widths=[9])                            # a width outside the table is ignored
+    assert p.accept == {17: 1.0, 33: 2.0}
+    with pytest.raises(ValueError):
+        p.update([[1.0]], widths=[17, 33])
+    with pytest.raises(ValueError):
+        p.update([[-1.0, 0.0]], widths=[17, 33])
+
+
+def test_counterfactual_counts_from_real_trees_feed_the_policy(rng):
+    """One round of a budget-32 tree gives the counts for widths 9 / 17 / 33 (tree_ops), monotone in
+    the width, and the policy's average is their batch mean."""
+    bs, D, V = 6, 7, 300
+    lp, ids = logprobs_from_logits(drafter_logits(bs, D, V, rng), k=32)
+    tree = ddtree.build_tree(lp, ids, 32, backend="reference")
+    target = torch.randint(0, V, (bs, 33), generator=rng)
+    # make the target follow the drafter's top choices often so paths are long
+    target = torch.where(torch.rand(bs, 33, generator=rng) < 0.8,
+                         tree.tokens.clamp(min=0).gather(1, torch.randint(0, 33, (bs, 33), generator=rng)), target)
+    acc = ddtree.accept_greedy(tree, target, backend="reference")
+    counts = tree_ops.counterfactual_accept_len(acc.path, [8, 16, 32])
+    assert (counts[:, 0] <= counts[:, 1]).all() and (counts[:, 1] <= counts[:, 2]).all()
+    assert torch.equal(counts[:, 2].to(torch.int64), acc.accept_len.to(torch.int64))
+    table = CostTable(verify_ms={w: {1: 5.0 + w / 10} for w in (9, 17, 33)}, base_ms={1: 5.0})
+    p = BudgetPolicy(table)
+    p.update(counts.tolist(), widths=[9, 17, 33])
+    for j, w in enumerate((9, 17, 33)):
+        assert p.accept[w] == pytest.approx(counts[:, j].float().mean().item())
