@@ -101,6 +101,21 @@ def check_tree_verify_backend(attn_backend, algo: str) -> None:
                          "the tree attention mask; launch with --attention-backend triton")
 
 
+def disable_causal_verify_shortcut(attn_backend, algo: str) -> bool:
+    """Turn off SGLang 0.5.16's split-KV verify on the target's triton backend.  That path
+    (``verify_splitkv_fwd``; on gfx95 GPUs, SGLANG_ENABLE_SPLITKV_VERIFY defaults to on) computes
+    pure-causal attention and is enabled whenever speculative_eagle_topk == 1, which DDTree sets:
+    it would verify the tree as a chain and emit wrong tokens.  The fallback, extend_attention_fwd,
+    applies the tree mask.  True when it was on."""
+    b = verify_attention_backend(attn_backend)
+    if not getattr(b, "use_verify_splitkv", False):
+        return False
+    b.use_verify_splitkv = False
+    logger.warning("%s: SGLang's split-KV verify (causal chain only) disabled on the target's "
+                   "attention backend: the tree verify needs its mask", algo)
+    return True
+
+
 # Test switch: pretend the target's CUDA-graph mask buffer holds only this many elements, so the
 # eager fallback of _mask_out_buffer runs at test-bed sizes (bench/device stage suffix maskcap<N>).
 _GRAPH_MASK_CAP_ENV = "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"
@@ -184,7 +199,9 @@ class DDTreeWorker(DFlashWorkerV2):
         """SGLang's scheduler creates the target's attention backend, then the drafter's (this
         call): the first point where the target's backend exists, still at startup."""
         super().init_attention_backends()
-        check_tree_verify_backend(self._target_worker.model_runner.attn_backend, self.algo_name)
+        backend = self._target_worker.model_runner.attn_backend
+        check_tree_verify_backend(backend, self.algo_name)
+        disable_causal_verify_shortcut(backend, self.algo_name)
 
     # ------------------------------------------------------------------ the drafter's head
     def _make_head(self, max_bs: int) -> DDTreeDraftHead:

@@ -305,10 +305,14 @@ def test_worker_checks_the_backend_once_the_scheduler_made_it(monkeypatch):
     w._target_worker = types.SimpleNamespace(model_runner=runner)
     runner.attn_backend = object.__new__(TritonAttnBackend)
     w.init_attention_backends()
+    # SGLang's causal-only split-KV verify (gfx95, on by default at topk 1) must end up off
+    runner.attn_backend.use_verify_splitkv = True
+    w.init_attention_backends()
+    assert runner.attn_backend.use_verify_splitkv is False
     runner.attn_backend = object.__new__(TorchNativeAttnBackend)
     with pytest.raises(ValueError, match="launch with --attention-backend triton"):
         w.init_attention_backends()
-    assert calls == ["dflash", "dflash"]
+    assert calls == ["dflash", "dflash", "dflash"]
 
 
 # ---------------------------------------------------------------- settings travel to every TP rank

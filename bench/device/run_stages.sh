@@ -15,6 +15,7 @@
 #   pytest_gpu                              the whole test suite on CUDA -> $OUT/pytest_gpu_h200.log
 #   pytest_gpu-1 / -2 / -<name>             test files a..o / p..z / tests/test_<name>.py only
 #   sampledmem                              bench/sampled_memory.py (sampled accept memory, old vs new)
+#   verify_attn[_quick]                     bench/verify_attention.py (tree-verify attention vs floor / SGLang / flashinfer; alone on the GPU)
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
@@ -125,6 +126,10 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       timeout -k 10 $lim python3 -P -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -rfEs --tb=short \
         $files > $OUT/pytest_gpu_h200${part:+_$part}.log 2>&1; rc=$?
       grep -a -E "FAILED|ERROR|passed|failed" $OUT/pytest_gpu_h200${part:+_$part}.log | tail -25 | cut -c1-300 > $LOG/$st.res ;;
+    verify_attn|verify_attn_quick)  # bench/verify_attention.py: ours vs floor / SGLang extend / flashinfer
+      local q=(); [ "$st" = verify_attn_quick ] && q=(--quick)
+      timeout -k 10 $lim python3 -P $REPO/bench/verify_attention.py --out $OUT/verify_attention_h200 "${q[@]}" > $LOG/$st.log 2>&1; rc=$?
+      tail -12 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
     sampledmem)  # bench/sampled_memory.py: the sampled accept's peak memory and time, SGLang's recipe vs ours
       timeout -k 10 $lim python3 -P $REPO/bench/sampled_memory.py --out $OUT/sampled_memory_h200 > $LOG/$st.log 2>&1; rc=$?
       tail -12 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;

@@ -1,0 +1,30 @@
+"""bench/verify_attention.py's harness on the CPU (``--smoke``, Triton interpreter, fp32): our
+tree-verify attention and SGLang 0.5.16's own TARGET_VERIFY kernel (``extend_attention_fwd`` called
+as its TritonAttnBackend calls it: prefix through kv_indices, the tree's K/V as the extend part, the
+FULL custom mask) both match the dense reference on the same trees, GQA and MLA.  So the GPU
+benchmark compares like with like, and our kernel agrees with the kernel SGLang verifies with."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import env_without_checkout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+
+
+def test_smoke_matches_the_reference_and_sglangs_kernel(tmp_path):
+    env = env_without_checkout(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "verify_attention.py"), "--smoke",
+                        "--out", str(tmp_path / "va")], cwd=str(tmp_path), env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    doc = json.loads((tmp_path / "va.json").read_text())
+    assert doc["ok"] and {row["arch"] for row in doc["rows"]} == {"gqa", "mla"}
+    for row in doc["rows"]:
+        assert row["ours_vs_reference_max_abs"] < 1e-4, row          # fp32 inputs
+        assert row["sglang_extend_vs_reference_max_abs"] < 1e-4, row
+    assert (tmp_path / "va.md").read_text().startswith("# Tree-verify attention")
