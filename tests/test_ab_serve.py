@@ -606,3 +606,32 @@ def test_deployment_configs_drive_every_arm(cfg, tmp_path):
                 assert "--speculative" not in s
     finally:
         os.remove(cfg_path)
+
+
+def test_recommendation_is_the_fastest_lossless_arm():
+    """The report's "which arm to run": per concurrency the fastest arm whose outputs are identical
+    to the reference's or differ only at classified near ties; an arm with an error never wins."""
+    from sglang_ddtree.ab import report
+
+    def arm(name, *tputs):
+        return dict(name=name, status="done", levels=[dict(concurrency=c, output_throughput=t)
+                                                       for c, t in zip((1, 64), tputs)])
+    run = dict(settings=dict(concurrency=[1, 64]),
+               arms=[arm("base", 200.0, 4000.0), arm("dflash", 150.0, 3000.0),
+                     arm("ddtree_b16", 250.0, 3500.0), arm("ddtree_b32", 300.0, 3900.0),
+                     arm("ddtree_b64", 400.0, 5000.0)],
+               identity=dict(reference="base", arms={
+                   "dflash": dict(compared=10, mismatched=0),
+                   "ddtree_b16": dict(compared=10, mismatched=2),
+                   "ddtree_b32": dict(compared=10, mismatched=0),
+                   "ddtree_b64": dict(compared=10, mismatched=3)},
+                   classification=dict(arms={"ddtree_b16": dict(near_tie=2, error=0),
+                                             "ddtree_b64": dict(near_tie=2, error=1)})))
+    rec = {r["c"]: r for r in report.recommendations(run)}
+    assert rec[1]["arm"] == "ddtree_b32" and rec[1]["x_base"] == pytest.approx(1.5)
+    assert rec[1]["x_dflash"] == pytest.approx(2.0) and rec[1]["best_ddtree"] == "ddtree_b32"
+    assert rec[64]["arm"] == "base" and rec[64]["best_ddtree"] == "ddtree_b32"   # b64 has an error
+    assert rec[64]["best_ddtree_x_base"] == pytest.approx(3900 / 4000)
+    md = "\n".join(report._render_recommendations(run, "##"))
+    assert "| 1 | ddtree_b32 | 300 | 1.50 | 2.00 | ddtree_b32 (1.50x) |" in md
+    assert "| 64 | base | 4000 | 1.00 | 1.33 | ddtree_b32 (0.97x) |" in md

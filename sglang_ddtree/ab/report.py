@@ -55,6 +55,67 @@ def _identity_cell(run, arm_name):
     return txt
 
 
+def _lossless(run, arm_name) -> bool:
+    """Outputs equal the reference's, or differ only at classified near ties (never an error)."""
+    idn = run.get("identity") or {}
+    if arm_name == idn.get("reference"):
+        return True
+    d = (idn.get("arms") or {}).get(arm_name)
+    if not d or not d.get("compared"):
+        return False
+    if not d["mismatched"]:
+        return True
+    c = ((idn.get("classification") or {}).get("arms") or {}).get(arm_name)
+    return bool(c) and not c["error"] and c["near_tie"] == d["mismatched"]
+
+
+def recommendations(run: dict) -> List[dict]:
+    """Per concurrency of one run: the fastest arm whose outputs are lossless (identical to the
+    reference arm's, or bf16 near ties only) -> {c, arm, tput, x_base, x_dflash, best_ddtree}.
+    ``best_ddtree``: the fastest lossless DDTREE-GPU arm (``ddtree_b<N>``), the budget to run at
+    that load when speculating at all."""
+    s = run.get("settings") or {}
+    arms = [a for a in run.get("arms") or [] if a.get("status") != "skipped"]
+    out = []
+    for c in s.get("concurrency") or []:
+        t = {}
+        for a in arms:
+            lv = _level(a, c)
+            if _valid(lv) and lv.get("output_throughput") and _lossless(run, a["name"]):
+                t[a["name"]] = lv["output_throughput"]
+        if not t:
+            out.append(dict(c=c, arm=None))
+            continue
+        best = max(t, key=t.get)
+        dd = [n for n in t if n.startswith("ddtree_b")]
+        best_dd = max(dd, key=t.get) if dd else None
+        out.append(dict(c=c, arm=best, tput=t[best],
+                        x_base=t[best] / t["base"] if "base" in t else None,
+                        x_dflash=t[best] / t["dflash"] if "dflash" in t else None,
+                        best_ddtree=best_dd,
+                        best_ddtree_x_base=(t[best_dd] / t["base"]) if best_dd and "base" in t else None))
+    return out
+
+
+def _render_recommendations(run, h) -> List[str]:
+    rec = recommendations(run)
+    if not rec:
+        return []
+    L = ["", f"{h} Which arm to run at each concurrency", "",
+         "The fastest arm whose outputs are lossless (identical to the reference, or bf16 near ties "
+         "only), and the fastest DDTREE-GPU budget (x base).", "",
+         "| c | fastest lossless arm | tok/s | x base | x dflash | best DDTREE-GPU budget |",
+         "|---:|---|---:|---:|---:|---|"]
+    for r in rec:
+        if r["arm"] is None:
+            L.append(f"| {r['c']} | - (no lossless arm measured) | - | - | - | - |")
+            continue
+        dd = "-" if not r["best_ddtree"] else (
+            f"{r['best_ddtree']} ({_f(r['best_ddtree_x_base'], 2)}x)" if r["best_ddtree_x_base"] else r["best_ddtree"])
+        L.append(f"| {r['c']} | {r['arm']} | {r['tput']:.0f} | {_f(r['x_base'], 2)} | {_f(r['x_dflash'], 2)} | {dd} |")
+    return L
+
+
 def summary_rows(doc: dict) -> List[dict]:
     """One row per (run, arm) of a merged (or single) result: pair, run id, output tok/s per concurrency,
     x base of the same run, accept length, identity."""
@@ -188,6 +249,8 @@ def _render_run(doc, top=True):
                     r.append("-")
             cells.append(f"{t:.0f} ({' / '.join(r)})")
         L.append(f"| {a['name']} | " + " | ".join(cells) + " |")
+    L += _render_recommendations(doc, h)
+
     def level_table(title, cell):
         """One row per arm, one column per concurrency; cell(level record) -> text."""
         L.extend(["", f"{h} {title}", "", hdr, sep])
