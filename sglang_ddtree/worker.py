@@ -51,6 +51,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from . import ddtree, sampling, tree_ops
 from .draft_head import DDTreeDraftHead
 from .profiling import RoundProfiler
+from .round_stats import AcceptanceStats
 from .spec_algo import settings_for_worker
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,11 @@ class DDTreeWorker(DFlashWorkerV2):
         self._rounds = 0
         self._prof = RoundProfiler(dict(algo=self.algo_name, budget=self.budget,
                                         block_size=self.block_size, topk=self.topk))
+        # acceptance + counterfactual acceptance per smaller budget (opt-in: --enable-metrics or
+        # SGLANG_DDTREE_STATS_FILE); TP rank 0 only, every rank holds the same trees
+        self._stats = None if self.ps.tp_rank != 0 else AcceptanceStats.from_env(
+            server_args, budget=self.budget, draft_depth=self.block_size - 1, device=self.device,
+            algo=self.algo_name, tp_rank=self.ps.tp_rank)
         if self.ps.tp_rank == 0:
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
@@ -403,6 +409,8 @@ class DDTreeWorker(DFlashWorkerV2):
             target_top1 = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, N)
             acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
+        if self._stats is not None:
+            self._stats.record(path)
         prof.mark()
 
         # 6) commit --------------------------------------------------------------------------------
