@@ -87,13 +87,13 @@ class Target:
         rms, rope = RM.rms, RM.apply_rope
         if self.T16 is None:
             self.T16 = {k: v.to(torch.bfloat16) for k, v in self.T.items()}
-        RM.rms = lambda x, w, eps=1e-6: rms(x, w, eps).to(torch.bfloat16)
-        RM.apply_rope = lambda x, cos, sin: rope(x.float(), cos, sin).to(x.dtype)
+        RM.rms = TD.rms = lambda x, w, eps=1e-6: rms(x, w, eps).to(torch.bfloat16)
+        RM.apply_rope = TD.apply_rope = lambda x, cos, sin: rope(x.float(), cos, sin).to(x.dtype)
         try:
             with torch.no_grad():
                 return self.PL.logits(self.T16, ids).float()
         finally:
-            RM.rms, RM.apply_rope = rms, rope
+            RM.rms, RM.apply_rope = TD.rms, TD.apply_rope = rms, rope
 
     def calibrate(self, seqs: list, starts: list) -> dict:
         """bf16-vs-fp32 noise of the top-1 vs top-2..5 logit gaps at positions >= starts[i] of seqs[i]."""

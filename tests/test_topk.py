@@ -131,5 +131,8 @@ def test_interpreter_reads_one_element_scalars_like_numpy_2_4_wants():
     one = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7], dtype=np.int32)))
     zero_d = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array(5, dtype=np.int64)))
     assert _interpreter_compat._scalar_index(one) == 7 and _interpreter_compat._scalar_index(zero_d) == 5
-    with pytest.raises((DeprecationWarning, TypeError)):  # the interpreter's own conversion (2.3 / 2.4)
-        int(np.array([7], dtype=np.int32))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises((DeprecationWarning, TypeError)):  # the interpreter's own conversion (2.3 / 2.4)
+            int(np.array([7], dtype=np.int32))
