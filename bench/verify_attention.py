@@ -76,6 +76,18 @@ def make_tree(bs, N, g, device):
     return ddtree.build_tree(lp, ids, N - 1, backend="triton" if device.type == "cuda" else "reference")
 
 
+def kv_bytes_per_token(arch) -> int:
+    """bf16 bytes of one token's KV in one layer (the GPU cells' dtype)."""
+    if arch["arch"] == "gqa":
+        return arch["Hkv"] * (arch["D"] + arch["Dv"]) * 2
+    return (arch["L"] + arch["R"]) * 2
+
+
+def make_cell_size(arch, bs, N, prefix) -> int:
+    """bytes of the KV the cell's requests read (prefix + tree), one slot set."""
+    return bs * (prefix + N) * kv_bytes_per_token(arch)
+
+
 def make_cell(arch, bs, N, prefix, rot, g, device, dtype=torch.bfloat16):
     """Inputs of one cell; ``rot`` disjoint slot sets (req_to_token rows rot*bs)."""
     tree = make_tree(bs, N, g, device)
@@ -91,7 +103,6 @@ def make_cell(arch, bs, N, prefix, rot, g, device, dtype=torch.bfloat16):
         k = torch.randn(S, arch["Hkv"], arch["D"], generator=g).to(dtype).to(device)
         v = torch.randn(S, arch["Hkv"], arch["Dv"], generator=g).to(dtype).to(device)
         kv = dict(q=q, k_cache=k, v_cache=v, sm_scale=1.0 / math.sqrt(arch["D"]))
-        per_token = arch["Hkv"] * (arch["D"] + arch["Dv"]) * 2     # bf16 bytes (the GPU cells)
         qo = T * arch["Hq"] * (arch["D"] + arch["Dv"]) * 2
     else:
         H, Lr, R = arch["H"], arch["L"], arch["R"]
@@ -99,32 +110,31 @@ def make_cell(arch, bs, N, prefix, rot, g, device, dtype=torch.bfloat16):
         qr = torch.randn(T, H, R, generator=g).to(dtype).to(device)
         cache = torch.randn(S, 1, Lr + R, generator=g).to(dtype).to(device)
         kv = dict(q_nope_absorbed=qn, q_rope=qr, kv_cache=cache, sm_scale=1.0 / math.sqrt(128 + R))
-        per_token = (Lr + R) * 2
         qo = T * H * (Lr + R + Lr) * 2
-    return dict(tree=tree, r2t=r2t, plen=plen, kv=kv, S=S, floor_bytes=bs * L * per_token + qo,
-                working_set=bs * L * per_token)
+    return dict(tree=tree, r2t=r2t, plen=plen, max_prefix=prefix, kv=kv, S=S,
+                floor_bytes=make_cell_size(arch, bs, N, prefix) + qo)
 
 
-def ours(arch, cell, rpi):
+def attention(arch, cell, rpi, backend="triton"):
+    """The cell's tree-verify attention through the public API (``max_prefix``: a host int, so
+    the timed call never syncs)."""
     c = cell["kv"]
     common = dict(req_to_token=cell["r2t"], req_pool_indices=rpi, prefix_lens=cell["plen"],
-                  mask_words=cell["tree"].mask_words)
-    if arch["arch"] == "gqa":
-        return ddtree.tree_verify_attention(c["q"], c["k_cache"], c["v_cache"], sm_scale=c["sm_scale"],
-                                            max_prefix=int(cell["plen"].max()), **common)
-    return ddtree.tree_verify_attention_mla(c["q_nope_absorbed"], c["q_rope"], c["kv_cache"],
-                                            sm_scale=c["sm_scale"], kv_lora_rank=arch["L"],
-                                            max_prefix=int(cell["plen"].max()), **common)
-
-
-def reference(arch, cell, rpi):
-    c = cell["kv"]
-    common = dict(req_to_token=cell["r2t"], req_pool_indices=rpi, prefix_lens=cell["plen"],
-                  mask_words=cell["tree"].mask_words, backend="reference")
+                  mask_words=cell["tree"].mask_words, backend=backend, max_prefix=cell["max_prefix"])
     if arch["arch"] == "gqa":
         return ddtree.tree_verify_attention(c["q"], c["k_cache"], c["v_cache"], sm_scale=c["sm_scale"], **common)
     return ddtree.tree_verify_attention_mla(c["q_nope_absorbed"], c["q_rope"], c["kv_cache"],
                                             sm_scale=c["sm_scale"], kv_lora_rank=arch["L"], **common)
+
+
+def _cycle(items):
+    """A callable returning the next of items, round robin (rotating input sets)."""
+    k = [0]
+
+    def nxt():
+        k[0] = (k[0] + 1) % len(items)
+        return items[k[0]]
+    return nxt
 
 
 def _layout(cell, rpi):
@@ -138,7 +148,9 @@ def _layout(cell, rpi):
     tree_slots = rows[:, P:].reshape(-1)                               # [bs * N], request-major
     all_slots = rows.reshape(-1)
     ar = torch.arange(bs + 1, device=dev, dtype=torch.int32)
-    full = ddtree.verify_mask(cell["tree"], cell["plen"], mode="full")
+    if "full_mask" not in cell:   # the same for every slot set: built once per cell
+        cell["full_mask"] = ddtree.verify_mask(cell["tree"], cell["plen"], mode="full")
+    full = cell["full_mask"]
     return dict(bs=bs, N=N, P=P, prefix_slots=prefix_slots.to(torch.int32), tree_slots=tree_slots,
                 all_slots=all_slots.to(torch.int32), qo_indptr=ar * N, kv_indptr=ar * P,
                 all_indptr=ar * (P + N), mask=full, mask_indptr=(ar * (N * (P + N))).to(torch.int64))
@@ -188,20 +200,15 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw):
     cell = make_cell(arch, bs, N, prefix, rot, g, device,
                      torch.bfloat16 if device.type == "cuda" else torch.float32)
     sets = [torch.arange(r * bs, (r + 1) * bs, device=device) for r in range(rot)]
-    k = [0]
-
-    def next_rpi():
-        k[0] = (k[0] + 1) % rot
-        return sets[k[0]]
-
+    next_rpi = _cycle(sets)
     row = dict(arch=arch["arch"], bs=bs, N=N, prefix=prefix, rotations=rot,
                floor_bytes=cell["floor_bytes"])
-    mine = ours(arch, cell, sets[0])
-    row["ours_us"] = _bench(lambda: ours(arch, cell, next_rpi()), quick)
+    mine = attention(arch, cell, sets[0])
+    row["ours_us"] = _bench(lambda: attention(arch, cell, next_rpi()), quick)
     if device.type != "cuda":
         # the harness check: ours and SGLang's extend kernel (both under the interpreter) against
         # the dense reference on the same cell (flashinfer needs CUDA)
-        want = reference(arch, cell, sets[0])
+        want = attention(arch, cell, sets[0], backend="reference")
         row["ours_vs_reference_max_abs"] = float((mine.float() - want.float()).abs().max())
         try:
             got = sglang_extend(arch, cell, sets[0])()
@@ -219,12 +226,8 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw):
             got = fns[0]()
             torch.cuda.synchronize()
             row[f"{name}_vs_ours_max_abs"] = float((got.float() - mine.float()).abs().max())
-            j = [0]
-
-            def call():
-                j[0] = (j[0] + 1) % rot
-                return fns[j[0]]()
-            row[f"{name}_us"] = _bench(call, quick)
+            next_fn = _cycle(fns)
+            row[f"{name}_us"] = _bench(lambda: next_fn()(), quick)
             row[f"ours_speedup_vs_{name}"] = row[f"{name}_us"] / row["ours_us"]
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -233,11 +236,6 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw):
     del cell
     torch.cuda.empty_cache()
     return row
-
-
-def make_cell_size(arch, bs, N, prefix) -> int:
-    per = arch["Hkv"] * (arch["D"] + arch["Dv"]) * 2 if arch["arch"] == "gqa" else (arch["L"] + arch["R"]) * 2
-    return bs * (prefix + N) * per
 
 
 def render_md(doc) -> str:

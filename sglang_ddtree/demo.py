@@ -171,8 +171,7 @@ class TinyPair(_Pair):
         sys.path.insert(0, TESTBED)
         import mk_models as M
         from safetensors.torch import load_file
-        self.M = M
-        self.sd, self.perm = M.qwen3_target_state()
+        self.sd, _ = M.qwen3_target_state()
         self.P = {k: v.float() for k, v in load_file(drafter_path or M.DEFAULT_DRAFTER).items()}
         self.target_cfg, self.drafter_cfg = M.QWEN3, M.DRAFTER
         self.block_size, self.mask_id, self.layer_ids = M.BLOCK_SIZE, M.MASK_ID, M.TARGET_LAYER_IDS

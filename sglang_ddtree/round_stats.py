@@ -3,7 +3,7 @@
 
 On when the server runs with ``--enable-metrics`` (SGLang's Prometheus endpoint) or when
 ``SGLANG_DDTREE_STATS_FILE=/path/x.jsonl`` is set.  Per round the worker hands over the accepted
-paths ``[bs, W]``; on the device this adds up, with static shapes and no host sync:
+paths ``[bs, W]`` and their lengths; on the device this adds up, with static shapes and no host sync:
 
 * ``request_rounds`` and ``accepted``: request-rounds and accepted draft tokens (bonus excluded);
 * ``length_hist [D + 1]``: request-rounds by accepted length (0 .. draft depth);
@@ -110,13 +110,13 @@ class AcceptanceStats:
             return None
         return cls(path=path, prometheus=prom, **kw)
 
-    def record(self, path: torch.Tensor) -> None:
-        """path [bs, W] int (root first, -1 padded): this round's accepted slots."""
+    def record(self, path: torch.Tensor, accept_len: torch.Tensor) -> None:
+        """path [bs, W] int (root first, -1 padded): this round's accepted slots; accept_len [bs]:
+        their count (the accept's own output, not recomputed here)."""
         bs = path.shape[0]
         if bs == 0:
             return
-        nodes = path[:, 1:]
-        accept_len = (nodes >= 1).sum(1)                                         # [bs]
+        accept_len = accept_len.to(torch.int64)
         cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev).to(torch.int64)  # [bs, nb]
         a = self._acc
         a[0] += bs

@@ -410,7 +410,7 @@ class DDTreeWorker(DFlashWorkerV2):
             acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None:
-            self._stats.record(path)
+            self._stats.record(path, accept_len)
         prof.mark()
 
         # 6) commit --------------------------------------------------------------------------------

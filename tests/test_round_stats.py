@@ -45,7 +45,7 @@ def test_accumulators_match_a_brute_force_replay(tmp_path, rng):
     want = dict(request_rounds=0, accepted=0, hist=[0] * (D + 1), cf=[0] * len(budgets))
     for _ in range(7):
         lp, ids, target, tree, acc = _round(bs, D, V, budget, rng)
-        st.record(acc.path)
+        st.record(acc.path, acc.accept_len)
         lens = acc.accept_len.tolist()
         want["request_rounds"] += bs
         want["accepted"] += sum(lens)
@@ -81,7 +81,7 @@ def test_prometheus_counters(rng):
     total = 0
     for _ in range(4):
         *_, acc = _round(3, 7, 300, 16, rng)
-        st.record(acc.path)
+        st.record(acc.path, acc.accept_len)
         total += int(acc.accept_len.sum())
     assert reg.get_sample_value("sglang:ddtree_request_rounds_total", lab) == before + 12
     assert reg.get_sample_value("sglang:ddtree_accepted_tokens_total", lab) == acc_before + total

@@ -37,18 +37,25 @@ def _level(arm, c):
 PAIR_TITLES = {"text": "text-trained pair (bench/textpair)", "gqa": "tiny GQA pair", "mla": "tiny MLA + MoE pair"}
 
 
+def _identity_of(run, arm_name):
+    """(is the reference arm, the arm's identity counts or None, its divergence classification or
+    None) from a run's ``identity`` record."""
+    idn = run.get("identity") or {}
+    d = (idn.get("arms") or {}).get(arm_name)
+    c = ((idn.get("classification") or {}).get("arms") or {}).get(arm_name)
+    return arm_name == idn.get("reference"), d, c
+
+
 def _identity_cell(run, arm_name):
     """'identical (n)', or 'k of n differ' (+ the text pair's classification)."""
-    idn = (run.get("identity") or {})
-    if arm_name == idn.get("reference"):
+    is_ref, d, c = _identity_of(run, arm_name)
+    if is_ref:
         return "reference"
-    d = (idn.get("arms") or {}).get(arm_name)
     if not d or not d.get("compared"):
         return "-"
     if not d["mismatched"]:
         return f"identical ({d['compared']})"
     txt = f"{d['mismatched']} of {d['compared']} differ"
-    c = ((idn.get("classification") or {}).get("arms") or {}).get(arm_name)
     if c:
         txt += (f": all {c['near_tie']} near ties" if not c["error"] else
                 f": {c['near_tie']} near ties, **{c['error']} errors**")
@@ -57,15 +64,13 @@ def _identity_cell(run, arm_name):
 
 def _lossless(run, arm_name) -> bool:
     """Outputs equal the reference's, or differ only at classified near ties (never an error)."""
-    idn = run.get("identity") or {}
-    if arm_name == idn.get("reference"):
+    is_ref, d, c = _identity_of(run, arm_name)
+    if is_ref:
         return True
-    d = (idn.get("arms") or {}).get(arm_name)
     if not d or not d.get("compared"):
         return False
     if not d["mismatched"]:
         return True
-    c = ((idn.get("classification") or {}).get("arms") or {}).get(arm_name)
     return bool(c) and not c["error"] and c["near_tie"] == d["mismatched"]
 
 
