@@ -36,6 +36,22 @@ def versions(summary):
     return card, ver, date
 
 
+def mixed_mismatches(rec, tie_ctx):
+    """[{request, position, near_tie}] for every request of the mixed run that left the reference."""
+    return [{"request": i, "position": j, "near_tie": (i, j) in tie_ctx}
+            for i, j in enumerate(rec.get("mixed_first_mismatch") or []) if j is not None]
+
+
+def mixed_cell(row):
+    if row["mixed_exact"] is not False:
+        return row["mixed_exact"]
+    mm = row["mixed_mismatches"]
+    if mm and all(m["near_tie"] for m in mm):
+        return "near ties at " + ", ".join(f"r{m['request']}:{m['position']}" for m in mm)
+    return "**NO** " + ", ".join(f"r{m['request']}:{m['position']}" + ("" if m["near_tie"] else " (not a tie)")
+                                 for m in mm)
+
+
 def main():
     args = sys.argv[1:]
     div = None
@@ -67,6 +83,10 @@ def main():
         "after_abort_match", "stream_match", "bad_logprob_rejected", "bad_temperature_rejected",
         "healthy_after_bad_input", "generate_text_status", "completions_status", "error"))
         for n, r in sorted(recs.items()) if n.startswith("http_")]
+    # Contexts (request, position) where a classified bs16 divergence of this run found the fp32
+    # target's top-2 in a near tie; a mixed-run mismatch at the same context (same prompt, same
+    # reference prefix) is the same near tie.
+    tie_ctx = {(v["request"], v["pos"]) for v in (div or {}).get("divergences", []) if v.get("near_tie")}
     text_rows = []
     for name, r in sorted(text.items()):
         d = (div or {}).get("stages", {}).get(name, {})
@@ -74,6 +94,7 @@ def main():
             stage=name, algo=r.get("algo"), mode=r.get("mode"), budget=r.get("budget"),
             requests=d.get("requests"), diverged=d.get("diverged"), near_ties=d.get("near_tie"),
             errors=d.get("error"), mixed_exact=r.get("mixed_matches"),
+            mixed_mismatches=mixed_mismatches(r, tie_ctx),
             sampled_ok=r.get("sampled_matches"), accept_bs16=r.get("accept_len_bs16_mean"),
             accept_bs1=r.get("accept_len_bs1"), ms_per_round_bs1=r.get("ms_per_round_bs1")))
     doc = {"card": card, "versions": ver, "date": date, "stages": rows, "http": http,
@@ -121,15 +142,17 @@ def main():
                "radix-cached run. So every first divergence is classified by `bench/text_divergence.py` with "
                "the fp32 reference forward: near tie = the target's own top-2 are exactly the two tokens, "
                f"logit gap <= {doc['text_tie_threshold']}; error = anything else "
-               "(`bench/results/text_divergence_h200.md` lists each one). The `_nomaskpatch` stage runs the "
-               "target verify graph captured WITHOUT the tree mask (the classic bug): it must show errors.\n",
+               "(the `--divergence` file's markdown lists each one). The `_nomaskpatch` stage runs the "
+               "target verify graph captured WITHOUT the tree mask (the classic bug): it must show errors. "
+               "mixed: exact, or the first mismatch of each request (r<request>:<position>) and whether it "
+               "sits at a context where a classified bs16 divergence of this run is a near tie.\n",
                "| stage | algo | mode | budget | diverged / requests | near ties | errors | mixed | sampled runs | accept bs16 | accept bs1 | ms/round bs1 |",
                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in text_rows:
             md.append("| " + " | ".join(f(x) for x in (
                 r["stage"], r["algo"], r["mode"], r["budget"],
                 f"{r['diverged']} / {r['requests']}" if r["requests"] is not None else None,
-                r["near_ties"], r["errors"], r["mixed_exact"], r["sampled_ok"], r["accept_bs16"],
+                r["near_ties"], r["errors"], mixed_cell(r), r["sampled_ok"], r["accept_bs16"],
                 r["accept_bs1"], r["ms_per_round_bs1"])) + " |")
     open(out + ".md", "w").write("\n".join(md) + "\n")
     print("\n".join(md))
