@@ -191,7 +191,13 @@ tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
 # JIT caches: sgl-kernel (tvm-ffi), Triton, flashinfer (its sampling renorm compiles ~107 s on a cold
 # host).  xz -3 here (fast); recompress with `xz -9e` on the CPU machine before carrying it as
 # .kit/cache.tar.xz (12 MB -> 5.7 MB in session 5): the carry limit is 64 MiB with the kit.
-(cd / && { find tmp/tvmcache -name '*.so'; find tmp/tritoncache -type f; find tmp/fi -name '*.so' 2>/dev/null; } > /tmp/cachelist; tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
+# Triton needs only the cubin, the metadata json and the launcher .so of a cached kernel
+# (triton 3.6 CompiledKernel reads whatever group files exist; the IR dumps are 75 % of the cache);
+# flashinfer's custom-mask prefill is the verify_attn baseline only and is 4 MB: left out.
+(cd / && { find tmp/tvmcache -name '*.so'
+           find tmp/tritoncache -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \)
+           find tmp/fi -name '*.so' ! -path '*batch_prefill*' 2>/dev/null; } > /tmp/cachelist
+ tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
 echo "== end at $(el)s; cache $(du -h $OUT/cache.tar.xz | cut -f1)" | tee -a $S
 # at most 8 files come back from $OUT: bundle the rest (A/B reports, prompts, sweep) into one tar
 if [ $(find $OUT -maxdepth 1 -type f | wc -l) -gt 8 ]; then
