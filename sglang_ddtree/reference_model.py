@@ -37,6 +37,29 @@ def apply_rope(x, cos, sin):  # x [B, T, H, hd]; cos [B?, T, hd]
     return x * cos[..., None, :] + rot * sin[..., None, :]
 
 
+def swiglu(sd, p, h):
+    g = h @ sd[p + "gate_proj.weight"].T
+    u = h @ sd[p + "up_proj.weight"].T
+    return (F.silu(g) * u) @ sd[p + "down_proj.weight"].T
+
+
+def moe_mlp(sd, p, cfg, h):
+    """Qwen3-MoE sparse block: softmax router, top-k experts, weights renormalised when
+    ``norm_topk_prob`` (every layer sparse: decoder_sparse_step 1, no mlp_only_layers)."""
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise NotImplementedError("only all-sparse Qwen3-MoE configs")
+    probs = torch.softmax((h @ sd[p + "gate.weight"].T).float(), -1)
+    topw, topi = probs.topk(cfg["num_experts_per_tok"], -1)
+    if cfg.get("norm_topk_prob"):
+        topw = topw / topw.sum(-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for e in range(cfg["num_experts"]):
+        w = (topw * (topi == e)).sum(-1, keepdim=True)
+        if bool((w != 0).any()):
+            out = out + w * swiglu(sd, p + f"experts.{e}.", h)
+    return out
+
+
 def target_features(sd, cfg, ids, upto_layers, pos=None, mask=None):
     """Qwen3 forward of ids [B, T]; returns {layer_id: hidden [B, T, H] after that layer} for
     layer_id in upto_layers.  pos [T] / mask [T, T] bool default to 0..T-1 and causal (a tree
@@ -62,9 +85,10 @@ def target_features(sd, cfg, ids, upto_layers, pos=None, mask=None):
                                            attn_mask=mask)
         x = x + a.transpose(1, 2).reshape(B, T, nq * hd) @ sd[p + "self_attn.o_proj.weight"].T
         h = rms(x, sd[p + "post_attention_layernorm.weight"])
-        g = h @ sd[p + "mlp.gate_proj.weight"].T
-        u = h @ sd[p + "mlp.up_proj.weight"].T
-        x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
+        if cfg.get("num_experts"):
+            x = x + moe_mlp(sd, p + "mlp.", cfg, h)
+        else:
+            x = x + swiglu(sd, p + "mlp.", h)
         if i in upto_layers:
             out[i] = x
     return out

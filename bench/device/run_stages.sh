@@ -17,6 +17,7 @@
 #   sampledmem                              bench/sampled_memory.py (sampled accept memory, old vs new)
 #   verify_attn[_quick]                     bench/verify_attention.py (tree-verify attention vs floor / SGLang / flashinfer; alone on the GPU)
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
+#   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
@@ -112,6 +113,22 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
+    scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):
+              # transform.py writes it, exactness.py checks its greedy tokens, then the A/B on it
+              # (SCALE_LAYERS: fewer layers; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*)
+      local shape=${st#scale_}; local sd=/tmp/models
+      { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
+        && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
+        && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py --model-path $sd/${shape}_target \
+             --out $OUT/scale_exactness_${shape}_h200 \
+        && echo "exactness done at $(( $(date +%s) - ts ))s" \
+        && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/ab_serve.py --pair text \
+             --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \
+             --arms ${AB_ARMS:-base,dflash,ddtree_b16} --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
+             --max-new-tokens ${AB_NEW:-96} --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port \
+             --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --no-progress ${AB_EXTRA:-}; } > $LOG/$st.log 2>&1; rc=$?
+      tar -czf $OUT/scale_logs_$shape.tgz -C /tmp abw_$shape 2>/dev/null
+      grep -a -E "^\{\"target|^written|^exactness|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     soak_*)  # bench/soak.py on the text pair: the mixed 1,000-request load on a DDTREE-GPU HTTP server, then a
              # plain server replays the greedy requests (SOAK_EXTRA: e.g. "--requests 300 --budget 32")
       timeout -k 10 $lim python3 $REPO/bench/soak.py run --model-path /tmp/models/text_target \
