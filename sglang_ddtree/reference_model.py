@@ -25,7 +25,7 @@ def rms(x, w, eps=1e-6):
 
 
 def rope_cos_sin(pos, hd, theta):
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=pos.device) / hd))
     f = pos.float()[..., None] * inv  # [..., hd/2]
     emb = torch.cat([f, f], -1)
     return emb.cos(), emb.sin()
@@ -67,10 +67,10 @@ def target_features(sd, cfg, ids, upto_layers, pos=None, mask=None):
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     B, T = ids.shape
     x = sd["model.embed_tokens.weight"][ids]
-    cos, sin = rope_cos_sin(torch.arange(T) if pos is None else pos, hd, cfg["rope_theta"])
+    cos, sin = rope_cos_sin(torch.arange(T, device=ids.device) if pos is None else pos, hd, cfg["rope_theta"])
     out = {}
     if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
     for i in range(max(upto_layers) + 1):
         p = f"model.layers.{i}."
         h = rms(x, sd[p + "input_layernorm.weight"])
@@ -110,11 +110,11 @@ def drafter_forward(P, cfg, block_size, mask_id, E, W, feats, root, n):
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     B = root.shape[0]
     ctx = rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"])  # [B, n, H]
-    block = torch.full((B, L), mask_id, dtype=torch.long)
+    block = torch.full((B, L), mask_id, dtype=torch.long, device=root.device)
     block[:, 0] = root
     x = E[block]
-    cos_c, sin_c = rope_cos_sin(torch.arange(n), hd, cfg["rope_theta"])
-    cos_b, sin_b = rope_cos_sin(torch.arange(n, n + L), hd, cfg["rope_theta"])
+    cos_c, sin_c = rope_cos_sin(torch.arange(n, device=root.device), hd, cfg["rope_theta"])
+    cos_b, sin_b = rope_cos_sin(torch.arange(n, n + L, device=root.device), hd, cfg["rope_theta"])
     rep = nq // nkv
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
