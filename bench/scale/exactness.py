@@ -52,7 +52,7 @@ def served_argmax(model_path, prompts, mem):
     import sglang as sgl
     eng = sgl.Engine(model_path=model_path, attention_backend="triton", dtype="bfloat16",
                      mem_fraction_static=mem, skip_tokenizer_init=True, log_level="error",
-                     disable_radix_cache=True, cuda_graph_max_bs=8)
+                     disable_radix_cache=True, disable_cuda_graph=True)  # prefills only
     try:
         outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
                             return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
