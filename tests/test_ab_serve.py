@@ -453,6 +453,7 @@ assert sys.argv[1:3] == ["-m", "sglang.launch_server"], sys.argv
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(os.environ["FAKE_CHILD_PID_FILE"], "w").write(str(child.pid))
 print("fake server starting", " ".join(sys.argv[1:]), flush=True)
+print("fake server cwd", os.getcwd(), flush=True)
 t.FakeSGLang(int(sys.argv[sys.argv.index("--port") + 1]), unhealthy_polls=1)
 while True:
     time.sleep(1)
@@ -471,7 +472,12 @@ def test_popen_launcher_starts_and_kills_the_group(tmp_path, monkeypatch):
     a = doc["arms"][0]
     assert a["status"] == "ok", (a.get("error"), a.get("log_tail"))
     assert a["command"][0] == str(fake)
-    assert "fake server starting -m sglang.launch_server" in open(a["log"]).read()
+    log = open(a["log"]).read()
+    assert "fake server starting -m sglang.launch_server" in log
+    # `python -m` puts the cwd first on sys.path: a server started from a checkout's root would
+    # import the bare sglang_ddtree source folder instead of the installed package
+    monkeypatch.chdir(tmp_path)
+    assert f"fake server cwd {os.path.dirname(os.path.abspath(a['log']))}" in log
     child = int(pidfile.read_text())
     for _ in range(50):
         try:

@@ -120,7 +120,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py --model-path $sd/${shape}_target \
-             --out $OUT/scale_exactness_${shape}_h200 \
+             --out $OUT/scale_exactness_${shape}_h200 --small-dir $sd/small_ext_target \
         && echo "exactness done at $(( $(date +%s) - ts ))s" \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/ab_serve.py --pair text \
              --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \

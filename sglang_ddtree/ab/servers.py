@@ -113,8 +113,11 @@ class PopenServer:
 
     def __init__(self, cmd, env, log_path):
         self.log = open(log_path, "ab")
+        # cwd = the log's folder: `python -m sglang.launch_server` puts its cwd first on sys.path, and
+        # from a checkout's root that shadows the installed sglang_ddtree with the bare source folder
+        # (no patches/ or kernels/ inside: the plugin then fails to register DDTREE-GPU)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=os.path.dirname(os.path.abspath(log_path)))
         self.pid = self.proc.pid
 
     def poll(self):
