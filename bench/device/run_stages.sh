@@ -126,7 +126,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \
              --arms ${AB_ARMS:-base,dflash,ddtree_b16} --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
              --max-new-tokens ${AB_NEW:-96} --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port \
-             --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --no-progress ${AB_EXTRA:-}; } > $LOG/$st.log 2>&1; rc=$?
+             --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-}; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scale_logs_$shape.tgz -C /tmp abw_$shape 2>/dev/null
       grep -a -E "^\{\"target|^written|^exactness|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     soak_*)  # bench/soak.py on the text pair: the mixed 1,000-request load on a DDTREE-GPU HTTP server, then a
