@@ -7,6 +7,7 @@
 # GROUPS: groups separated by ';', run one after the other; the stages of a group run in parallel
 # (one process each, sharing the GPU).  Stages:
 #   <gqa|mla>_<base|dflash>_<eager|graph>   stage.py (offline Engine, token check vs target greedy)
+#   <mlaint4|mlaint4ref>_<algo>_<mode>[_moetriton]  the INT4-expert MLA target (mk_int4.py) / its dequantized bf16 twin
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
 #   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
@@ -80,6 +81,10 @@ python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;pr
 # 3. tiny models -----------------------------------------------------------------------------
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
+# the MLA target with INT4 (compressed-tensors W4A16) experts + its dequantized bf16 reference: pairs
+# mlaint4 / mlaint4ref (stage suffix moetriton: --moe-runner-backend triton instead of Marlin)
+python3 $DEV/mk_int4.py /tmp/models > $LOG/mk_int4.log 2>&1 && echo "int4 target at $(el)s: $(tail -1 $LOG/mk_int4.log | cut -c1-300)" | tee -a $S \
+  || tail -5 $LOG/mk_int4.log | tee -a $S
 # the text-trained pair (bench/textpair), when its weights are in the checkout
 if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/sglang_ddtree/data/textpair/*.safetensors >/dev/null 2>&1; then
   python3 $REPO/bench/textpair/materialize.py /tmp/models > $LOG/materialize_text.log 2>&1 \
@@ -181,6 +186,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
          "register() ran x$dx, raised x$de"
     cat $LOG/$st.res 2>/dev/null
     grep -a -o "DDTREE-[A-Z]* tree round [0-9]*: bs=[0-9]* draft cuda graph=[A-Za-z]* target verify cuda graph=[A-Za-z]*" $LOG/$st.log | head -3
+    grep -a -o "Using CompressedTensorsW[A-Za-z0-9]*[^\"]*" $LOG/$st.log | sort -u | head -2 | cut -c1-120
     grep -a -o "DDTREE-[A-Z]*: verify mask bound [0-9]* exceeds the CUDA-graph mask buffer at bs=[0-9]*: verify runs eagerly (round [0-9]* of this kind)" $LOG/$st.log | head -3
     if [ "$rc" != 0 ]; then grep -a -E "Error|error|Traceback|raise|Exception" $LOG/$st.log | grep -v -E "Warning|STAGE_RESULT|CAPTURE_STATS" | tail -10 | cut -c1-400; fi
   } > $LOG/$st.sum

@@ -65,11 +65,13 @@ def parse_name(name):
             os.environ["DDTREE_STAGE_TP"] = p[2:]
         elif p.startswith("maskcap") and p[7:].isdigit():  # pretend the graph mask buffer holds N elements
             os.environ["SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"] = p[7:]  # (the eager-verify fallback runs)
+        elif p == "moetriton":  # the INT4 experts through SGLang's Triton W4A16 MoE instead of Marlin
+            os.environ["DDTREE_STAGE_MOE_BACKEND"] = "triton"
         elif p == "synccheck":  # count host syncs per DDTree round (worker writes one line per round)
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         else:
             backend = p
-    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla", "text"):
+    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla", "text", "mlaint4", "mlaint4ref"):
         raise ValueError(f"bad stage name {name!r}")
     return pair, algo, mode, budget, backend
 
@@ -93,6 +95,8 @@ def stage_kwargs(name, models, port):
     )
     if os.environ.get("DDTREE_STAGE_TP"):
         kw["tp_size"] = int(os.environ["DDTREE_STAGE_TP"])
+    if os.environ.get("DDTREE_STAGE_MOE_BACKEND"):
+        kw["moe_runner_backend"] = os.environ["DDTREE_STAGE_MOE_BACKEND"]
     if mode == "eager":
         kw["disable_cuda_graph"] = True
     else:

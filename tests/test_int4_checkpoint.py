@@ -1,0 +1,125 @@
+"""bench/device/mk_int4.py: the INT4 (compressed-tensors W4A16) MLA target the Kimi K2.6 path runs.
+
+Checks the writer against compressed-tensors' own pack/unpack (an independent implementation, a
+hard dependency of SGLang 0.5.16), the quantizer's error bound, the checkpoint's tensors and config,
+and that SGLang 0.5.16 reads it as the INT4 Marlin MoE on a machine without a GPU.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import load_bench
+
+Q = load_bench("device/mk_int4")
+
+
+def _fresh_q(gen, rows=24, cols=64):
+    return torch.randint(-8, 8, (rows, cols), generator=gen, dtype=torch.int64).to(torch.int8)
+
+
+def test_pack_matches_compressed_tensors_and_round_trips():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    gen = torch.Generator().manual_seed(torch.seed() % (2 ** 31))
+    q = _fresh_q(gen)
+    q[0, :8] = torch.tensor([-8, 7, 0, -1, 1, -8, 7, 3], dtype=torch.int8)  # the extremes, both nibbles
+    ours = Q.pack(q)
+    assert ours.dtype == torch.int32 and ours.shape == (24, 8)
+    assert torch.equal(ours, pack_to_int32(q, 4))
+    assert torch.equal(unpack_from_int32(ours, 4, q.shape), q)
+    assert torch.equal(Q.unpack(ours, 64), q)
+    # first element in the low nibble, stored as q + 8
+    assert int(ours[0, 0]) & 0xF == 0 and (int(ours[0, 0]) >> 4) & 0xF == 15
+    with pytest.raises(ValueError, match="outside"):
+        Q.pack(torch.full((2, 8), 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Q.pack(torch.zeros(2, 12, dtype=torch.int8))
+
+
+def test_quantize_error_is_within_half_a_step():
+    gen = torch.Generator().manual_seed(torch.seed() % (2 ** 31))
+    w = torch.randn(16, 96, generator=gen) * 0.02
+    q, s = Q.quantize(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16 and s.shape == (16, 3)
+    assert int(q.min()) >= -8 and int(q.max()) <= 7
+    deq = Q.dequantize(q, s).float()
+    step = s.float().repeat_interleave(32, dim=1)
+    # round to nearest: at most half a step (max|W| / s = 7.5 clamps to 7: half a step too, a little
+    # more as s is rounded to bf16), plus the bf16 rounding of the dequantized weight
+    err = (deq - w).abs()
+    assert bool((err <= 0.51 * step + deq.abs() * 2 ** -8 + 1e-7).all()), float((err / step).max())
+    with pytest.raises(ValueError, match="group size"):
+        Q.quantize(torch.zeros(4, 40))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    out = tmp_path_factory.mktemp("int4")
+    return Q.make(str(out))
+
+
+def test_checkpoint_tensors_and_config(written):
+    from safetensors.torch import load_file
+    cfg = json.load(open(os.path.join(written["int4"], "config.json")))
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"]) == (4, "int", True, "group", 32)
+    assert qc["config_groups"]["group_0"]["input_activations"] is None
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["kv_lora_rank"] == 512
+    assert cfg["hidden_size"] % 128 == 0 and cfg["moe_intermediate_size"] % 64 == 0  # Marlin's limits
+    sd = load_file(os.path.join(written["int4"], "model.safetensors"))
+    ref = load_file(os.path.join(written["reference"], "model.safetensors"))
+    experts = sorted(k[: -len(".weight_packed")] for k in sd if k.endswith(".weight_packed"))
+    assert len(experts) == written["experts_quantized"] == 3 * 8 * 3  # 3 MoE layers x 8 experts x 3
+    for base in experts:
+        assert ".mlp.experts." in base
+        shape = sd[base + ".weight_shape"]
+        assert shape.dtype == torch.int64 and base + ".weight" not in sd
+        out_f, in_f = shape.tolist()
+        assert sd[base + ".weight_packed"].dtype == torch.int32
+        assert sd[base + ".weight_packed"].shape == (out_f, in_f // 8)
+        assert sd[base + ".weight_scale"].dtype == torch.bfloat16
+        assert sd[base + ".weight_scale"].shape == (out_f, in_f // 32)
+        deq = Q.dequantize(Q.unpack(sd[base + ".weight_packed"], in_f), sd[base + ".weight_scale"])
+        assert torch.equal(deq, ref[base + ".weight"])  # the reference holds exactly these weights
+    # everything that is not a routed expert is identical, bf16, in both
+    for k, v in sd.items():
+        if ".mlp.experts." not in k:
+            assert torch.equal(v, ref[k]), k
+    assert json.load(open(os.path.join(written["int4"], "perm.json"))) == \
+        json.load(open(os.path.join(written["reference"], "perm.json")))
+
+
+def test_sglang_reads_it_as_the_int4_marlin_moe(written):
+    """SGLang 0.5.16 without a GPU: the model config detects compressed-tensors, the experts get the
+    W4A16 MoE scheme (Marlin under the default runner, Triton's under --moe-runner-backend triton),
+    every other linear of SGLang's DeepseekV2 module names stays unquantized."""
+    pytest.importorskip("sglang")
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    mc = ModelConfig(written["int4"])
+    assert mc.quantization == "compressed-tensors"
+    assert ModelConfig(written["reference"]).quantization is None
+    cfg = CompressedTensorsConfig.from_config(mc.hf_config.quantization_config)
+    lin = torch.nn.Linear(2, 2)
+    for name in ["model.layers.1.self_attn.fused_qkv_a_proj_with_mqa", "model.layers.1.self_attn.q_b_proj",
+                 "model.layers.1.self_attn.kv_b_proj", "model.layers.1.self_attn.o_proj",
+                 "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
+                 "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj",
+                 "lm_head"]:
+        assert cfg.get_scheme_dict(lin, name) is None, name
+    FusedMoE = type("FusedMoE", (torch.nn.Module,), {})
+    flags = moe_utils.get_flags().moe
+    saved = flags.runner_backend
+    try:
+        flags.runner_backend = moe_utils.MoeRunnerBackend.AUTO
+        assert type(cfg.get_moe_scheme(FusedMoE(), "model.layers.1.mlp.experts")).__name__ == "CompressedTensorsWNA16MoE"
+        flags.runner_backend = moe_utils.MoeRunnerBackend.TRITON
+        assert type(cfg.get_moe_scheme(FusedMoE(), "model.layers.2.mlp.experts")).__name__ == \
+            "CompressedTensorsWNA16TritonMoE"
+    finally:
+        flags.runner_backend = saved
