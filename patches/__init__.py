@@ -9,15 +9,18 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
   forward sees them (a bad id otherwise kills the scheduler).
 * ``req_update_finish_state``: a stop string / token inside a round's accepted tokens wins over
   ``max_new_tokens`` reached in the same round (plain decoding's order).
+* ``validate_dflash_request``: with ``SGLANG_DDTREE_LOGPROBS=1``, a DDTREE server admits requests
+  that ask for log-probabilities (``sglang_ddtree/logprobs.py`` fills them from the verify logits).
 * ``dflash_prepare_for_decode``, ``alloc_len_per_decode``, ``req_to_token_extra_context_len``: a
   DDTREE round may touch ``max(2N, N + B)`` KV slots past the committed length
   (``sglang_ddtree/reservation.py``): reserve, account for and size rows by that, not ``2N``.
 """
 from . import (alloc_len_per_decode, decode_graph_spec_info, dflash_prepare_for_decode,
-               req_to_token_extra_context_len, req_update_finish_state, validate_input_ids)
+               req_to_token_extra_context_len, req_update_finish_state, validate_dflash_request,
+               validate_input_ids)
 
 ALL = (decode_graph_spec_info, validate_input_ids, req_update_finish_state, dflash_prepare_for_decode,
-       alloc_len_per_decode, req_to_token_extra_context_len)
+       alloc_len_per_decode, req_to_token_extra_context_len, validate_dflash_request)
 
 
 def install_all() -> None:

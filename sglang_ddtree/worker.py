@@ -48,7 +48,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import ddtree, sampling, tree_ops
+from . import ddtree, logprobs, sampling, tree_ops
 from .draft_head import DDTreeDraftHead
 from .profiling import RoundProfiler
 from .round_stats import AcceptanceStats
@@ -247,6 +247,11 @@ class DDTreeWorker(DFlashWorkerV2):
     # ------------------------------------------------------------------ the decode round
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            if getattr(batch, "return_logprob", False):
+                # DFLASH refuses the flag up front although its prefill is the target's own extend
+                # (admitted only with SGLANG_DDTREE_LOGPROBS=1: patches/validate_dflash_request.py)
+                with logprobs.prefill_with_logprobs(self, batch):
+                    return super().forward_batch_generation(batch, on_publish=on_publish)
             return super().forward_batch_generation(batch, on_publish=on_publish)
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)
@@ -418,6 +423,8 @@ class DDTreeWorker(DFlashWorkerV2):
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         # accepted path tokens, then the bonus; the scheduler reads the first accept_len + 1
         out_tokens = ddtree.Accept(accept_len, path, bonus).new_tokens(tree).clamp_(min=0)
+        if getattr(batch, "return_logprob", False):
+            logprobs.fill_round_logprobs(batch, logits_output, path, out_tokens, N)
         move_accept_tokens_to_target_kvcache(
             batch, tree_ops.accept_index_from_path(path, N), accept_len.to(torch.int64),
             batch.token_to_kv_pool_allocator)

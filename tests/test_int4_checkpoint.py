@@ -45,10 +45,12 @@ def test_quantize_error_is_within_half_a_step():
     assert int(q.min()) >= -8 and int(q.max()) <= 7
     deq = Q.dequantize(q, s).float()
     step = s.float().repeat_interleave(32, dim=1)
-    # round to nearest: at most half a step (max|W| / s = 7.5 clamps to 7: half a step too, a little
-    # more as s is rounded to bf16), plus the bf16 rounding of the dequantized weight
+    # round to nearest: at most half a step; max|W| / s = 7.5 clamps to 7, and s is rounded to bf16
+    # (relative 2^-8), so up to 7.5 * (1 + 2^-8) - 7 = 0.53 step there; plus the bf16 rounding of
+    # the dequantized weight
     err = (deq - w).abs()
-    assert bool((err <= 0.51 * step + deq.abs() * 2 ** -8 + 1e-7).all()), float((err / step).max())
+    assert bool((err <= 0.53 * step + deq.abs() * 2 ** -8 + 1e-7).all()), float((err / step).max())
+    assert float((err / step).median()) < 0.3  # not a constant offset: most errors are small
     with pytest.raises(ValueError, match="group size"):
         Q.quantize(torch.zeros(4, 40))
 
