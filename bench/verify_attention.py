@@ -10,10 +10,12 @@ prefix 4k / 32k / 128k x N 16 / 32 / 64 (cells whose KV pool would exceed ``--ma
 skipped and listed).  Inputs: random bf16 q / K / V, SGLang's paged layout with page size 1 and
 shuffled slots (``req_to_token`` rows), trees from ``ddtree.build_tree`` on random drafter log-probs
 (their ``mask_words``; the baselines get the same tree as SGLang's FULL mask, built by
-``ddtree.verify_mask``).  Timing: ``triton.testing.do_bench`` medians after warm-up; when a cell's
-working set fits twice in L2 the calls rotate over 4 disjoint slot sets.  Floor: the bytes each
-request's KV (prefix + tree) must be read once, plus q and out, over the measured device-copy
-bandwidth.  Correctness: ours against SGLang's extend output of the same cell (max abs difference;
+``ddtree.verify_mask``).  Timing: the calls captured in a CUDA graph and replayed (as the server
+runs the verify; ``--eager-timing``: ``triton.testing.do_bench`` on eager calls, which counts the
+host launch overhead); when a cell's working set fits twice in L2 the calls rotate over 4 disjoint
+slot sets.  Floor: the larger of the bytes each request's KV (prefix + tree) must be read once,
+plus q and out, over the measured device-copy bandwidth, and the attention's FLOPs over the measured
+bf16 matmul throughput.  Correctness: ours against SGLang's extend output of the same cell (max abs difference;
 a cell whose difference exceeds the bf16 tolerance is marked, and the run says so).
 
 Baselines (each in try/except: a failure is recorded, the run goes on):
@@ -55,6 +57,56 @@ def _bench(fn, quick: bool):
         return None
     return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200,
                                    return_mode="median") * 1e3   # us
+
+
+def _bench_graph(fns, quick: bool):
+    """Median GPU time (us) of one call, the calls captured in a CUDA graph as the server replays
+    the verify: ``fns`` (one per rotating slot set) are captured back to back in one graph, each
+    replay is timed with CUDA events, and the median replay is divided by ``len(fns)``.  No host
+    launch overhead is counted (Triton's Python launch path costs tens of us per kernel, which
+    eager timing of a small cell measures instead of the kernel)."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:   # warm-up on the capture stream (allocator, autotune caches)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20 if quick else 100):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def matmul_tflops() -> float:
+    """bf16 dense matmul throughput (TFLOP/s) on 8192^3: the compute floor's peak."""
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    us = _bench(lambda: x @ y, False)
+    return 2 * 8192 ** 3 / (us * 1e-6) / 1e12
+
+
+def attention_flops(arch, bs, N, prefix) -> int:
+    """Multiply-adds x 2 of the cell's attention (every query against prefix + tree: scores + values)."""
+    if arch["arch"] == "gqa":
+        return 2 * bs * N * arch["Hq"] * (prefix + N) * (arch["D"] + arch["Dv"])
+    return 2 * bs * N * arch["H"] * (prefix + N) * (arch["L"] + arch["R"] + arch["L"])
 
 
 def copy_bandwidth_gbs() -> float:
@@ -194,7 +246,7 @@ def flashinfer_prefill(arch, cell, rpi):
     return lambda: w.run(c["q"], (kc, vc))
 
 
-def run_cell(arch, bs, N, prefix, g, device, quick, bw):
+def run_cell(arch, bs, N, prefix, g, device, quick, bw, tflops=None, graph=True):
     rot = 4 if 2 * make_cell_size(arch, bs, N, prefix) <= L2_BYTES else 1
     # the CPU harness check runs fp32: Triton 3.6's interpreter computes bf16 tl.dot wrongly
     cell = make_cell(arch, bs, N, prefix, rot, g, device,
@@ -204,7 +256,11 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw):
     row = dict(arch=arch["arch"], bs=bs, N=N, prefix=prefix, rotations=rot,
                floor_bytes=cell["floor_bytes"])
     mine = attention(arch, cell, sets[0])
-    row["ours_us"] = _bench(lambda: attention(arch, cell, next_rpi()), quick)
+    row["timing"] = "cuda graph" if graph and device.type == "cuda" else "eager"
+    if row["timing"] == "cuda graph":
+        row["ours_us"] = _bench_graph([lambda s=s: attention(arch, cell, s) for s in sets], quick)
+    else:
+        row["ours_us"] = _bench(lambda: attention(arch, cell, next_rpi()), quick)
     if device.type != "cuda":
         # the harness check: ours and SGLang's extend kernel (both under the interpreter) against
         # the dense reference on the same cell (flashinfer needs CUDA)
@@ -218,7 +274,11 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw):
         row["ok"] = row["ours_vs_reference_max_abs"] <= TOL and \
             row.get("sglang_extend_vs_reference_max_abs", 1.0) <= TOL
         return row
-    row["floor_us"] = cell["floor_bytes"] / (bw * 1e9) * 1e6
+    row["bytes_floor_us"] = cell["floor_bytes"] / (bw * 1e9) * 1e6
+    row["flops"] = attention_flops(arch, bs, N, prefix)
+    row["flop_floor_us"] = None if not tflops else row["flops"] / (tflops * 1e12) * 1e6
+    row["floor_us"] = max(row["bytes_floor_us"], row["flop_floor_us"] or 0.0)
+    row["bound"] = "compute" if (row["flop_floor_us"] or 0.0) > row["bytes_floor_us"] else "memory"
     row["ours_x_floor"] = row["ours_us"] / row["floor_us"]
     for name, make in (("sglang_extend", sglang_extend), ("flashinfer", flashinfer_prefill)):
         try:
@@ -227,7 +287,15 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw):
             torch.cuda.synchronize()
             row[f"{name}_vs_ours_max_abs"] = float((got.float() - mine.float()).abs().max())
             next_fn = _cycle(fns)
-            row[f"{name}_us"] = _bench(lambda: next_fn()(), quick)
+            if row["timing"] == "cuda graph":
+                try:
+                    row[f"{name}_us"] = _bench_graph(fns, quick)
+                except Exception as e:  # noqa: BLE001 - not capturable: timed eagerly, said so
+                    row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+                    torch.cuda.synchronize()
+                    row[f"{name}_us"] = _bench(lambda: next_fn()(), quick)
+            else:
+                row[f"{name}_us"] = _bench(lambda: next_fn()(), quick)
             row[f"ours_speedup_vs_{name}"] = row[f"{name}_us"] / row["ours_us"]
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -243,16 +311,20 @@ def render_md(doc) -> str:
     L = [f"# Tree-verify attention: ours vs the floor, SGLang's triton extend, flashinfer", "",
          f"Made by `bench/verify_attention.py` on {e.get('date')}, commit {e.get('git_commit')}, GPU "
          f"{e.get('gpu')}, versions {json.dumps(e.get('versions'))}; copy bandwidth "
-         f"{doc.get('copy_gbs') and round(doc['copy_gbs'])} GB/s. One layer; GQA = Qwen3-8B heads (32 q / 8 kv x "
-         f"128), MLA = Kimi K2 absorbed (64 heads, latent 512 + rope 64). Times: medians, us.", "",
-         "| arch | bs | prefix | N | ours | floor | ours / floor | SGLang extend | x | flashinfer | x | ok |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+         f"{doc.get('copy_gbs') and round(doc['copy_gbs'])} GB/s, bf16 matmul "
+         f"{doc.get('matmul_tflops') and round(doc['matmul_tflops'])} TFLOP/s. One layer; GQA = Qwen3-8B heads "
+         f"(32 q / 8 kv x 128), MLA = Kimi K2 absorbed (64 heads, latent 512 + rope 64). Times: medians, us, "
+         f"timed {doc.get('timing', 'eager')} (graph: the calls captured and replayed as the server's verify "
+         f"is; no host launch overhead). Floor: max(bytes / copy bandwidth, FLOPs / matmul throughput); "
+         f"bound says which.", "",
+         "| arch | bs | prefix | N | ours | floor | bound | ours / floor | SGLang extend | x | flashinfer | x | ok |",
+         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
 
     def f(v, nd=1):
         return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
     for r in doc["rows"]:
         L.append(f"| {r['arch']} | {r['bs']} | {r['prefix']} | {r['N']} | {f(r.get('ours_us'))} | "
-                 f"{f(r.get('floor_us'))} | {f(r.get('ours_x_floor'), 2)} | "
+                 f"{f(r.get('floor_us'))} | {r.get('bound', '-')} | {f(r.get('ours_x_floor'), 2)} | "
                  f"{f(r.get('sglang_extend_us')) if 'sglang_extend_error' not in r else 'error'} | "
                  f"{f(r.get('ours_speedup_vs_sglang_extend'), 2)} | "
                  f"{f(r.get('flashinfer_us')) if 'flashinfer_error' not in r else 'n/a'} | "
@@ -262,6 +334,9 @@ def render_md(doc) -> str:
     errs = sorted({r[k] for r in doc["rows"] for k in r if k.endswith("_error")})
     if errs:
         L += ["", "Baseline errors: " + "; ".join(errs)]
+    ge = sorted({f"{k[:-len('_graph_error')]}: {r[k]}" for r in doc["rows"] for k in r if k.endswith("_graph_error")})
+    if ge:
+        L += ["", "Timed eagerly (not capturable in a CUDA graph): " + "; ".join(ge)]
     L += ["", f"All outputs within {TOL} of the baseline / reference: {'yes' if doc['ok'] else 'NO'}"]
     return "\n".join(L) + "\n"
 
@@ -273,6 +348,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny cells (the CPU harness check)")
     ap.add_argument("--archs", default="gqa,mla")
     ap.add_argument("--max-pool-gb", type=float, default=48.0)
+    ap.add_argument("--eager-timing", action="store_true",
+                    help="time eager calls (host launch overhead included) instead of CUDA-graph replays")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.smoke:
@@ -286,6 +363,8 @@ def main(argv=None):
     if device.type != "cuda" and not a.smoke:
         sys.exit("no CUDA device: only --smoke runs on the CPU")
     bw = copy_bandwidth_gbs() if device.type == "cuda" else None
+    tflops = matmul_tflops() if device.type == "cuda" else None
+    graph = device.type == "cuda" and not a.eager_timing
     g = torch.Generator().manual_seed(0)
     rows, skipped = [], []
     for arch in archs:
@@ -293,10 +372,11 @@ def main(argv=None):
             if make_cell_size(arch, bs, N, prefix) * 1.0 > a.max_pool_gb * 1e9:
                 skipped.append(f"{arch['arch']} bs{bs} P{prefix} N{N}")
                 continue
-            row = run_cell(arch, bs, N, prefix, g, device, a.quick, bw)
+            row = run_cell(arch, bs, N, prefix, g, device, a.quick, bw, tflops, graph)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    doc = dict(kind="verify_attention", env=env_info(sys.executable), copy_gbs=bw, rows=rows,
+    doc = dict(kind="verify_attention", env=env_info(sys.executable), copy_gbs=bw, matmul_tflops=tflops,
+               timing="cuda graph" if graph else "eager", rows=rows,
                skipped=skipped, ok=all(r.get("ok") for r in rows), tolerance=TOL)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
