@@ -102,6 +102,25 @@ def check_tree_verify_backend(attn_backend, algo: str) -> None:
                          "the tree attention mask; launch with --attention-backend triton")
 
 
+def check_target_lm_head(model, algo: str):
+    """The target's lm_head module, or ValueError: the drafter's top-k head multiplies the
+    drafter's hidden states with ``lm_head.weight`` (the target's head, as DFLASH shares it), so
+    it must be a plain floating-point weight.  A quantized head (an INT4 / FP8 ``lm_head`` stores
+    ``weight_packed`` / scales, or an integer ``weight``) is refused at start-up with this message;
+    Kimi K2 / K2.6 keep ``lm_head`` in bf16 (their quantization configs list it in ``ignore``)."""
+    lm_head = getattr(model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    if lm_head is None or not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{algo} needs the target's lm_head weight (a floating-point "
+                         f"[vocab, hidden] tensor); the target model has "
+                         f"{'no lm_head' if lm_head is None else type(lm_head).__name__ + ' without one'}: "
+                         "a quantized lm_head is not supported (keep lm_head unquantized)")
+    if not torch.is_floating_point(weight):
+        raise ValueError(f"{algo}: the target's lm_head weight is {weight.dtype}: a quantized "
+                         "lm_head is not supported (keep lm_head unquantized)")
+    return lm_head
+
+
 def disable_causal_verify_shortcut(attn_backend, algo: str) -> bool:
     """Turn off SGLang 0.5.16's split-KV verify on the target's triton backend.  That path
     (``verify_splitkv_fwd``; on gfx95 GPUs, SGLANG_ENABLE_SPLITKV_VERIFY defaults to on) computes
@@ -208,14 +227,12 @@ class DDTreeWorker(DFlashWorkerV2):
         backend = self._target_worker.model_runner.attn_backend
         check_tree_verify_backend(backend, self.algo_name)
         disable_causal_verify_shortcut(backend, self.algo_name)
+        # at start-up, also when no CUDA graph is captured (the eager head is made at the first round)
+        check_target_lm_head(self._target_worker.model_runner.model, self.algo_name)
 
     # ------------------------------------------------------------------ the drafter's head
     def _make_head(self, max_bs: int) -> DDTreeDraftHead:
-        lm_head = getattr(self._target_worker.model_runner.model, "lm_head", None)
-        if lm_head is None or not hasattr(lm_head, "weight"):
-            raise RuntimeError(f"{self.algo_name} needs the target's lm_head weight")
-        if not torch.is_floating_point(lm_head.weight):
-            raise RuntimeError(f"{self.algo_name}: a quantized target lm_head is not supported")
+        lm_head = check_target_lm_head(self._target_worker.model_runner.model, self.algo_name)
         tp_group = get_tp_group()
         if hasattr(lm_head, "shard_indices"):
             shard = lm_head.shard_indices

@@ -400,3 +400,30 @@ def test_tp2_server_args_settings_travel_to_every_rank(tiny_models, tmp_path):
     assert msg.startswith("ValueError:") and "top-k=24 (target vocabulary 24)" in msg
     assert "top-k=28 (target vocabulary unknown" in msg and C.ENV_TOPK in msg
     assert out["pinned"] == dict(want, topk=8)
+
+
+def test_a_quantized_target_lm_head_is_refused_at_startup():
+    """The drafter's top-k head multiplies with the target's lm_head.weight: a plain float head
+    passes; an INT4-packed head (weight_packed + scales, no float weight), an integer weight or no
+    lm_head at all is refused with a message that says so (issue 14 item 4)."""
+    import torch
+    from sglang_ddtree.worker import check_target_lm_head
+
+    def model_with(head):
+        m = torch.nn.Module()
+        if head is not None:
+            m.lm_head = head
+        return m
+
+    ok = torch.nn.Module()
+    ok.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16))
+    assert check_target_lm_head(model_with(ok), "DDTREE-GPU") is ok
+    packed = torch.nn.Module()
+    packed.weight_packed = torch.nn.Parameter(torch.zeros(8, 1, dtype=torch.int32), requires_grad=False)
+    packed.weight_scale = torch.nn.Parameter(torch.zeros(8, 1, dtype=torch.bfloat16))
+    integer = torch.nn.Module()
+    integer.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.int8), requires_grad=False)
+    for head, what in ((packed, "without one"), (integer, "torch.int8"), (None, "no lm_head")):
+        with pytest.raises(ValueError, match="quantized lm_head is not supported") as e:
+            check_target_lm_head(model_with(head), "DDTREE-GPU")
+        assert what in str(e.value)
