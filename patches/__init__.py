@@ -11,16 +11,18 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
   ``max_new_tokens`` reached in the same round (plain decoding's order).
 * ``validate_dflash_request``: with ``SGLANG_DDTREE_LOGPROBS=1``, a DDTREE server admits requests
   that ask for log-probabilities (``sglang_ddtree/logprobs.py`` fills them from the verify logits).
+* ``dflash_round_profile``: with ``SGLANG_DDTREE_PROFILE_FILE`` set, stock DFLASH rounds are
+  profiled with DDTree's stages and events (the A/B shows both splits side by side).
 * ``dflash_prepare_for_decode``, ``alloc_len_per_decode``, ``req_to_token_extra_context_len``: a
   DDTREE round may touch ``max(2N, N + B)`` KV slots past the committed length
   (``sglang_ddtree/reservation.py``): reserve, account for and size rows by that, not ``2N``.
 """
-from . import (alloc_len_per_decode, decode_graph_spec_info, dflash_prepare_for_decode,
+from . import (alloc_len_per_decode, decode_graph_spec_info, dflash_prepare_for_decode, dflash_round_profile,
                req_to_token_extra_context_len, req_update_finish_state, validate_dflash_request,
                validate_input_ids)
 
 ALL = (decode_graph_spec_info, validate_input_ids, req_update_finish_state, dflash_prepare_for_decode,
-       alloc_len_per_decode, req_to_token_extra_context_len, validate_dflash_request)
+       alloc_len_per_decode, req_to_token_extra_context_len, validate_dflash_request, dflash_round_profile)
 
 
 def install_all() -> None:

@@ -16,7 +16,9 @@ in DDTREE-CPU's heap, counts in the stage that waited):
   accept       argmax + accept walk (or the sampled accept)
   commit       output tokens, target KV move, drafter context K/V
 ``host_ms`` is the host wall time of the worker call.  Events are read only once ``query()``
-reports them complete, so timing never blocks the round.
+reports them complete, so timing never blocks the round.  Stock DFLASH servers write the same
+records (``patches/dflash_round_profile.py``: draft = the drafter block, tree = 0, verify_prep,
+verify, accept = verify end to the drafter's context append, commit = that append to the end).
 """
 from __future__ import annotations
 
@@ -63,6 +65,15 @@ class RoundProfiler:
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         self._cur[0].append(e)
+
+    def cancel(self) -> None:
+        """Drop the current round (a round whose stage marks did not all come)."""
+        self._cur = None
+
+    @property
+    def marks(self) -> int:
+        """Stage marks of the current round so far (0 outside a round)."""
+        return 0 if self._cur is None else len(self._cur[0]) - 1
 
     def end(self, bs: int) -> None:
         if self._cur is None:

@@ -178,6 +178,8 @@ class DDTreeWorker(DFlashWorkerV2):
     """Spec-v2 worker (overlap and non-overlap).  Constructed by SGLang's scheduler with exactly
     ``(server_args, gpu_id, ps, nccl_port, target_worker)``."""
 
+    _profiles_its_rounds = True   # its own RoundProfiler (patches/dflash_round_profile.py skips it)
+
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
         self.algo_name = algo.name

@@ -301,7 +301,10 @@ def test_worker_checks_the_backend_once_the_scheduler_made_it(monkeypatch):
     monkeypatch.setattr(DFlashWorkerV2, "init_attention_backends", lambda self: calls.append("dflash"))
     w = object.__new__(DDTreeWorker)
     w.algo_name = "DDTREE-GPU"
-    runner = types.SimpleNamespace()
+    import torch
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.zeros(4, 2))
+    runner = types.SimpleNamespace(model=types.SimpleNamespace(lm_head=head))
     w._target_worker = types.SimpleNamespace(model_runner=runner)
     runner.attn_backend = object.__new__(TritonAttnBackend)
     w.init_attention_backends()
@@ -309,10 +312,15 @@ def test_worker_checks_the_backend_once_the_scheduler_made_it(monkeypatch):
     runner.attn_backend.use_verify_splitkv = True
     w.init_attention_backends()
     assert runner.attn_backend.use_verify_splitkv is False
+    # a quantized lm_head is refused here too, at startup (not at the first eager round)
+    runner.model = types.SimpleNamespace(lm_head=types.SimpleNamespace(weight_packed=torch.zeros(4, 1)))
+    with pytest.raises(ValueError, match="quantized lm_head is not supported"):
+        w.init_attention_backends()
+    runner.model = types.SimpleNamespace(lm_head=head)
     runner.attn_backend = object.__new__(TorchNativeAttnBackend)
     with pytest.raises(ValueError, match="launch with --attention-backend triton"):
         w.init_attention_backends()
-    assert calls == ["dflash", "dflash", "dflash"]
+    assert calls == ["dflash", "dflash", "dflash", "dflash"]
 
 
 # ---------------------------------------------------------------- settings travel to every TP rank

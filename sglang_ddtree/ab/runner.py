@@ -276,7 +276,9 @@ def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadli
         cmd = build_server_cmd(arm, opts, port, cfg_path, cfg_keys)
         env = dict(os.environ)
         prof = None
-        if arm["kind"].startswith("ddtree") and not args.no_stage_profile:
+        # DDTREE arms profile their rounds; stock DFLASH through the plugin's hook
+        # (patches/dflash_round_profile.py): the same stages, side by side in the report
+        if arm["kind"] in ("ddtree", "ddtreecpu", "dflash") and not args.no_stage_profile:
             prof = os.path.join(tmpdir, f"profile_{arm['name']}.jsonl")
             if os.path.exists(prof):
                 os.remove(prof)
