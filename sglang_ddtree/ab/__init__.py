@@ -40,9 +40,10 @@ Identity: every arm's output ids per (concurrency, prompt) are compared with the
 (``base``) at the same concurrency; mismatching requests and their first differing index are
 reported (bf16 near-ties may flip a token legitimately on a real model; nothing is hidden).
 
-Per-stage round time (DDTREE arms): the server runs with ``SGLANG_DDTREE_PROFILE_FILE`` (see
-sglang_ddtree/profiling.py: CUDA events at the stage boundaries of every round, flushed as JSON
-lines of per-stage medians every ``--profile-every`` rounds).  Records are attributed to the level
+Per-stage round time (DDTREE and DFLASH arms): the server runs with ``SGLANG_DDTREE_PROFILE_FILE``
+(see sglang_ddtree/profiling.py: CUDA events at the stage boundaries of every round, flushed as JSON
+lines of per-stage medians every ``--profile-every`` rounds; stock DFLASH rounds through
+patches/dflash_round_profile.py, with tree = 0).  Records are attributed to the level
 during which they were written (a record can hold up to profile-every rounds of the previous
 level) and aggregated as the rounds-weighted mean of the per-record medians.  ``draft`` includes
 the top-K (folded into the drafter's CUDA graph); ``--kernel-sweep`` times the tree build alone.
