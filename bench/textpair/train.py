@@ -17,8 +17,10 @@ Target: random windows of --seq tokens, AdamW, warm-up + cosine, bf16 autocast (
 tied head. Drafter data: prompts = random train windows of lengths --prompt-lens, continued
 greedily for --gen tokens by the bf16-rounded target; features after TARGET_LAYER_IDS of the whole
 sequence (bf16). Drafter step: one anchor position n for the batch (SGLang's block: root = token n,
-context = features of 0..n-1, mask x 7 at n+1..n+7), loss = CE on the target's greedy tokens
-n+1..n+7, with n drawn so the labels are greedy tokens. The drafter's final norm starts from the
+context = features of 0..n-1, mask x (B-1) at n+1..n+B-1), loss = CE on the target's greedy tokens
+n+1..n+B-1, with n drawn so the labels are greedy tokens. --block-size / --drafter-layers /
+--drafter-intermediate train another drafter shape (log.json records its config as
+"drafter_config"; the shipped one is block 8, 2 layers, 256). The drafter's final norm starts from the
 target's final norm (it feeds the same tied head).
 """
 import argparse
@@ -33,6 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import pairlib as L  # noqa: E402
 
+
+
+def set_drafter_shape(block_size, layers, intermediate):
+    """Point the pair's drafter config (common / pairlib / the test bed's forward read it at call
+    time) at another block size, depth and width; the target is unchanged."""
+    cfg = dict(C.DRAFTER, num_hidden_layers=int(layers), intermediate_size=int(intermediate),
+               block_size=int(block_size))
+    cfg["dflash_config"] = dict(C.DRAFTER["dflash_config"], block_size=int(block_size))
+    C.DRAFTER, C.BLOCK_SIZE = cfg, int(block_size)
+    C.install()  # pairlib's test-bed modules copied the shapes at import: refresh them
+    return cfg
 
 
 def optimizer_step(opt, loss, params, lr):
@@ -192,7 +205,12 @@ def main():
     ap.add_argument("--no-bf16", dest="bf16", action="store_false")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU-sized run of every phase")
+    ap.add_argument("--block-size", type=int, default=C.BLOCK_SIZE,
+                    help="the drafter's block (the shipped drafter: 8; z-lab's b16 recipe: 16)")
+    ap.add_argument("--drafter-layers", type=int, default=C.DRAFTER["num_hidden_layers"])
+    ap.add_argument("--drafter-intermediate", type=int, default=C.DRAFTER["intermediate_size"])
     a = ap.parse_args()
+    set_drafter_shape(a.block_size, a.drafter_layers, a.drafter_intermediate)
     if a.smoke:
         a.seq, a.batch, a.target_steps, a.prompt_lens, a.gen, a.gen_seqs, a.gen_batch = 64, 8, 30, [16, 24], 24, 16, 16
         a.drafter_batch, a.drafter_steps, a.eval_windows, a.eval_seqs, a.log_every, a.warmup = 16, 30, 4, 8, 10, 10
@@ -205,7 +223,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     os.makedirs(a.out, exist_ok=True)
-    res = {"args": vars(a), "torch": torch.__version__,
+    res = {"args": vars(a), "torch": torch.__version__, "drafter_config": C.DRAFTER,
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     t_all = time.time()
     train = torch.load(os.path.join(a.data, "train.pt")).long().to(dev)
@@ -257,7 +275,9 @@ def main():
     res["total_seconds"] = round(time.time() - t_all, 1)
     tgt = f"--target-init {a.target_init}" if a.target_init else f"--target-steps {res['target']['steps']}"
     res["reproduce"] = (f"python bench/textpair/train.py --data DATA --out OUT --seed {a.seed} {tgt} "
-                        f"--drafter-steps {res['drafter']['steps']} --drafter-lr {a.drafter_lr}")
+                        f"--drafter-steps {res['drafter']['steps']} --drafter-lr {a.drafter_lr} "
+                        f"--block-size {a.block_size} --drafter-layers {a.drafter_layers} "
+                        f"--drafter-intermediate {a.drafter_intermediate}")
     dump(a, res)
     log(f"done in {res['total_seconds']}s; reproduce: {res['reproduce']}")
 
