@@ -87,7 +87,7 @@ python3 $DEV/mk_int4.py /tmp/models > $LOG/mk_int4.log 2>&1 && echo "int4 target
   || tail -5 $LOG/mk_int4.log | tee -a $S
 # the text-trained pair (bench/textpair), when its weights are in the checkout
 if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/sglang_ddtree/data/textpair/*.safetensors >/dev/null 2>&1; then
-  python3 $REPO/bench/textpair/materialize.py /tmp/models > $LOG/materialize_text.log 2>&1 \
+  python3 $REPO/bench/textpair/materialize.py /tmp/models ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} > $LOG/materialize_text.log 2>&1 \
     && echo "text pair at $(el)s: $(tail -1 $LOG/materialize_text.log | cut -c1-200)" | tee -a $S \
     || tail -5 $LOG/materialize_text.log | tee -a $S
 fi
@@ -119,15 +119,18 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
     scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):
-              # transform.py writes it, exactness.py checks its greedy tokens, then the A/B on it
-              # (SCALE_LAYERS: fewer layers; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*)
+              # transform.py writes it, exactness.py checks its greedy tokens, then the A/B on it through
+              # python -m sglang_ddtree.ab (the installed sglang-ddtree-ab command's code path)
+              # (SCALE_LAYERS: fewer layers; DRAFTER_RUN: a bench/textpair/train.py output folder whose
+              # drafter replaces the shipped one; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*)
       local shape=${st#scale_}; local sd=/tmp/models
       { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
+        ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py --model-path $sd/${shape}_target \
              --out $OUT/scale_exactness_${shape}_h200 --small-dir $sd/small_ext_target \
         && echo "exactness done at $(( $(date +%s) - ts ))s" \
-        && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/ab_serve.py --pair text \
+        && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab --pair text \
              --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \
              --arms ${AB_ARMS:-base,dflash,ddtree_b16} --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
              --max-new-tokens ${AB_NEW:-96} --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port \

@@ -298,7 +298,7 @@ class _FolderWriter:
             shutil.copy(src, os.path.join(self.path, os.path.basename(src)))
 
 
-def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0):
+def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0, drafter_run=None):
     """Write OUT/<shape>_target and OUT/<shape>_drafter (HF folders SGLang 0.5.16 loads) from the
     shipped text pair, vocabulary extended with bench/scale/junk_head.json.  Returns the paths and
     the sizes written."""
@@ -324,7 +324,12 @@ def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0):
         n_params += wt.shard(part)
         del part
     wt.close(cfg, toks, gen_cfg)
-    dsd, dcfg = scale_drafter(P, dict(TP.DRAFTER), tcfg_small, shape)
+    dcfg_small = dict(TP.DRAFTER)
+    if drafter_run:  # a drafter trained against the shipped target (bench/textpair/train.py output)
+        import torch as _t
+        log = json.load(open(os.path.join(drafter_run, "log.json")))
+        P, dcfg_small = _t.load(os.path.join(drafter_run, "drafter.pt"), map_location="cpu"), log["drafter_config"]
+    dsd, dcfg = scale_drafter(P, dcfg_small, tcfg_small, shape)
     wd = _FolderWriter(dr, 1)
     n_draft = wd.shard(dsd)
     wd.close(dcfg, toks, gen_cfg)
@@ -341,8 +346,9 @@ def main():
     w.add_argument("--out", required=True)
     w.add_argument("--weights", default=None)
     w.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (disk / memory)")
+    w.add_argument("--drafter-run", default=None, help="a bench/textpair/train.py output: scale its drafter")
     a = ap.parse_args()
-    print(json.dumps(write(a.out, a.shape, a.weights, a.layers)))
+    print(json.dumps(write(a.out, a.shape, a.weights, a.layers, drafter_run=a.drafter_run)))
 
 
 if __name__ == "__main__":
