@@ -28,13 +28,23 @@ import argparse
 import copy
 import json
 import os
-import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import mk_models as M  # noqa: E402
+
+
+def _load_mk_models():
+    """A private copy of mk_models: the text pair's ``common.install()`` repoints the shared
+    module's shapes (VOCAB, DRAFTER, ...) at the text pair, which must not change this target."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_mk_models_for_int4", os.path.join(HERE, "mk_models.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+M = _load_mk_models()
 
 GROUP = 32
 QMIN, QMAX = -8, 7
