@@ -103,7 +103,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
     http_*)
       local rest=${st#http_}; local pair=${rest%%_*}; local algo=dflash
       [ "$rest" != "$pair" ] && algo=${rest#*_}
-      python3 -m sglang.launch_server --config $REPO/configs/tiny_${pair}_${algo}.yaml --port $port \
+      # -P: python -m would put the cwd (the checkout root) first on sys.path, and its bare
+      # sglang_ddtree/ (no patches/) would shadow the installed package
+      python3 -P -m sglang.launch_server --config $REPO/configs/tiny_${pair}_${algo}.yaml --port $port \
         --mem-fraction-static 0.5 --max-total-tokens 32768 --nccl-port $((port+7)) > $LOG/$st.log 2>&1 &
       local sp=$!
       timeout -k 5 $lim python3 $DEV/http_client.py http://127.0.0.1:$port $((lim-15)) $sp /tmp/models/${pair}_target/perm.json $st $R > $LOG/$st.res 2>&1; rc=$?
@@ -171,7 +173,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         --out $OUT/ab_sweep_h200 --no-progress > $LOG/$st.log 2>&1; rc=$?
       grep -a -E "kernel sweep|wrote|Error" $LOG/$st.log | tail -10 > $LOG/$st.res ;;
     plugin_probe)
-      timeout -k 5 $lim python3 -c "from importlib.metadata import entry_points as e; print([(x.name,x.value) for x in e(group='sglang.srt.plugins')]); from sglang.srt.plugins import load_plugins; load_plugins()" > $LOG/$st.log 2>&1; rc=$?
+      timeout -k 5 $lim python3 -P -c "from importlib.metadata import entry_points as e; print([(x.name,x.value) for x in e(group='sglang.srt.plugins')]); from sglang.srt.plugins import load_plugins; load_plugins()" > $LOG/$st.log 2>&1; rc=$?
       tail -5 $LOG/$st.log > $LOG/$st.res ;;
     *)
       timeout -k 5 $lim python3 $DEV/stage.py $st /tmp/models $R $port > $LOG/$st.log 2>&1; rc=$?
