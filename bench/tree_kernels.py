@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from helpers import drafter_logits  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
+from sglang_ddtree.cuda_timing import graph_time_us  # noqa: E402,F401  (sglang_ddtree.ab.sweep: tk.graph_time_us)
 from sglang_ddtree.kernels.topk_logprobs import topk_logprobs_torch  # noqa: E402
 
 REPS = 10  # calls per captured graph
@@ -66,33 +67,6 @@ def copy_bandwidth():
         ts.append(s.elapsed_time(e) / 1e3)
     del a, b
     return 2 * n / statistics.median(ts)
-
-
-def graph_time_us(fn_list, replays=50):
-    """Capture fn_list (one call each) in one CUDA graph; median replay time / len(fn_list)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fn_list:  # warm-up / compile outside the graph
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fn_list:
-            fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        st, en = torch.cuda.Event(True), torch.cuda.Event(True)
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / len(fn_list))
-    return statistics.median(ts), min(ts), max(ts)
 
 
 def cpu_time_us(fn, reps):

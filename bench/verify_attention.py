@@ -61,37 +61,10 @@ def _bench(fn, quick: bool):
 
 def _bench_graph(fns, quick: bool):
     """Median GPU time (us) of one call, the calls captured in a CUDA graph as the server replays
-    the verify: ``fns`` (one per rotating slot set) are captured back to back in one graph, each
-    replay is timed with CUDA events, and the median replay is divided by ``len(fns)``.  No host
-    launch overhead is counted (Triton's Python launch path costs tens of us per kernel, which
-    eager timing of a small cell measures instead of the kernel)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:   # warm-up on the capture stream (allocator, autotune caches)
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20 if quick else 100):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del graph
-    times.sort()
-    return times[len(times) // 2]
+    the verify (``fns``: one per rotating slot set; ``sglang_ddtree.cuda_timing``).  No host launch
+    overhead is counted, unlike eager timing of a small cell."""
+    from sglang_ddtree.cuda_timing import graph_time_us
+    return graph_time_us(fns, replays=20 if quick else 100)[0]
 
 
 def matmul_tflops() -> float:
