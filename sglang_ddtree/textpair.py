@@ -53,6 +53,19 @@ def load_pair(weights_dir: str = assets.TEXTPAIR_DIR):
     return target, drafter
 
 
+def load_drafter_run(run_dir: str):
+    """(drafter state dict, its config) from a ``bench/textpair/train.py`` output folder
+    (``drafter.pt`` + ``log.json``'s ``drafter_config``): a drafter trained against the shipped
+    target, of any block size / depth."""
+    import torch
+
+    with open(os.path.join(run_dir, "log.json")) as f:
+        cfg = json.load(f).get("drafter_config")
+    if cfg is None:
+        raise ValueError(f"{run_dir}/log.json has no drafter_config (a train.py run older than the shape flags)")
+    return torch.load(os.path.join(run_dir, "drafter.pt"), map_location="cpu"), cfg
+
+
 def heldout_prompts(path: str = assets.TEXTPAIR_PROMPTS):
     """The 32 held-out benchmark prompts: [{"ids": [...], ...}], from 32 different held-out files."""
     with open(path) as f:

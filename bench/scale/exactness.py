@@ -29,12 +29,7 @@ def small_reference(prompts):
     """fp32 logits of the extended small target at every position: [(ids, logits [T, V])]."""
     import transform as T  # noqa: E402
     from sglang_ddtree import reference_model as RM
-    from sglang_ddtree import textpair as TP
-    junk = json.load(open(os.path.join(HERE, "junk_head.json")))
-    sd, _ = TP.load_pair()
-    sd = {k: v.float() for k, v in sd.items()}
-    sd = T.extend_vocab(sd, junk["vocab"], junk["direction"], junk["seed"])
-    cfg = dict(TP.TARGET, vocab_size=junk["vocab"])
+    sd, cfg, _ = T.extended_text_target(float32=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -52,13 +47,10 @@ def write_small(out):
     """The small target with the same vocabulary extension, as a folder SGLang loads (the greedy
     function the scaled one must equal, served the same way)."""
     import transform as T  # noqa: E402
-    from sglang_ddtree import textpair as TP
-    junk = json.load(open(os.path.join(HERE, "junk_head.json")))
-    sd, _ = TP.load_pair()
-    sd = T.extend_vocab(sd, junk["vocab"], junk["direction"], junk["seed"])
+    sd, cfg, _ = T.extended_text_target()
     w = T._FolderWriter(out, 1)
     w.shard(sd)
-    w.close(dict(TP.TARGET, vocab_size=junk["vocab"]))
+    w.close(cfg)
     return out
 
 

@@ -266,6 +266,23 @@ def extend_vocab(sd, vocab, direction, seed):
     return out
 
 
+JUNK_HEAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "junk_head.json")
+
+
+def extended_text_target(weights_dir=None, vocab=None, float32=False):
+    """The shipped text pair with its target's vocabulary extended by the learned rows of
+    ``junk_head.json``: (target state dict, its config, drafter state dict).  ``float32``: convert
+    the pair before the extension (the fp32 reference); else the files' bf16."""
+    from sglang_ddtree import textpair as TP  # the installed package (never the checkout root)
+    with open(JUNK_HEAD) as f:
+        junk = json.load(f)
+    vocab = vocab or junk["vocab"]
+    T, P = TP.load_pair(weights_dir) if weights_dir else TP.load_pair()
+    if float32:
+        T = {k: v.float() for k, v in T.items()}
+    return extend_vocab(T, vocab, junk["direction"], junk["seed"]), dict(TP.TARGET, vocab_size=vocab), P
+
+
 # --- writing a checkpoint -------------------------------------------------------------------------------
 class _FolderWriter:
     """A Hugging Face model folder written shard by shard (never the whole model in memory)."""
@@ -308,10 +325,7 @@ def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0, drafter_ru
     shape = dict(SHAPES[shape_name])
     if layers:
         shape["layers"] = layers
-    T, P = TP.load_pair(weights_dir) if weights_dir else TP.load_pair()
-    junk = json.load(open(os.path.join(here, "junk_head.json")))
-    T = extend_vocab(T, shape["vocab"], junk["direction"], junk["seed"])
-    tcfg_small = dict(TP.TARGET, vocab_size=shape["vocab"])
+    T, tcfg_small, P = extended_text_target(weights_dir, shape["vocab"])
     tok_dir = os.path.join(repo, "bench", "textpair", "tokenizer")
     toks = [os.path.join(tok_dir, n) for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
     gen_cfg = {"bos_token_id": TP.BOS, "eos_token_id": TP.EOS, "pad_token_id": TP.PAD, "do_sample": False}
@@ -326,9 +340,7 @@ def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0, drafter_ru
     wt.close(cfg, toks, gen_cfg)
     dcfg_small = dict(TP.DRAFTER)
     if drafter_run:  # a drafter trained against the shipped target (bench/textpair/train.py output)
-        import torch as _t
-        log = json.load(open(os.path.join(drafter_run, "log.json")))
-        P, dcfg_small = _t.load(os.path.join(drafter_run, "drafter.pt"), map_location="cpu"), log["drafter_config"]
+        P, dcfg_small = TP.load_drafter_run(drafter_run)
     dsd, dcfg = scale_drafter(P, dcfg_small, tcfg_small, shape)
     wd = _FolderWriter(dr, 1)
     n_draft = wd.shard(dsd)

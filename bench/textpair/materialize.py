@@ -47,18 +47,6 @@ def _write(d, cfg, sd):
         shutil.copy(os.path.join(C.TOKENIZER_DIR, n), os.path.join(d, n))
 
 
-def load_drafter_run(run_dir):
-    """(drafter state dict, its config) from a train.py output folder (drafter.pt + log.json's
-    drafter_config): a drafter trained against the shipped target, of any block size / depth."""
-    import torch
-    log = json.load(open(os.path.join(run_dir, "log.json")))
-    cfg = log.get("drafter_config")
-    if cfg is None:
-        raise ValueError(f"{run_dir}/log.json has no drafter_config (a train.py run older than the shape flags)")
-    sd = torch.load(os.path.join(run_dir, "drafter.pt"), map_location="cpu")
-    return sd, cfg
-
-
 def materialize(out, weights=C.WEIGHTS_DIR, drafter_run=None):
     """The shipped pair; with ``drafter_run`` (a train.py output) also OUT/text_drafter_b<B> for
     that drafter (the shipped text_drafter stays as it is)."""
@@ -69,7 +57,7 @@ def materialize(out, weights=C.WEIGHTS_DIR, drafter_run=None):
     shutil.copy(C.PROMPTS, os.path.join(out, "heldout_prompts.json"))
     res = {"target": tgt, "drafter": dr, "prompts": os.path.join(out, "heldout_prompts.json")}
     if drafter_run:
-        sd, cfg = load_drafter_run(drafter_run)
+        sd, cfg = C._tp.load_drafter_run(drafter_run)
         d2 = os.path.join(out, f"text_drafter_b{cfg['block_size']}")
         _write(d2, cfg, sd)
         res["trained_drafter"] = d2
