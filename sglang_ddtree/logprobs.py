@@ -81,9 +81,8 @@ class _TargetWithLogprobs:
     hidden from DFLASH's up-front refusal: it shows the flag again to the target's forward, which
     computes the prompt / first-token log-probabilities as in plain decoding."""
 
-    def __init__(self, target, batch):
+    def __init__(self, target):
         object.__setattr__(self, "_t", target)
-        object.__setattr__(self, "_b", batch)
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         batch.return_logprob = True
@@ -99,7 +98,7 @@ def prefill_with_logprobs(worker, batch):
     batch that asks for log-probabilities: SGLang 0.5.16 refuses ``return_logprob`` before it
     looks at the batch, although its prefill is the target's plain extend forward."""
     real = worker._target_worker
-    worker._target_worker = _TargetWithLogprobs(real, batch)
+    worker._target_worker = _TargetWithLogprobs(real)
     batch.return_logprob = False
     try:
         yield

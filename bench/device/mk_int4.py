@@ -117,8 +117,9 @@ def expert_names(sd):
 def int4_states(sd):
     """The bf16 DeepSeek-V3 state dict -> (INT4 checkpoint tensors, bf16 reference tensors)."""
     q_sd, ref = {}, {}
+    experts = set(expert_names(sd))
     for k, v in sd.items():
-        if k in expert_names(sd):
+        if k in experts:
             q, s = quantize(v)
             base = k[: -len(".weight")]
             q_sd[base + ".weight_packed"] = pack(q)
