@@ -36,6 +36,17 @@ def versions(summary):
     return card, ver, date
 
 
+def unfinished(summary, recs):
+    """[{stage, rc, took_s, last_log_line}] for every stage the run started that left no record
+    (killed at its cap: rc 124 / 137, or crashed before STAGE_RESULT)."""
+    out = []
+    for line in open(summary):
+        m = re.match(r"\[(\S+)\] rc=(\d+) took (\d+)s", line)
+        if m and m.group(1) not in recs:
+            out.append(OrderedDict(stage=m.group(1), rc=int(m.group(2)), took_s=int(m.group(3))))
+    return out
+
+
 def mixed_mismatches(rec, tie_ctx):
     """[{request, position, near_tie}] for every request of the mixed run that left the reference."""
     return [{"request": i, "position": j, "near_tie": (i, j) in tie_ctx}
@@ -64,6 +75,7 @@ def main():
     text = {n: r for n, r in recs.items() if n.startswith("text_")}
     recs = OrderedDict((n, r) for n, r in recs.items() if not n.startswith("text_"))
     card, ver, date = versions(summary)
+    missing = unfinished(summary, set(recs) | set(text))
     rows = []
     for name, r in sorted(recs.items()):
         if name.startswith("http_"):
@@ -99,7 +111,8 @@ def main():
             accept_bs1=r.get("accept_len_bs1"), ms_per_round_bs1=r.get("ms_per_round_bs1")))
     doc = {"card": card, "versions": ver, "date": date, "stages": rows, "http": http,
            "text_pair": text_rows, "text_tie_threshold": (div or {}).get("tie_threshold_logits"),
-           "all_ok": all(r["ok"] for r in rows) and all(h["ok"] for h in http)}
+           "unfinished": missing,
+           "all_ok": all(r["ok"] for r in rows) and all(h["ok"] for h in http) and not missing}
     json.dump(doc, open(out + ".json", "w"), indent=1)
 
     def f(v):
@@ -130,6 +143,10 @@ def main():
                 "stage", "ok", "generate_ids_match", "accept_len", "concurrent_match", "abort_ok",
                 "after_abort_match", "stream_match", "bad_logprob_rejected", "bad_temperature_rejected",
                 "healthy_after_bad_input")) + " |")
+    if missing:
+        md += ["\n## Stages that left no result (killed at their cap or crashed)\n",
+               "| stage | rc | ran (s) |", "|---|---:|---:|"]
+        md += [f"| {m['stage']} | {m['rc']} | {m['took_s']} |" for m in missing]
     md.append(f"\nAll toy-pair and HTTP stages passed: {f(doc['all_ok'])}")
     syncs = [(r["stage"], r["sync_check"]) for r in rows if r.get("sync_check")]
     if syncs:

@@ -141,3 +141,22 @@ def test_readme_results_table_comes_from_the_ab_report():
     readme = open(os.path.join(REPO, "README.md")).read()
     block = readme.split("<!-- ab-summary:start -->\n", 1)[1].split("<!-- ab-summary:end -->", 1)[0]
     assert block.strip() == r.stdout.strip()
+
+
+def test_worker_report_names_stages_that_left_no_result(tmp_path):
+    """INT4 run 1: the Marlin stages hit their cap during Marlin's JIT build; the report must say so
+    and not call the run a pass."""
+    out = str(tmp_path / "i")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out,
+                        os.path.join(RAW, "int4_mla_h200_run1_summary.txt"),
+                        os.path.join(RAW, "int4_mla_h200_run1.jsonl")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert open(out + ".md").read() == open(os.path.join(RES, "int4_mla_h200.md")).read()
+    doc = json.load(open(out + ".json"))
+    assert not doc["all_ok"]
+    gone = {m["stage"]: m["rc"] for m in doc["unfinished"]}
+    assert gone["mlaint4_ddtree_graph_b16"] == 124 and gone["mlaint4_ddtree_eager_b8"] == 137
+    assert "mlaint4_ddtree_graph_b16_moetriton" not in gone
+    ok = {s["stage"]: s for s in doc["stages"]}
+    assert ok["mlaint4_ddtree_graph_b16_moetriton"]["bs16_exact"]
