@@ -17,6 +17,7 @@
 #   pytest_gpu-1 / -2 / -<name>             test files a..o / p..z / tests/test_<name>.py only
 #   sampledmem                              bench/sampled_memory.py (sampled accept memory, old vs new)
 #   verify_attn[_quick]                     bench/verify_attention.py (tree-verify attention vs floor / SGLang / flashinfer; alone on the GPU)
+#   logprobs_text                           bench/logprobs_check.py: DDTREE-GPU log-probs vs a plain server (text pair)
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
@@ -71,9 +72,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export TVM_FFI_CACHE_DIR=/tmp/tvmcache TRITON_CACHE_DIR=/tmp/tritoncache FLASHINFER_WORKSPACE_BASE=/tmp/fi
 mkdir -p $TVM_FFI_CACHE_DIR $TRITON_CACHE_DIR
 [ -f $KIT/cache.tar.xz ] && tar -xJf $KIT/cache.tar.xz -C / && echo "restored JIT caches from .kit/cache.tar.xz" | tee -a $S
-NVCC=$(command -v nvcc); REAL=$(grep -ao '/[^ "]*/bin/nvcc' "$NVCC" 2>/dev/null | head -1)
-export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "${REAL:-$NVCC}")")")
-ls $CUDA_HOME/lib64/libcudart.so >/dev/null 2>&1 || for d in /usr/local/cuda /usr/local/cuda-13.0; do [ -f $d/lib64/libcudart.so ] && export CUDA_HOME=$d; done
+source $DEV/cuda_home.sh
 echo "CUDA_HOME=$CUDA_HOME" | tee -a $S
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a $S
 python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;print('versions: python',sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__,'sglang',sglang.__version__,'sgl_kernel',sgl_kernel.__version__,'flashinfer',flashinfer.__version__,'cc',torch.cuda.get_device_capability())" 2>&1 | tail -1 | tee -a $S
@@ -160,6 +159,11 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
     sampledmem)  # bench/sampled_memory.py: the sampled accept's peak memory and time, SGLang's recipe vs ours
       timeout -k 10 $lim python3 -P $REPO/bench/sampled_memory.py --out $OUT/sampled_memory_h200 > $LOG/$st.log 2>&1; rc=$?
       tail -12 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
+    logprobs_text)  # issue 15 item 3: DDTREE-GPU's log-probabilities (SGLANG_DDTREE_LOGPROBS=1) vs a plain server
+      timeout -k 10 $lim python3 $REPO/bench/logprobs_check.py --model-path /tmp/models/text_target \
+        --draft-model-path /tmp/models/text_drafter --prompts /tmp/models/heldout_prompts.json \
+        --out $OUT/logprobs_h200 --port $port --deadline $((lim-15)) > $LOG/$st.log 2>&1; rc=$?
+      tail -30 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
     badids_text)  # does an out-of-vocabulary token id kill plain SGLang 0.5.16 / a server with the plugin?
       timeout -k 10 $lim python3 $REPO/bench/soak.py probe --model-path /tmp/models/text_target \
         --out $OUT/badids_h200 --port $port > $LOG/$st.log 2>&1; rc=$?
@@ -222,7 +226,14 @@ tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
 # Triton needs only the cubin, the metadata json and the launcher .so of a cached kernel
 # (triton 3.6 CompiledKernel reads whatever group files exist; the IR dumps are 75 % of the cache);
 # flashinfer's custom-mask prefill is the verify_attn baseline only and is 4 MB: left out.
-(cd / && { find tmp/tvmcache -name '*.so'
+# the Marlin MoE module (bench/device/marlin_prebuild.sh) travels on its own: it may be large
+if [ -f /tmp/marlin_build.log ]; then
+  echo "marlin build: $(tail -2 /tmp/marlin_build.log | tr '\n' ' ' | cut -c1-300)" | tee -a $S
+  M=$(cd / && find tmp/tvmcache -path '*moe_wna16_marlin*' -name '*.so' | head -1)
+  [ -n "$M" ] && (cd / && tar -cf - $M | xz -T8 -6 > $OUT/marlin_moe.tar.xz) \
+    && echo "marlin module $(du -h /$M | cut -f1), packed $(du -h $OUT/marlin_moe.tar.xz | cut -f1)" | tee -a $S
+fi
+(cd / && { find tmp/tvmcache -name '*.so' ! -path '*moe_wna16_marlin*'
            find tmp/tritoncache -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \)
            find tmp/fi -name '*.so' ! -path '*batch_prefill*' 2>/dev/null; } > /tmp/cachelist
  tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
