@@ -46,12 +46,12 @@ def out_tokens(resp):
 
 def rescore(url, prompt, tokens):
     """The plain server's log-prob of each of ``tokens`` after ``prompt`` (extend forward)."""
-    r = generate(url, prompt + tokens, 1, top_n=0, logprob_start_len=len(prompt))
-    row = r["meta_info"]["input_token_logprobs"]
-    got = [t[1] for t in row][-len(tokens):]
-    if got != tokens:
-        raise RuntimeError("input_token_logprobs do not line up with the scored tokens")
-    return [t[0] for t in row][-len(tokens):]
+    # SGLang gives the first position of input_token_logprobs no value (None): start one token early
+    r = generate(url, prompt + tokens, 1, top_n=0, logprob_start_len=len(prompt) - 1)
+    row = r["meta_info"]["input_token_logprobs"][-len(tokens):]
+    if [t[1] for t in row] != tokens or any(t[0] is None for t in row):
+        raise RuntimeError(f"input_token_logprobs do not line up with the scored tokens: {row[:3]}")
+    return [t[0] for t in row]
 
 
 def compare_top(a, b, tol):
