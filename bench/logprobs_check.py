@@ -44,14 +44,16 @@ def out_tokens(resp):
     return toks, tops
 
 
-def rescore(url, prompt, tokens):
-    """The plain server's log-prob of each of ``tokens`` after ``prompt`` (extend forward)."""
+def rescore(url, prompt, tokens, top_n=5):
+    """The plain server's log-prob (and top-n) of each of ``tokens`` after ``prompt`` (extend forward)."""
     # SGLang gives the first position of input_token_logprobs no value (None): start one token early
-    r = generate(url, prompt + tokens, 1, top_n=0, logprob_start_len=len(prompt) - 1)
-    row = r["meta_info"]["input_token_logprobs"][-len(tokens):]
+    r = generate(url, prompt + tokens, 1, top_n=top_n, logprob_start_len=len(prompt) - 1)
+    mi = r["meta_info"]
+    row = mi["input_token_logprobs"][-len(tokens):]
     if [t[1] for t in row] != tokens or any(t[0] is None for t in row):
         raise RuntimeError(f"input_token_logprobs do not line up with the scored tokens: {row[:3]}")
-    return [t[0] for t in row]
+    tops = [[(t[1], t[0]) for t in (r_ or [])] for r_ in (mi.get("input_top_logprobs") or [])][-len(tokens):]
+    return [t[0] for t in row], tops
 
 
 def compare_top(a, b, tol):
@@ -98,26 +100,31 @@ def main():
             if why:
                 raise RuntimeError(f"{name} server: {why}\n{S.log_tail(procs[name].log.name)}")
         up_s = time.time() - t0
-        rows, diffs = [], {"greedy_vs_base": [], "ddtree_greedy_vs_rescore": [],
-                           "ddtree_sampled_vs_rescore": [], "base_greedy_vs_rescore": []}
-        top_bad = top_n = 0
+        # who x mode: the server's reported log-probs vs the plain server's re-score of the same tokens.
+        # base_* is the noise floor (plain decoding's own decode-vs-extend bf16 difference).
+        keys = [f"{w}_{m}" for w in ("base", "ddtree") for m in ("greedy", "sampled")]
+        rows, diffs = [], {k: [] for k in keys + ["greedy_vs_base"]}
+        top = {k: [0, 0] for k in keys}   # [entries, outside tol]
         for i, p in enumerate(prompts):
-            bg, bgt = out_tokens(generate(urls["base"], p, a.max_new_tokens))
-            dg, dgt = out_tokens(generate(urls["ddtree"], p, a.max_new_tokens))
-            ds, _ = out_tokens(generate(urls["ddtree"], p, a.max_new_tokens, temperature=1.0, seed=1000 + i))
+            outs = {}
+            for w in ("base", "ddtree"):
+                outs[f"{w}_greedy"] = out_tokens(generate(urls[w], p, a.max_new_tokens))
+                outs[f"{w}_sampled"] = out_tokens(generate(urls[w], p, a.max_new_tokens, temperature=1.0,
+                                                           seed=1000 + i))
+            bg, dg = outs["base_greedy"][0], outs["ddtree_greedy"][0]
             same = 0
             while same < min(len(bg), len(dg)) and bg[same][0] == dg[same][0]:
                 same += 1
             diffs["greedy_vs_base"] += [abs(bg[j][1] - dg[j][1]) for j in range(same)]
-            for j in range(min(same, len(bgt), len(dgt))):
-                top_bad += compare_top(dgt[j], bgt[j], a.tol)
-                top_n += len(dgt[j])
-            for key, toks in (("base_greedy_vs_rescore", bg), ("ddtree_greedy_vs_rescore", dg),
-                              ("ddtree_sampled_vs_rescore", ds)):
-                ref = rescore(urls["base"], p, [t for t, _ in toks])
-                diffs[key] += [abs(v - r) for (_, v), r in zip(toks, ref)]
+            for k in keys:
+                toks, tops = outs[k]
+                ref, ref_tops = rescore(urls["base"], p, [t for t, _ in toks])
+                diffs[k] += [abs(v - r) for (_, v), r in zip(toks, ref)]
+                for got, want in zip(tops, ref_tops):
+                    top[k][0] += len(got)
+                    top[k][1] += compare_top(got, want, a.tol)
             rows.append({"prompt": i, "greedy_same_prefix": same, "greedy_len": len(dg),
-                         "sampled_distinct_from_greedy": [t for t, _ in ds] != [t for t, _ in dg]})
+                         "sampled_distinct_from_greedy": [t for t, _ in outs["ddtree_sampled"][0]] != [t for t, _ in dg]})
         st, data = http_json(urls["ddtree"], "POST", "/v1/completions",
                              {"model": "default", "prompt": "def main(", "max_tokens": 16,
                               "temperature": 0, "logprobs": 3}, timeout=120)
@@ -134,17 +141,28 @@ def main():
         return {"n": len(v), "max": v[-1] if v else None, "median": v[len(v) // 2] if v else None,
                 "p99": v[min(len(v) - 1, int(0.99 * len(v)))] if v else None}
     summ = {k: stat(v) for k, v in diffs.items()}
+    rate = {k: (b / n if n else None) for k, (n, b) in top.items()}
+
+    def near_floor(m):
+        """DDTree's differences are plain decoding's own (its decode vs extend), up to 1.5x + a margin."""
+        d, f = summ[f"ddtree_{m}"], summ[f"base_{m}"]
+        if not (d["n"] and f["n"] and rate[f"ddtree_{m}"] is not None and rate[f"base_{m}"] is not None):
+            return False
+        return (d["max"] <= 1.5 * f["max"] + 0.01
+                and d["p99"] <= 1.5 * f["p99"] + 0.005
+                and rate[f"ddtree_{m}"] <= 1.5 * rate[f"base_{m}"] + 0.01)
     checks = {
-        "greedy_logprob_equal": summ["greedy_vs_base"]["n"] > 0 and summ["greedy_vs_base"]["max"] <= a.tol,
-        "greedy_top5_equal": top_n > 0 and top_bad == 0,
-        "greedy_matches_rescore": summ["ddtree_greedy_vs_rescore"]["max"] <= a.tol,
-        "sampled_matches_rescore": summ["ddtree_sampled_vs_rescore"]["max"] <= a.tol,
+        "greedy_at_noise_floor": near_floor("greedy"),
+        "sampled_at_noise_floor": near_floor("sampled"),
+        "greedy_vs_plain_greedy_at_floor": (summ["greedy_vs_base"]["n"] > 0 and summ["greedy_vs_base"]["max"]
+                                            <= 1.5 * max(summ["base_greedy"]["max"], summ["ddtree_greedy"]["max"]) + 0.01),
         "sampled_not_greedy": any(r["sampled_distinct_from_greedy"] for r in rows),
         "completions_logprobs": comp_ok,
     }
     doc = {"environment": env_info(sys.executable), "model_path": a.model_path, "draft_model_path": a.draft_model_path,
            "budget": a.budget, "tol_nats": a.tol, "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
-           "servers_up_s": round(up_s, 1), "abs_diff": summ, "top5_entries": top_n, "top5_mismatches": top_bad,
+           "servers_up_s": round(up_s, 1), "abs_diff": summ, "top5": {k: {"entries": n, "outside_tol": b, "rate": rate[k]}
+                                                               for k, (n, b) in top.items()},
            "completions": {"status": st, "logprobs": lp}, "prompts": rows, "checks": checks,
            "pass": all(checks.values()), "wall_s": round(time.time() - t0, 1)}
     json.dump(doc, open(a.out + ".json", "w"), indent=1)
@@ -157,16 +175,23 @@ def main():
           f"Text pair, DDTREE-GPU budget {a.budget} with `SGLANG_DDTREE_LOGPROBS=1` vs a plain server of the same "
           f"target; {len(prompts)} held-out prompts x {a.max_new_tokens} tokens; tolerance {a.tol} nats.\n",
           "| comparison | tokens | max abs diff | p99 | median |", "|---|---:|---:|---:|---:|"]
-    names = {"greedy_vs_base": "DDTree greedy vs plain greedy (common prefix)",
-             "base_greedy_vs_rescore": "plain greedy vs plain re-score (noise floor)",
-             "ddtree_greedy_vs_rescore": "DDTree greedy vs plain re-score",
-             "ddtree_sampled_vs_rescore": "DDTree sampled (T=1) vs plain re-score"}
+    names = {"base_greedy": "plain greedy (noise floor)", "ddtree_greedy": "DDTree greedy",
+             "base_sampled": "plain sampled, T=1 (noise floor)", "ddtree_sampled": "DDTree sampled, T=1"}
+    md[-2:] = ["Each server's reported log-prob of its own output tokens vs the plain server's re-score of "
+               "those tokens (extend forward, `input_token_logprobs`); the plain server's own rows are the "
+               "noise floor. Pass: DDTree's max and p99 within 1.5x the floor (+0.01 / +0.005 nats), top-5 "
+               f"entries outside {a.tol} nats at most 1.5x the floor's rate + 1 point.\n",
+               "| output | tokens | max abs diff | p99 | median | top-5 entries | outside tol |",
+               "|---|---:|---:|---:|---:|---:|---:|"]
+    f = (lambda x: "-" if x is None else f"{x:.4f}")
     for k, n in names.items():
-        s = summ[k]
-        f = (lambda x: "-" if x is None else f"{x:.4f}")
-        md.append(f"| {n} | {s['n']} | {f(s['max'])} | {f(s['p99'])} | {f(s['median'])} |")
-    md.append(f"\nTop-5 entries compared: {top_n}, outside tolerance: {top_bad}.  "
-              f"`/v1/completions` with `logprobs=3`: status {st}, ok {comp_ok}.\n")
+        s_ = summ[k]
+        md.append(f"| {n} | {s_['n']} | {f(s_['max'])} | {f(s_['p99'])} | {f(s_['median'])} | "
+                  f"{top[k][0]} | {top[k][1]} |")
+    g = summ["greedy_vs_base"]
+    md.append(f"\nDDTree greedy vs plain greedy, side by side on their common prefix: {g['n']} tokens, max "
+              f"{f(g['max'])}, p99 {f(g['p99'])}.  `/v1/completions` with `logprobs=3` on DDTree: status {st}, "
+              f"ok {comp_ok}.\n")
     md += [f"- {k}: {'yes' if v else '**NO**'}" for k, v in checks.items()]
     md.append(f"\nAll checks pass: {'yes' if doc['pass'] else '**NO**'}")
     open(a.out + ".md", "w").write("\n".join(md) + "\n")
