@@ -1,7 +1,7 @@
 """Turn test-bed results (results.jsonl of bench/device/run_stages.sh) into the worker's lossless
 matrix: bench/results/worker_h200.json + worker_h200.md.
 
-usage: python bench/worker_report.py OUT_PREFIX SUMMARY_TXT RESULTS_JSONL [RESULTS_JSONL ...]
+usage: python bench/worker_report.py OUT_PREFIX SUMMARY_TXT[,SUMMARY_TXT...] RESULTS_JSONL [RESULTS_JSONL ...]
            [--divergence TEXT_DIVERGENCE_JSON]
 (later files override earlier records of the same stage).  Toy-pair stages (gqa, mla) are strict
 token-identity checks; text-pair stages are reported with bench/text_divergence.py's
@@ -36,15 +36,36 @@ def versions(summary):
     return card, ver, date
 
 
-def unfinished(summary, recs):
-    """[{stage, rc, took_s, last_log_line}] for every stage the run started that left no record
-    (killed at its cap: rc 124 / 137, or crashed before STAGE_RESULT)."""
-    out = []
-    for line in open(summary):
-        m = re.match(r"\[(\S+)\] rc=(\d+) took (\d+)s", line)
-        if m and m.group(1) not in recs:
-            out.append(OrderedDict(stage=m.group(1), rc=int(m.group(2)), took_s=int(m.group(3))))
+# stages that write a STAGE_RESULT record (stage.py, http_client.py); others (A/B, logprobs, ...) report elsewhere
+RECORDED = re.compile(r"^((gqa|mla|mlaint4|mlaint4ref|text)_(base|dflash|ddtree|ddtreecpu)_|http_)")
+
+
+def moe_methods(summaries):
+    """{stage: the MoE method SGLang logged in that stage's log ("Using ...MoE..." line the test bed
+    copies under the stage's summary line)}; later runs win."""
+    out, cur = {}, None
+    for summary in summaries:
+        for line in open(summary):
+            m = re.match(r"\[(\S+)\] rc=", line)
+            if m:
+                cur = m.group(1)
+            elif line.startswith("-- group") or line.startswith("=="):
+                cur = None
+            elif cur and line.startswith("Using ") and "MoE" in line:
+                out[cur] = line.strip()[len("Using "):]
     return out
+
+
+def unfinished(summaries, recs):
+    """[{stage, rc, took_s}] for every worker stage the runs started that left no record in any
+    of them (killed at its cap: rc 124 / 137, or crashed before STAGE_RESULT)."""
+    out = OrderedDict()
+    for summary in summaries:
+        for line in open(summary):
+            m = re.match(r"\[(\S+)\] rc=(\d+) took (\d+)s", line)
+            if m and m.group(1) not in recs and RECORDED.match(m.group(1)):
+                out[m.group(1)] = OrderedDict(stage=m.group(1), rc=int(m.group(2)), took_s=int(m.group(3)))
+    return list(out.values())
 
 
 def mixed_mismatches(rec, tie_ctx):
@@ -74,8 +95,10 @@ def main():
     recs = load(paths)
     text = {n: r for n, r in recs.items() if n.startswith("text_")}
     recs = OrderedDict((n, r) for n, r in recs.items() if not n.startswith("text_"))
-    card, ver, date = versions(summary)
-    missing = unfinished(summary, set(recs) | set(text))
+    summaries = summary.split(",")   # several runs: versions and date of the last
+    card, ver, date = versions(summaries[-1])
+    missing = unfinished(summaries, set(recs) | set(text))
+    moe = moe_methods(summaries)
     rows = []
     for name, r in sorted(recs.items()):
         if name.startswith("http_"):
@@ -86,15 +109,18 @@ def main():
             repeat_exact=r.get("repeat_identical"), bs1_exact=r.get("bs1_matches"),
             mixed_exact=r.get("mixed_matches"), sampled_exact=r.get("sampled_matches"),
             accept_bs16=r.get("accept_len_bs16_mean"), accept_bs1=r.get("accept_len_bs1"),
-            ms_per_round_bs1=r.get("ms_per_round_bs1"), error=r.get("error"),
+            ms_per_round_bs1=r.get("ms_per_round_bs1"), error=r.get("error"), moe_method=moe.get(name),
             sync_check=(None if "sync_check_rounds" not in r else
                         f"{r['sync_check_rounds_with_sync']}/{r['sync_check_rounds']} rounds with a sync "
                         f"({r['sync_check_total_syncs']} in all; sites {r.get('sync_check_sites')})")))
     http = [OrderedDict((k, r.get(k)) for k in (
         "stage", "ok", "generate_ids_match", "accept_len", "concurrent_match", "abort_ok",
-        "after_abort_match", "stream_match", "bad_logprob_rejected", "bad_temperature_rejected",
-        "healthy_after_bad_input", "generate_text_status", "completions_status", "error"))
+        "after_abort_match", "stream_match", "logprob_handled", "bad_logprob_rejected", "logprob_served",
+        "bad_temperature_rejected", "healthy_after_bad_input", "generate_text_status", "completions_status", "error"))
         for n, r in sorted(recs.items()) if n.startswith("http_")]
+    for h in http:  # records before the log-probabilities went on by default: every server refused them
+        if h["logprob_handled"] is None:
+            h["logprob_handled"] = h["bad_logprob_rejected"]
     # Contexts (request, position) where a classified bs16 divergence of this run found the fp32
     # target's top-2 in a near tie; a mixed-run mismatch at the same context (same prompt, same
     # reference prefix) is the same near tie.
@@ -128,21 +154,25 @@ def main():
           "round (max_new_tokens 1..31, stop tokens, EOS); sampled: temperature 0.7 / top-k 20 through the "
           "tree's target-only sampling (the toy margin makes it equal the greedy chain). accept = tokens per "
           "verify round (completion_tokens / spec_verify_ct).\n",
-          "| stage | pair | algo | mode | budget | bs16 | repeat | bs1 | mixed | sampled | accept bs16 | accept bs1 | ms/round bs1 |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| stage | pair | algo | mode | budget | bs16 | repeat | bs1 | mixed | sampled | accept bs16 | accept bs1 | ms/round bs1 |"
+          + (" MoE method (server log) |" if moe else ""),
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if moe else "")]
+    cols = ("stage", "pair", "algo", "mode", "budget", "bs16_exact", "repeat_exact", "bs1_exact", "mixed_exact",
+            "sampled_exact", "accept_bs16", "accept_bs1", "ms_per_round_bs1") + (("moe_method",) if moe else ())
     for r in rows:
-        md.append("| " + " | ".join(f(r[k]) for k in ("stage", "pair", "algo", "mode", "budget", "bs16_exact",
-                                                        "repeat_exact", "bs1_exact", "mixed_exact", "sampled_exact",
-                                                        "accept_bs16", "accept_bs1", "ms_per_round_bs1")) + " |")
+        md.append("| " + " | ".join(f(r[k]) for k in cols) + " |")
     if http:
         md += ["\n## HTTP server (`python -m sglang.launch_server --config configs/tiny_<pair>_ddtree.yaml`)\n",
-               "| stage | ok | /generate exact | accept | 16 concurrent, staggered | abort | exact after abort | stream | return_logprob rejected | bad temperature 4xx | healthy after bad input |",
+               "| stage | ok | /generate exact | accept | 16 concurrent, staggered | abort | exact after abort | stream | return_logprob as expected | bad temperature 4xx | healthy after bad input |",
                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for h in http:
             md.append("| " + " | ".join(f(h[k]) for k in (
                 "stage", "ok", "generate_ids_match", "accept_len", "concurrent_match", "abort_ok",
-                "after_abort_match", "stream_match", "bad_logprob_rejected", "bad_temperature_rejected",
+                "after_abort_match", "stream_match", "logprob_handled", "bad_temperature_rejected",
                 "healthy_after_bad_input")) + " |")
+        md.append("\nreturn_logprob as expected: DFLASH servers refuse it; DDTREE servers refused it in records made "
+                  "before log-probabilities went on by default (2026-12-01, session 7) and serve it after "
+                  "(token ids and log-probs checked).")
     if missing:
         md += ["\n## Stages that left no result (killed at their cap or crashed)\n",
                "| stage | rc | ran (s) |", "|---|---:|---:|"]

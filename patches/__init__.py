@@ -9,7 +9,7 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
   forward sees them (a bad id otherwise kills the scheduler).
 * ``req_update_finish_state``: a stop string / token inside a round's accepted tokens wins over
   ``max_new_tokens`` reached in the same round (plain decoding's order).
-* ``validate_dflash_request``: with ``SGLANG_DDTREE_LOGPROBS=1``, a DDTREE server admits requests
+* ``validate_dflash_request``: a DDTREE server (unless ``SGLANG_DDTREE_LOGPROBS=0``) admits requests
   that ask for log-probabilities (``sglang_ddtree/logprobs.py`` fills them from the verify logits).
 * ``dflash_round_profile``: with ``SGLANG_DDTREE_PROFILE_FILE`` set, stock DFLASH rounds are
   profiled with DDTree's stages and events (the A/B shows both splits side by side).

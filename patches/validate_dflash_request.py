@@ -4,10 +4,10 @@ requests on DDTREE servers that serve them.
 Why: SGLang 0.5.16's scheduler refuses, for every DFLASH-family algorithm (DDTREE-GPU / DDTREE-CPU
 are registered as that family), a request with ``return_logprob`` ("DFLASH speculative decoding
 does not support return_logprob yet."). A DDTREE round has the target's logits at every tree node
-and fills the committed tokens' log-probabilities from them (``sglang_ddtree/logprobs.py``). With
-``SGLANG_DDTREE_LOGPROBS=1`` on a DDTREE server, this hook runs SGLang's own check with
+and fills the committed tokens' log-probabilities from them (``sglang_ddtree/logprobs.py``). On a
+DDTREE server (unless ``SGLANG_DDTREE_LOGPROBS=0``), this hook runs SGLang's own check with
 ``return_logprob`` hidden, so every other refusal (grammar-constrained requests, hidden states
-under overlap scheduling) still applies; DFLASH servers and DDTREE servers without the switch are
+under overlap scheduling) still applies; DFLASH servers and DDTREE servers with the switch off are
 untouched.
 
 Checked against: SGLang 0.5.16 (``sglang/srt/managers/scheduler.py``: ``from

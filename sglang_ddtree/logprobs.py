@@ -9,9 +9,10 @@ hands them to SGLang 0.5.16's own spec-v2 routine (``compute_spec_v2_logprobs``,
 uses), so the values, the temperature scaling for sampled requests, the top-n and token-id lists
 and their layout (request i's j-th token at ``i * W + j``, ``W = D + 1`` per request) are SGLang's.
 
-Status: off by default. ``SGLANG_DDTREE_LOGPROBS=1`` turns it on; without it a request that asks
-for log-probabilities is refused with SGLang's DFLASH message, as before. It is CPU-tested only;
-the GPU stage that compares it with a plain server's log-probabilities has not run yet.
+Status: on by default. ``SGLANG_DDTREE_LOGPROBS=0`` turns it off; a request that asks for
+log-probabilities is then refused with SGLang's DFLASH message. Checked on the H200 against a plain
+server of the same target (``bench/logprobs_check.py``, ``bench/results/logprobs_h200.md``): greedy
+and sampled (T=1) log-probs and top-5 sit at plain decoding's own decode-vs-extend bf16 noise.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ _FIELDS = ("next_token_logprobs", "next_token_top_logprobs_val", "next_token_top
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """On unless ``SGLANG_DDTREE_LOGPROBS`` is 0 / false / no / off."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class _LogitsView:

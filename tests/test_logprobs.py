@@ -138,12 +138,17 @@ def _req(**kw):
 
 @pytest.mark.parametrize("algo,env,admitted", [
     ("DDTREE-GPU", "1", True), ("DDTREE-CPU", "1", True), ("DDTREE-GPU", "0", False),
+    ("DDTREE-GPU", None, True), ("DDTREE-CPU", "off", False), ("DFLASH", None, False),
     ("DFLASH", "1", False), (None, "1", False),
 ])
 def test_admission_hook(monkeypatch, algo, env, admitted):
+    """On by default for DDTREE servers (GPU-checked: bench/results/logprobs_h200.md); 0/off turns it off."""
     from sglang.srt import runtime_context
     from sglang.srt.speculative.dflash_utils import validate_dflash_request
-    monkeypatch.setenv(LP.ENV, env)
+    if env is None:
+        monkeypatch.delenv(LP.ENV, raising=False)
+    else:
+        monkeypatch.setenv(LP.ENV, env)
     monkeypatch.setattr(runtime_context, "get_server_args",
                         lambda: types.SimpleNamespace(speculative_algorithm=algo))
     req = _req()

@@ -143,20 +143,36 @@ def test_readme_results_table_comes_from_the_ab_report():
     assert block.strip() == r.stdout.strip()
 
 
-def test_worker_report_names_stages_that_left_no_result(tmp_path):
-    """INT4 run 1: the Marlin stages hit their cap during Marlin's JIT build; the report must say so
-    and not call the run a pass."""
-    out = str(tmp_path / "i")
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out,
-                        os.path.join(RAW, "int4_mla_h200_run1_summary.txt"),
-                        os.path.join(RAW, "int4_mla_h200_run1.jsonl")],
+def _int4_report(tmp_path, runs):
+    out = str(tmp_path / ("i" + "".join(map(str, runs))))
+    summ = ",".join(os.path.join(RAW, f"int4_mla_h200_run{r}_summary.txt") for r in runs)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out, summ]
+                       + [os.path.join(RAW, f"int4_mla_h200_run{r}.jsonl") for r in runs],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert open(out + ".md").read() == open(os.path.join(RES, "int4_mla_h200.md")).read()
-    doc = json.load(open(out + ".json"))
+    return out, json.load(open(out + ".json"))
+
+
+def test_worker_report_names_stages_that_left_no_result(tmp_path):
+    """INT4 run 1: the Marlin stages hit their cap inside Marlin's JIT build; the report must say so
+    and not call the run a pass (run 2's logprobs stage, no worker stage, is not counted)."""
+    _, doc = _int4_report(tmp_path, [1])
     assert not doc["all_ok"]
     gone = {m["stage"]: m["rc"] for m in doc["unfinished"]}
     assert gone["mlaint4_ddtree_graph_b16"] == 124 and gone["mlaint4_ddtree_eager_b8"] == 137
     assert "mlaint4_ddtree_graph_b16_moetriton" not in gone
-    ok = {s["stage"]: s for s in doc["stages"]}
-    assert ok["mlaint4_ddtree_graph_b16_moetriton"]["bs16_exact"]
+    _, doc2 = _int4_report(tmp_path, [2])
+    assert doc2["unfinished"] == [] and doc2["all_ok"]
+
+
+def test_int4_report_reproduces_the_committed_matrix(tmp_path):
+    out, doc = _int4_report(tmp_path, [1, 2])
+    assert open(out + ".md").read() == open(os.path.join(RES, "int4_mla_h200.md")).read()
+    assert doc["all_ok"] and doc["unfinished"] == []
+    st = {s["stage"]: s for s in doc["stages"]}
+    for name, s in st.items():
+        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"], name
+    marlin = {n for n, s in st.items() if s["moe_method"] == "CompressedTensorsWNA16MarlinMoEMethod"}
+    assert {"mlaint4_ddtree_graph_b8", "mlaint4_ddtree_graph_b16", "mlaint4_ddtree_graph_b32",
+            "mlaint4_ddtree_eager_b8", "mlaint4_dflash_graph", "mlaint4_base_graph"} <= marlin
+    assert st["mlaint4_ddtree_graph_b16_moetriton"]["moe_method"].startswith("CompressedTensorsWNA16TritonMoE")

@@ -20,7 +20,7 @@ import time
 
 import requests
 
-EXTRA_KEYS = ("concurrent_match", "abort_ok", "after_abort_match", "stream_match", "bad_logprob_rejected",
+EXTRA_KEYS = ("concurrent_match", "abort_ok", "after_abort_match", "stream_match", "logprob_handled",
               "bad_temperature_rejected", "healthy_after_bad_input")
 
 
@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stage import expected_chain as chain  # noqa: E402  (perm^k of the prompt's last token)
 
 
-def extra_checks(base, perm):
-    """Concurrency with mid-flight joins, abort, streaming, bad input."""
+def extra_checks(base, perm, serves_logprobs):
+    """Concurrency with mid-flight joins, abort, streaming, bad input; ``return_logprob``: a DDTREE
+    server serves it (sglang_ddtree/logprobs.py, on by default), a DFLASH one refuses it."""
     import threading
     r = {}
     prompts = [[1] + [(13 * i + 7 * j) % 1000 + 3 for j in range(1 + 3 * i)] for i in range(16)]
@@ -95,6 +96,10 @@ def extra_checks(base, perm):
     fr1 = (j1.get("meta_info") or {}).get("finish_reason") or {}
     r["bad_logprob"] = {"status": b1.status_code, "finish": fr1, "body": b1.text[:200]}
     r["bad_logprob_rejected"] = b1.status_code >= 400 or fr1.get("type") == "abort"
+    lps = (j1.get("meta_info") or {}).get("output_token_logprobs") or []
+    r["logprob_served"] = (b1.status_code == 200 and j1.get("output_ids") == chain(perm, p, 8) and len(lps) == 8
+                           and all(t[0] is not None and t[0] <= 0 and t[1] == i for t, i in zip(lps, j1["output_ids"])))
+    r["logprob_handled"] = r["logprob_served"] if serves_logprobs else r["bad_logprob_rejected"]
     b2 = requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
         "max_new_tokens": 8, "temperature": -1}}, timeout=60)
     r["bad_temperature"] = {"status": b2.status_code, "body": b2.text[:200]}
@@ -168,7 +173,7 @@ if up:
                                                          "attention_backend", "version", "model_path")}
         except Exception as e:  # noqa
             rec["server_info_error"] = repr(e)
-        rec.update(extra_checks(base, perm))
+        rec.update(extra_checks(base, perm, rec["algo"] in ("ddtree", "ddtreecpu")))
         rec["ok"] = (rec["generate_ids_status"] == 200 and rec["generate_ids_match"] is not False
                      and rec["generate_text_status"] == 200 and rec["completions_status"] == 200
                      and all(rec.get(k) for k in EXTRA_KEYS))
