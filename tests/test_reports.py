@@ -176,3 +176,20 @@ def test_int4_report_reproduces_the_committed_matrix(tmp_path):
     assert {"mlaint4_ddtree_graph_b8", "mlaint4_ddtree_graph_b16", "mlaint4_ddtree_graph_b32",
             "mlaint4_ddtree_eager_b8", "mlaint4_dflash_graph", "mlaint4_base_graph"} <= marlin
     assert st["mlaint4_ddtree_graph_b16_moetriton"]["moe_method"].startswith("CompressedTensorsWNA16TritonMoE")
+
+
+def test_drafter_curve_reproduces_the_committed_table(tmp_path):
+    out = str(tmp_path / "dc")
+    tp = os.path.join(REPO, "bench", "textpair")
+    r = subprocess.run([sys.executable, os.path.join(tp, "drafter_curve.py"), out,
+                        "shipped b8 (gpu_run1; served on its Qwen3-8B-shape copy)="
+                        "bench/textpair/runs/gpu_run1_log.json:bench/results/scale_ab_qwen3-8b_h200.json",
+                        "b16 4x768 (gpu_b16_run1)="
+                        "bench/textpair/runs/gpu_b16_run1_log.json:bench/results/raw/ab_text_b16drafter_h200.json"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert open(out + ".md").read() == open(os.path.join(RES, "drafter_curve_h200.md")).read()
+    doc = json.load(open(out + ".json"))
+    assert not doc["reached"]
+    b16 = doc["points"][1]
+    assert b16["block_size"] == 16 and b16["served_dflash_accept"]["1"] < 3

@@ -1,0 +1,74 @@
+"""Issue 12 item 2: training time vs DFLASH acceptance of the text pair's drafters, from committed files.
+
+Each point is a bench/textpair/train.py run (its log.json: drafter shape, steps, seconds, the offline
+held-out DFLASH simulation) and, where one exists, an A/B report that served it under stock DFLASH
+(accepted tokens per verify round at each concurrency, as SGLang reports them).
+
+usage: python bench/textpair/drafter_curve.py OUT_PREFIX NAME=LOG_JSON[:AB_JSON] ...
+Writes OUT_PREFIX.json and OUT_PREFIX.md.
+"""
+import json
+import os
+import sys
+
+
+def served_dflash(ab_path):
+    """{concurrency: accept length} of the A/B's dflash arm, and the report's date / commit."""
+    doc = json.load(open(ab_path))
+    arm = next((a for a in doc["arms"] if a["name"] == "dflash" and a.get("status") == "ok"), None)
+    acc = {} if arm is None else {str(lv["concurrency"]): lv.get("accept_length") for lv in arm["levels"]}
+    return acc, doc["meta"].get("date"), doc["meta"].get("git_commit")
+
+
+def point(name, log_path, ab_path=None):
+    log = json.load(open(log_path))
+    cfg = log.get("drafter_config") or {}
+    sim = log.get("dflash_sim_heldout") or {}
+    block = (cfg.get("dflash_config") or {}).get("block_size") or log["args"].get("block_size") or 8
+    p = {"name": name, "log": log_path, "block_size": block,
+         "layers": cfg.get("num_hidden_layers", 2), "intermediate": cfg.get("intermediate_size", 256),
+         "params": log["drafter"].get("params"), "steps": log["drafter"]["steps"],
+         "train_seconds": log["drafter"]["seconds"],
+         "drafter_data_tokens": (log.get("drafter_data") or {}).get("greedy_tokens"),
+         "offline_depth1_top1": (sim.get("depth_top1") or [None])[0],
+         "offline_dflash_tokens_per_round": sim.get("dflash_tokens_per_round"),
+         "device": log.get("device")}
+    if ab_path:
+        p["served_dflash_accept"], p["ab_date"], p["ab_commit"] = served_dflash(ab_path)
+        p["ab"] = ab_path
+    return p
+
+
+def main(argv):
+    out, specs = argv[0], argv[1:]
+    pts = []
+    for spec in specs:
+        name, rest = spec.split("=", 1)
+        log_path, _, ab_path = rest.partition(":")
+        pts.append(point(name, log_path, ab_path or None))
+    doc = {"points": pts, "target_accept": 3.0,
+           "reached": any(max([v for v in (p.get("served_dflash_accept") or {}).values() if v] or [0]) >= 3.0
+                          for p in pts)}
+    json.dump(doc, open(out + ".json", "w"), indent=1)
+    f = (lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v)))
+    md = ["# Text-pair drafters: training time vs DFLASH acceptance (issue 12 item 2)\n",
+          "Produced by `bench/textpair/drafter_curve.py` from the committed train.py logs and A/B reports. "
+          "Offline = train.py's held-out DFLASH simulation (bf16 weights, fp32 forward, 256 held-out "
+          "windows x 128 greedy tokens); served = stock DFLASH's accepted tokens per verify round in "
+          "an A/B on the H200 (SGLang 0.5.16).\n",
+          "| drafter | block | layers x MLP | params | steps | train s | drafter data (greedy tokens) | "
+          "offline depth-1 top-1 | offline DFLASH tokens/round | served DFLASH accept (c: value) | A/B |",
+          "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for p in pts:
+        served = ", ".join(f"c={c}: {f(v)}" for c, v in (p.get("served_dflash_accept") or {}).items()) or "-"
+        md.append(f"| {p['name']} | {p['block_size']} | {p['layers']} x {p['intermediate']} | {f(p['params'])} | "
+                  f"{p['steps']} | {f(p['train_seconds'])} | {f(p['drafter_data_tokens'])} | "
+                  f"{f(p['offline_depth1_top1'])} | {f(p['offline_dflash_tokens_per_round'])} | {served} | "
+                  f"{'`' + os.path.basename(p['ab']) + '`' if p.get('ab') else '-'} |")
+    md.append(f"\nStock DFLASH reaches >= 3 tokens per round: {'yes' if doc['reached'] else '**no**'}.")
+    open(out + ".md", "w").write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
