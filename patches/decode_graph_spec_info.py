@@ -10,6 +10,11 @@ algorithms this hook gives the *target* runner's capture input the runner's cust
 so the backend captures its masked path and copies each round's mask into its graph buffer on
 replay.  The drafter's runner (block attention, no mask) and every other algorithm are untouched.
 
+The adaptive budget (``sglang_ddtree/adaptive.py``) captures one more target runner per extra verify
+width; each goes through this hook with its own buffers, and the dummy input's width is that
+runner's captured width (``get_spec_info`` reads it from the runner, not from server_args), so
+nothing here depends on the width.
+
 There is no SGLang hook for this (0.5.16 has no per-algorithm capture spec), hence the patch.
 Checked against: SGLang 0.5.16 (``sglang/srt/model_executor/runner/decode_cuda_graph_runner.py``,
 ``get_spec_info`` at line 1293).  Exercised by the GPU lossless matrix (``bench/device/stage.py``

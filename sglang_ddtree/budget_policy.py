@@ -17,15 +17,15 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   does not flap between graphs.
 
 ``BudgetPolicy.update`` takes the per-request counterfactual counts of one round (a host tensor or
-list); the worker hands them over every few rounds from a device accumulator, so the round itself
-stays free of host synchronisation.  Not yet wired into the worker: that needs one target-verify
-graph per width (issue 17 item 3), which the worker does not capture yet.
+list); ``update_means`` takes per-width means of a window of rounds, which is what the worker hands
+over (``adaptive.WidthController``, from the device accumulator ``round_stats.CounterfactualWindow``,
+so the round itself stays free of host synchronisation).
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Set
 
 NO_SPEC = 0   # the choice "no speculation this round": a plain decode step
 
@@ -92,6 +92,7 @@ class BudgetPolicy:
     accept: Dict[int, float] = field(default_factory=dict)
     rounds_seen: int = 0
     current: Optional[int] = None
+    seen: Set[int] = field(default_factory=set)   # widths update_means has averaged
 
     def __post_init__(self):
         if not 0.0 <= self.ema < 1.0:
@@ -118,6 +119,20 @@ class BudgetPolicy:
                 raise ValueError(f"negative acceptance at width {w}: {mean}")
             old = self.accept[int(w)]
             self.accept[int(w)] = mean if self.rounds_seen == 0 else self.ema * old + (1 - self.ema) * mean
+        self.rounds_seen += 1
+
+    def update_means(self, means: Mapping[int, float]) -> None:
+        """One window: ``means[w]`` = mean tokens accepted per request-round at verify width ``w``.
+        A width seen for the first time takes the mean; a width absent keeps its average (a window
+        of narrow rounds says nothing about wider trees); widths outside the table are ignored."""
+        known = {int(w): float(m) for w, m in means.items() if int(w) in self.accept}
+        if not known:
+            return
+        for w, m in known.items():
+            if m < 0:
+                raise ValueError(f"negative acceptance at width {w}: {m}")
+            self.accept[w] = m if w not in self.seen else self.ema * self.accept[w] + (1 - self.ema) * m
+            self.seen.add(w)
         self.rounds_seen += 1
 
     def tokens_per_ms(self, bs: int, width: int) -> float:

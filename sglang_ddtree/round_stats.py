@@ -46,6 +46,18 @@ def default_budgets(budget: int) -> List[int]:
     return out + [budget]
 
 
+def _async_host_copy(t: torch.Tensor):
+    """(event or None, host copy) of ``t``: on CUDA a pinned non-blocking copy behind an event (read it
+    once ``event.query()``), elsewhere a clone."""
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev, host
+    return None, t.clone()
+
+
 class _Prometheus:
     """The plugin's counters in SGLang's Prometheus registry (created once per process)."""
 
@@ -131,13 +143,7 @@ class AcceptanceStats:
         self._drain()
 
     def _snapshot(self) -> None:
-        if self.device.type == "cuda":
-            host = torch.empty(self._acc.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(self._acc, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        else:
-            host, ev = self._acc.clone(), None
+        ev, host = _async_host_copy(self._acc)
         self._acc.zero_()
         self._inflight.append((ev, host, self.every, time.time()))
 
@@ -166,3 +172,53 @@ class AcceptanceStats:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+
+
+class CounterfactualWindow:
+    """Counterfactual accepted tokens per budget for the adaptive choice (``adaptive.WidthController``),
+    summed over windows of ``every`` rounds on the device, no host sync in a round.
+
+    ``record(path, n_valid)``: path [bs, W] of a round whose tree holds the ``n_valid`` smallest
+    ``budgets`` (the others are wider than the round's tree: unknown, not counted); request-rounds per
+    budget are counted on the host.  A closed window is copied to pinned memory behind an event and
+    handed out by ``due()`` once ``lag`` more rounds were recorded: at the same round on every TP
+    rank (if the copy is somehow not complete by then, ``due`` waits for it and counts ``waits``)."""
+
+    def __init__(self, budgets: Sequence[int], *, device, every: int = 8, lag: int = 4):
+        if not budgets or list(budgets) != sorted(set(budgets)) or min(budgets) < 1:
+            raise ValueError(f"budgets must be distinct, ascending and >= 1, got {list(budgets)}")
+        if every < 1 or lag < 0:
+            raise ValueError(f"every must be >= 1 and lag >= 0, got {every}, {lag}")
+        self.budgets, self.every, self.lag = list(budgets), int(every), int(lag)
+        self.device = torch.device(device)
+        self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=self.device)
+        self._acc = torch.zeros(len(self.budgets), dtype=torch.int64, device=self.device)
+        self._counts = [0] * len(self.budgets)
+        self._rounds = 0
+        self._inflight = []   # (due round, event or None, host sums, counts)
+        self.waits = 0
+
+    def record(self, path: torch.Tensor, n_valid: int) -> None:
+        bs = path.shape[0]
+        if n_valid > 0 and bs:
+            cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid])   # [bs, n_valid]
+            self._acc[:n_valid] += cf.to(torch.int64).sum(0)
+            for j in range(n_valid):
+                self._counts[j] += bs
+        self._rounds += 1
+        if self._rounds % self.every == 0:
+            ev, host = _async_host_copy(self._acc)
+            self._acc.zero_()
+            self._inflight.append((self._rounds + self.lag, ev, host, self._counts))
+            self._counts = [0] * len(self.budgets)
+
+    def due(self) -> List[tuple]:
+        """Windows whose hand-out round has come: [(sums per budget, request-rounds per budget)]."""
+        out = []
+        while self._inflight and self._inflight[0][0] <= self._rounds:
+            _, ev, host, counts = self._inflight.pop(0)
+            if ev is not None and not ev.query():
+                ev.synchronize()
+                self.waits += 1
+            out.append((host.tolist(), counts))
+        return out

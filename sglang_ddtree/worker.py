@@ -20,6 +20,11 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
    ``move_accept_tokens_to_target_kvcache``), the drafter's context K/V for those positions is
    materialised from the accepted slots' target hidden states, and the bonus token is relayed.
 
+With ``SGLANG_DDTREE_BUDGETS`` / ``SGLANG_DDTREE_NO_SPEC`` (``adaptive.py``; off by default) the round
+first picks its verify width N (one target attention backend + verify graph per width, swapped in
+for the verify only; N = 1 skips the drafter and verifies the root alone) and builds the first
+N - 1 nodes of the same best-first tree.
+
 No step reads a device value on the host: KV-buffer sizes come from the scheduler's host-side upper
 bounds, exactly like DFLASH.  ``DDTREE-CPU`` copies the top-k to the host, builds the tree with
 the reference heap, and walks the accept on the host (the published ports' recipe).
@@ -48,7 +53,8 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import ddtree, logprobs, sampling, tree_ops
+from . import adaptive, ddtree, logprobs, sampling, tree_ops
+from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .profiling import RoundProfiler
 from .round_stats import AcceptanceStats
@@ -196,6 +202,11 @@ class DDTreeWorker(DFlashWorkerV2):
         self.budget = self.settings.budget
         self.num_verify = self.settings.num_verify_tokens
         self.topk = self.settings.topk
+        # adaptive budget (issue 17): None unless SGLANG_DDTREE_BUDGETS / _NO_SPEC ask for it; the
+        # extra verify states are built after the target's graph capture (init_cuda_graphs)
+        self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
+        self._adaptive: Optional[adaptive.WidthController] = None
+        self._verify_states: Optional[adaptive.TargetStates] = None
         # The drafter runs its own block width: give it (and its attention backend / graphs) a copy
         # of the server arguments with speculative_num_draft_tokens = block size; the target keeps
         # N = budget + 1.  DFlashWorkerV2 reads its block size from the same field.
@@ -221,6 +232,12 @@ class DDTreeWorker(DFlashWorkerV2):
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
                         self.block_size, self.topk, self.tree_backend)
+            if self._adaptive_cfg is not None:
+                logger.info("%s adaptive budget: budgets=%s, no-spec=%s, probe every %d rounds%s",
+                            self.algo_name, list(self._adaptive_cfg.budgets), self._adaptive_cfg.no_spec,
+                            self._adaptive_cfg.probe_every,
+                            "" if self._adaptive_cfg.cycle is None
+                            else f", forced cycle {list(self._adaptive_cfg.cycle)} (test switch)")
 
     def init_attention_backends(self):
         """SGLang's scheduler creates the target's attention backend, then the drafter's (this
@@ -231,6 +248,86 @@ class DDTreeWorker(DFlashWorkerV2):
         disable_causal_verify_shortcut(backend, self.algo_name)
         # at start-up, also when no CUDA graph is captured (the eager head is made at the first round)
         check_target_lm_head(self._target_worker.model_runner.model, self.algo_name)
+
+    def init_cuda_graphs(self):
+        """The drafter's graphs (DFLASH's); with the adaptive budget on, then one target verify state
+        per extra width (the target's own graphs, for the widest width, exist by now)."""
+        super().init_cuda_graphs()
+        if self._adaptive_cfg is not None:
+            self._init_adaptive(self._adaptive_cfg)
+
+    def _init_adaptive(self, cfg: "adaptive.AdaptiveConfig") -> None:
+        mr = self._target_worker.model_runner
+        algo = self.algo_name
+        use_graphs = mr.decode_cuda_graph_runner is not None
+        if cfg.cycle is None and not use_graphs:
+            raise ValueError(f"{algo}: {adaptive.ENV_BUDGETS} / {adaptive.ENV_NO_SPEC} need the "
+                             "target's CUDA graphs (the round cost table is measured from their "
+                             "replays); drop --disable-cuda-graph")
+        free_gb = None
+        if torch.device(self.device).type == "cuda":
+            from sglang.srt.utils import get_available_gpu_memory
+
+            free_gb = lambda: get_available_gpu_memory(self.device, self.gpu_id)  # noqa: E731
+
+        def prepare(backend):
+            check_tree_verify_backend(backend, algo)
+            disable_causal_verify_shortcut(backend, algo)
+
+        states = adaptive.TargetStates(mr, cfg.widest)
+        for w in cfg.extra_widths:
+            st = adaptive.build_verify_state(mr, w, use_graphs=use_graphs, prepare_backend=prepare,
+                                             free_gb=free_gb)
+            states.add(st)
+            if self.ps.tp_rank == 0:
+                logger.info("%s adaptive budget: verify state for width %d (budget %d) built: "
+                            "%.2f s, %.3f GB (cuda graphs %s)", algo, w, w - 1, st.build_s,
+                            st.mem_gb, "on" if use_graphs else "off")
+        policy = None
+        if cfg.cycle is None:
+            table = self._tp_shared(self._measure_cost_table(states, cfg))
+            policy = BudgetPolicy(table, allow_no_spec=cfg.no_spec)
+            if self.ps.tp_rank == 0:
+                logger.info("%s adaptive budget: cost table (ms) verify=%s base=%s", algo,
+                            table.verify_ms, table.base_ms)
+        self._verify_states = states
+        self._adaptive = adaptive.WidthController(cfg, policy=policy, device=self.device)
+
+    @staticmethod
+    def _tp_shared(obj):
+        """TP rank 0's ``obj`` on every rank (start-up): each rank times its own replays (all ranks
+        replay the same graphs in the same order, so their collectives pair up), but every rank must
+        choose the same widths, so they all take rank 0's cost table."""
+        tp = get_tp_group()
+        if tp.world_size <= 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tp.cpu_group, 0), group=tp.cpu_group)
+        return box[0]
+
+    def _measure_cost_table(self, states: "adaptive.TargetStates", cfg):
+        """Cost table option (a): replays of every captured (width, bs) target graph, plus the
+        drafter block's graph at bs for widths >= 2 (start-up only, synchronising)."""
+        draft_ms = {}
+        draft_runner = getattr(self.draft_model_runner, "decode_cuda_graph_runner", None)
+        for bs in (getattr(draft_runner, "capture_bs", None) or []):
+            ms = adaptive.graph_replay_ms(draft_runner, bs)
+            if ms is not None:
+                draft_ms[int(bs)] = ms
+        runners = {w: st.graph_runner for w, st in states.states.items()}
+
+        def verify_ms(w, bs):
+            ms = adaptive.graph_replay_ms(runners[w], bs)
+            if ms is None:
+                raise RuntimeError(f"{self.algo_name}: no plain CUDA graph of the width-{w} verify "
+                                   f"at bs={bs} to time (a non-default --cuda-graph backend?)")
+            return ms
+
+        return adaptive.cost_table_from_timer(
+            {w: list(r.capture_bs) for w, r in runners.items()}, verify_ms,
+            draft_ms=draft_ms or None, no_spec=cfg.no_spec)
 
     # ------------------------------------------------------------------ the drafter's head
     def _make_head(self, max_bs: int) -> DDTreeDraftHead:
@@ -268,7 +365,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
             if getattr(batch, "return_logprob", False):
                 # DFLASH refuses the flag up front although its prefill is the target's own extend
-                # (admitted only with SGLANG_DDTREE_LOGPROBS=1: patches/validate_dflash_request.py)
+                # (admitted unless SGLANG_DDTREE_LOGPROBS=0: patches/validate_dflash_request.py)
                 with logprobs.prefill_with_logprobs(self, batch):
                     return super().forward_batch_generation(batch, on_publish=on_publish)
             return super().forward_batch_generation(batch, on_publish=on_publish)
@@ -348,15 +445,17 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
 
         bs = len(batch.seq_lens)
-        B, N, K, D = self.block_size, self.num_verify, self.topk, self.block_size - 1
-        dev = self.device
+        D = self.block_size - 1
+        # verify width of this round: the server's, or the adaptive choice (host values only)
+        ctl = self._adaptive
+        N = self.num_verify if ctl is None else ctl.next_width(bs)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
-        target_model = self._target_worker.model_runner.model
 
         prof = self._prof
         prof.begin()
-        # 1) draft block [bonus, mask x D] at prefix + 0..D -----------------------------------
+        # 1) draft block [bonus, mask x D] at prefix + 0..D (N = 1: no drafter forward, the slots
+        # and positions still address the commit) -------------------------------------------------
         self._ensure_draft_block_buffers(bs)
         block_ids = self._draft_block_ids_buf[:bs]
         block_pos = self._draft_block_positions_buf[:bs]
@@ -366,8 +465,37 @@ class DDTreeWorker(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices.view(-1), req_to_token=req_to_token,
             block_ids_out=block_ids, positions_out=block_pos, cache_loc_out=block_loc,
             mask_token_id=int(self._mask_token_id))
-        embeds = target_model.get_input_embeddings()(block_ids)
         host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
+        draft_out = None
+        if N > 1:
+            lp, ids, draft_out = self._draft_block(batch, block_ids, block_pos, block_loc, prefix,
+                                                   host_bound, host_bound_sum, bs)
+        prof.mark()
+
+        # 2) tree: the first N - 1 best-first nodes (prefix-closed: a narrower tree is the wider one's
+        # first slots), or the root alone -----------------------------------------------------------
+        if N > 1:
+            tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=draft_input.bonus_tokens.view(-1),
+                                     backend=self.tree_backend, validate=False)
+        else:
+            tree = adaptive.root_only_tree(draft_input.bonus_tokens.view(-1), D)
+        prof.mark()
+
+        # 3) verify inputs, 4) target verify, on the width's target state ---------------------------
+        with (contextlib.nullcontext() if ctl is None else self._verify_states.installed(N)):
+            target_out = self._verify(batch, tree, prefix, host_bound, host_bound_sum, bs, N)
+        logits_output = target_out.logits_output
+        prof.mark()
+        return self._accept_commit(batch, on_publish, tree, logits_output, target_out, draft_out,
+                                   draft_input, block_loc, block_pos, prefix, bs, N)
+
+    def _draft_block(self, batch, block_ids, block_pos, block_loc, prefix, host_bound,
+                     host_bound_sum, bs):
+        """The drafter block forward [bs, B] + its top-k head -> (lp [bs, D, K], ids [bs, D, K],
+        the drafter's forward output)."""
+        D, K = self.block_size - 1, self.topk
+        target_model = self._target_worker.model_runner.model
+        embeds = target_model.get_input_embeddings()(block_ids)
         draft_fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.flatten(),
             req_pool_indices=batch.req_pool_indices, seq_lens=prefix,
@@ -386,14 +514,14 @@ class DDTreeWorker(DFlashWorkerV2):
             head = self._eager_topk(hidden, bs)
         lp = head.lp[: bs * D].view(bs, D, K)
         ids = head.ids[: bs * D].view(bs, D, K)
-        prof.mark()
+        return lp, ids, draft_out
 
-        # 2) tree ------------------------------------------------------------------------------
-        tree = ddtree.build_tree(lp, ids, self.budget, root_tokens=draft_input.bonus_tokens.view(-1),
-                                 backend=self.tree_backend, validate=False)
-        prof.mark()
-
-        # 3) verify inputs -----------------------------------------------------------------------
+    def _verify(self, batch, tree, prefix, host_bound, host_bound_sum, bs, N):
+        """Verify inputs (KV slots prefix + 0..N-1, the tree mask) and the target's TARGET_VERIFY
+        forward over bs * N tokens on whatever target state is installed."""
+        dev = self.device
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        prof = self._prof
         verify_loc = assign_extend_cache_locs_func(
             req_pool_indices=batch.req_pool_indices, req_to_token=req_to_token,
             start_offset=prefix, end_offset=prefix + N, batch_size=bs, draft_token_num=N,
@@ -417,8 +545,13 @@ class DDTreeWorker(DFlashWorkerV2):
             # 4) target verify ---------------------------------------------------------------------
             target_out = self._target_worker.forward_batch_generation(
                 batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
-        logits_output = target_out.logits_output
-        prof.mark()
+        return target_out
+
+    def _accept_commit(self, batch, on_publish, tree, logits_output, target_out, draft_out,
+                       draft_input, block_loc, block_pos, prefix, bs, N) -> GenerationBatchResult:
+        """Accept (greedy or sampled) over the N verify slots, then commit accepted K/V, drafter
+        context and the bonus."""
+        B, prof = self.block_size, self._prof
         sampling_info = batch.sampling_info
         if sampling_info is not None:
             apply_dflash_verify_logits_adjustments(
@@ -435,6 +568,8 @@ class DDTreeWorker(DFlashWorkerV2):
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None:
             self._stats.record(path, accept_len)
+        if self._adaptive is not None:
+            self._adaptive.record(path, N)
         prof.mark()
 
         # 6) commit --------------------------------------------------------------------------------
@@ -459,7 +594,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._rounds += 1
         if self._rounds in (1, 100, 1000) and self.ps.tp_rank == 0:
             logger.info("%s tree round %d: bs=%d draft cuda graph=%s target verify cuda graph=%s",
-                        self.algo_name, self._rounds, bs, bool(draft_out.can_run_graph),
+                        self.algo_name, self._rounds, bs,
+                        None if draft_out is None else bool(draft_out.can_run_graph),
                         bool(target_out.can_run_cuda_graph))
         prof.mark()
         prof.end(bs)
@@ -479,7 +615,7 @@ class DDTreeWorker(DFlashWorkerV2):
         probs = sampling.verify_target_probs(
             logits, temperatures=sampling_info.temperatures, top_ks=sampling_info.top_ks,
             top_ps=sampling_info.top_ps, min_ps=getattr(sampling_info, "min_ps", None),
-            num_slots=self.num_verify,
+            num_slots=tree.tokens.shape[1],
             need_top_k=bool(getattr(sampling_info, "need_top_k_sampling", True)),
             need_top_p=bool(getattr(sampling_info, "need_top_p_sampling", False)),
             need_min_p=bool(getattr(sampling_info, "need_min_p_sampling", False)),

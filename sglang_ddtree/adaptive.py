@@ -1,0 +1,314 @@
+"""Adaptive tree budget (issue 17 item 3): one target verify state per width, the per-round choice.
+
+Off unless asked for.  ``SGLANG_DDTREE_BUDGETS=7,15,31`` names the tree budgets a round may use (verify
+width ``N = budget + 1``); the widest must be the server's budget (``--speculative-num-draft-tokens``
+= widest budget + 1, or ``SGLANG_DDTREE_BUDGET``), so SGLang reserves KV, sizes buffers and captures
+its own target graph for the widest width, as for a fixed budget.  ``SGLANG_DDTREE_NO_SPEC=1`` adds
+the choice "no speculation this round": a verify of width 1 (the root alone, no drafter forward),
+i.e. a plain decode step through the verify path.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16)
+runs every k-th round at the widest width so the counterfactual acceptance of every width stays
+measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the budgets round by round
+(``0`` = no speculation; each must be in the set), for the GPU lossless check.
+
+Pieces (the worker wires them; each is CPU-tested with fakes):
+
+* :func:`parse_config`: the environment -> :class:`AdaptiveConfig` or None (unset: today's path).
+* :func:`build_verify_state`: a target attention backend (+ a ``DecodeCudaGraphRunner`` when the
+  target has CUDA graphs) built with ``server_args.speculative_num_draft_tokens`` overridden to the
+  width inside :func:`num_draft_tokens_override`; :class:`TargetStates` installs one for a round.
+* :func:`cost_table_from_timer`: the cost table from a timer (on the GPU: :func:`graph_replay_ms`,
+  replays of the captured graphs at start-up; CPU tests pass a fake timer).
+* :class:`WidthController`: per round, the width (forced cycle, probe, or the policy), and the
+  counterfactual counts fed back from :class:`round_stats.CounterfactualWindow`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp
+from .config import MAX_BUDGET, MIN_BUDGET
+from .round_stats import CounterfactualWindow
+
+logger = logging.getLogger(__name__)
+
+ENV_BUDGETS = "SGLANG_DDTREE_BUDGETS"
+ENV_NO_SPEC = "SGLANG_DDTREE_NO_SPEC"
+ENV_PROBE_EVERY = "SGLANG_DDTREE_PROBE_EVERY"
+ENV_TEST_CYCLE = "SGLANG_DDTREE_TEST_BUDGET_CYCLE"
+DEFAULT_PROBE_EVERY = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveConfig:
+    """budgets: ascending, the last is the server's; cycle: forced budgets per round (0 = no spec)."""
+
+    budgets: Tuple[int, ...]
+    no_spec: bool
+    probe_every: int
+    cycle: Optional[Tuple[int, ...]] = None
+
+    @property
+    def widths(self) -> Tuple[int, ...]:
+        """Every verify width a round may run, ascending (1 = no speculation)."""
+        return ((1,) if self.no_spec else ()) + tuple(b + 1 for b in self.budgets)
+
+    @property
+    def widest(self) -> int:
+        return self.budgets[-1] + 1
+
+    @property
+    def extra_widths(self) -> Tuple[int, ...]:
+        """Widths that need a state of their own (the widest is the target's captured one)."""
+        return tuple(w for w in self.widths if w != self.widest)
+
+
+def _int_list(algo: str, name: str, raw: str) -> List[int]:
+    try:
+        return [int(p.strip()) for p in raw.split(",")]
+    except ValueError:
+        raise ValueError(f"{algo}: {name} must be a comma-separated list of integers, "
+                         f"got {raw!r}") from None
+
+
+def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[AdaptiveConfig]:
+    """The adaptive settings from ``env``, or None when none of its variables is set (the fixed
+    budget of today).  ``budget``: the server's resolved tree budget.  Raises ValueError, one line."""
+    raw = (env.get(ENV_BUDGETS) or "").strip()
+    raw_ns = (env.get(ENV_NO_SPEC) or "").strip()
+    raw_cycle = (env.get(ENV_TEST_CYCLE) or "").strip()
+    raw_probe = (env.get(ENV_PROBE_EVERY) or "").strip()
+    if not (raw or raw_ns or raw_cycle):
+        return None
+    if raw_ns not in ("", "0", "1"):
+        raise ValueError(f"{algo}: {ENV_NO_SPEC} must be 0 or 1, got {raw_ns!r}")
+    no_spec = raw_ns == "1"
+    budgets = _int_list(algo, ENV_BUDGETS, raw) if raw else [budget]
+    bad = [b for b in budgets if not MIN_BUDGET <= b <= MAX_BUDGET]
+    if bad:
+        raise ValueError(f"{algo}: {ENV_BUDGETS}={raw}: every budget must be in [{MIN_BUDGET}, "
+                         f"{MAX_BUDGET}], got {bad[0]}")
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"{algo}: {ENV_BUDGETS}={raw} lists a budget twice")
+    budgets = sorted(budgets)
+    if budgets[-1] != budget:
+        raise ValueError(f"{algo}: {ENV_BUDGETS}={raw}: the widest budget {budgets[-1]} must be the "
+                         f"server's tree budget {budget}; launch with --speculative-num-draft-tokens "
+                         f"{budgets[-1] + 1} (= widest budget + 1)")
+    probe = DEFAULT_PROBE_EVERY
+    if raw_probe:
+        try:
+            probe = int(raw_probe)
+        except ValueError:
+            probe = 0
+        if probe < 1:
+            raise ValueError(f"{algo}: {ENV_PROBE_EVERY} must be an integer >= 1, got {raw_probe!r}")
+    cycle = None
+    if raw_cycle:
+        cycle = tuple(_int_list(algo, ENV_TEST_CYCLE, raw_cycle))
+        allowed = set(budgets) | ({0} if no_spec else set())
+        off = [c for c in cycle if c not in allowed]
+        if off:
+            raise ValueError(f"{algo}: {ENV_TEST_CYCLE}={raw_cycle}: {off[0]} is not one of the "
+                             f"budgets {sorted(allowed)} (0 needs {ENV_NO_SPEC}=1)")
+    if not no_spec and len(budgets) == 1 and cycle is None:
+        return None   # one budget, no alternative: the fixed path
+    return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle)
+
+
+# ------------------------------------------------------------------ verify states per width
+@dataclasses.dataclass
+class VerifyState:
+    """The target's resources for verify width ``width``: its attention backend (own metadata and
+    graph mask buffer), its decode graph runner (None: eager), the build's seconds and GiB."""
+
+    width: int
+    attn_backend: object
+    graph_runner: object
+    build_s: float = 0.0
+    mem_gb: float = 0.0
+
+
+@contextlib.contextmanager
+def num_draft_tokens_override(server_args, n: int):
+    """``server_args.speculative_num_draft_tokens = n`` inside, the old value after (also on error)."""
+    old = server_args.speculative_num_draft_tokens
+    server_args.override("sglang_ddtree.adaptive_capture", speculative_num_draft_tokens=int(n))
+    try:
+        yield
+    finally:
+        server_args.override("sglang_ddtree.adaptive_restore", speculative_num_draft_tokens=old)
+
+
+def graph_runner_cls():
+    """SGLang's target verify graph runner class (tests replace this function)."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    return DecodeCudaGraphRunner
+
+
+def build_verify_state(model_runner, width: int, *, use_graphs: bool, runner_cls=None,
+                       prepare_backend: Optional[Callable] = None,
+                       free_gb: Optional[Callable[[], float]] = None) -> VerifyState:
+    """One verify state: ``model_runner``'s server_args say ``width`` while its backend (and graph
+    runner, when ``use_graphs``) are built; ``prepare_backend(backend)`` (the worker's tree-verify
+    checks) runs on the new backend before capture.  ``runner_cls``: default
+    :func:`graph_runner_cls`."""
+    tic = time.perf_counter()
+    before = free_gb() if free_gb else 0.0
+    with num_draft_tokens_override(model_runner.server_args, width):
+        saved = getattr(model_runner, "init_new_workspace", None)
+        try:
+            backend = model_runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            if hasattr(model_runner, "init_new_workspace"):
+                model_runner.init_new_workspace = saved
+        if prepare_backend is not None:
+            prepare_backend(backend)
+        runner = None
+        if use_graphs:
+            runner_cls = runner_cls or graph_runner_cls()
+            runner = runner_cls(model_runner, attn_backend=backend, speculative_num_steps=1,
+                                speculative_num_draft_tokens=width)
+    after = free_gb() if free_gb else 0.0
+    return VerifyState(width=width, attn_backend=backend, graph_runner=runner,
+                       build_s=time.perf_counter() - tic, mem_gb=before - after)
+
+
+class TargetStates:
+    """The target's verify states by width.  The widest is the model runner's own (captured by
+    SGLang) and stays installed outside rounds; :meth:`installed` swaps a width in for one verify."""
+
+    def __init__(self, model_runner, widest: int):
+        self.mr = model_runner
+        self.widest = int(widest)
+        self.states: Dict[int, VerifyState] = {
+            self.widest: VerifyState(self.widest, model_runner.attn_backend,
+                                     model_runner.decode_cuda_graph_runner)}
+
+    def add(self, state: VerifyState) -> None:
+        if state.width in self.states:
+            raise ValueError(f"verify width {state.width} already has a state")
+        self.states[state.width] = state
+
+    @contextlib.contextmanager
+    def installed(self, width: int):
+        """``model_runner.attn_backend`` / ``decode_cuda_graph_runner`` = width's inside; the widest
+        state's after (also on error), so prefill and everything outside a verify see SGLang's own."""
+        state = self.states[width]
+        mr, home = self.mr, self.states[self.widest]
+        mr.attn_backend, mr.decode_cuda_graph_runner = state.attn_backend, state.graph_runner
+        try:
+            yield state
+        finally:
+            mr.attn_backend, mr.decode_cuda_graph_runner = home.attn_backend, home.graph_runner
+
+
+# ------------------------------------------------------------------ the cost table
+def cost_table_from_timer(batch_sizes: Mapping[int, Sequence[int]],
+                          verify_ms: Callable[[int, int], float], *,
+                          draft_ms: Optional[Mapping[int, float]] = None,
+                          no_spec: bool) -> CostTable:
+    """Round cost per (width, bs): ``verify_ms(width, bs)`` (+ the drafter block ``draft_ms``, a
+    {bs: ms} row interpolated, for widths >= 2).  ``batch_sizes[width]``: where to time that width;
+    width 1 (if ``no_spec``) gives ``base_ms``.  Without no-spec, base_ms copies the narrowest width
+    (never chosen: the policy then leaves no-spec out)."""
+    rows: Dict[int, Dict[int, float]] = {}
+    for w, bss in batch_sizes.items():
+        extra = (lambda bs: 0.0) if (w == 1 or not draft_ms) else (lambda bs: _interp(draft_ms, bs))
+        rows[int(w)] = {int(bs): float(verify_ms(int(w), int(bs))) + extra(int(bs)) for bs in bss}
+    base = rows.pop(1, None)
+    if no_spec and base is None:
+        raise ValueError("no-spec needs the width-1 timings")
+    if base is None:
+        base = dict(rows[min(rows)])
+    return CostTable(verify_ms=rows, base_ms=base)
+
+
+def graph_replay_ms(runner, bs: int, replays: int = 5) -> Optional[float]:
+    """Mean GPU ms of one replay of ``runner``'s captured graph for batch size ``bs`` (with the
+    inputs left in its buffers by capture), or None when the runner keeps no plain CUDA graph for
+    it.  Start-up only: it synchronises."""
+    graphs = getattr(getattr(runner, "backend", None), "_graphs", None)
+    if graphs is None:
+        return None
+    g = graphs.get(runner._make_graph_key(bs))
+    if g is None:
+        return None
+    torch.cuda.synchronize()
+    for _ in range(2):
+        g.replay()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(replays):
+        g.replay()
+    en.record()
+    en.synchronize()
+    return st.elapsed_time(en) / replays
+
+
+# ------------------------------------------------------------------ the per-round choice
+class WidthController:
+    """Per round: :meth:`next_width` (host values only), then :meth:`record` with the accepted path.
+
+    Order of the choice: the forced cycle (test switch); the widest width on every ``probe_every``-th
+    round and until the first window of counts has arrived; else ``policy.choose(bs)``.  Counts of
+    widths above the round's own are unknown and not recorded (a narrow round says nothing about a
+    wider tree).  Every rank sees the same rounds and counts (``CounterfactualWindow`` applies a
+    window at a fixed round), so TP ranks choose alike."""
+
+    def __init__(self, cfg: AdaptiveConfig, *, policy: Optional[BudgetPolicy], device,
+                 window_every: int = 8, window_lag: int = 4):
+        self.cfg = cfg
+        self.policy = policy
+        self.spec_widths = [b + 1 for b in cfg.budgets]
+        self.window = CounterfactualWindow(list(cfg.budgets), device=device, every=window_every,
+                                           lag=window_lag)
+        self.round = 0
+        self.chosen: Dict[int, int] = {}
+
+    def next_width(self, bs: int) -> int:
+        """The verify width of this round (1 = no speculation)."""
+        for sums, counts in self.window.due():
+            if self.policy is not None:
+                self.policy.update_means({w: s / c for w, s, c in zip(self.spec_widths, sums, counts)
+                                          if c > 0})
+        r = self.round
+        self.round += 1
+        cfg = self.cfg
+        if cfg.cycle is not None:
+            b = cfg.cycle[r % len(cfg.cycle)]
+            w = 1 if b == 0 else b + 1
+        elif r % cfg.probe_every == 0 or self.policy is None or self.policy.rounds_seen == 0:
+            w = cfg.widest
+        else:
+            c = self.policy.choose(bs)
+            w = 1 if c == NO_SPEC else c
+        self.chosen[w] = self.chosen.get(w, 0) + 1
+        return w
+
+    def record(self, path: torch.Tensor, width: int) -> None:
+        """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``."""
+        n_valid = sum(1 for w in self.spec_widths if w <= width)
+        self.window.record(path, n_valid)
+
+
+def root_only_tree(root_tokens: torch.Tensor, draft_depth: int):
+    """The tree of a no-speculation round: the root alone (N = 1; what ``build_tree`` gives for
+    budget 0).  root_tokens [bs] int64 -> Tree with tokens [bs, 1], no drafter input needed."""
+    from .ddtree import Tree
+
+    bs, dev = root_tokens.shape[0], root_tokens.device
+    return Tree(tokens=root_tokens.reshape(bs, 1).to(torch.int64),
+                depth=torch.zeros((bs, 1), dtype=torch.int32, device=dev),
+                parent=torch.full((bs, 1), -1, dtype=torch.int32, device=dev),
+                num_nodes=torch.ones((bs,), dtype=torch.int32, device=dev),
+                visibility=torch.ones((bs, 1, 1), dtype=torch.bool, device=dev),
+                mask_words=torch.ones((bs, 1, 1), dtype=torch.int32, device=dev),
+                budget=0, draft_depth=int(draft_depth))

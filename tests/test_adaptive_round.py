@@ -1,0 +1,292 @@
+"""The worker's decode round with the adaptive budget, on the CPU with fake SGLang pieces around the
+real round code (``DDTreeWorker._forward_tree_round``, the reference tree / mask / accept): each
+round verifies on the chosen width's target state (its backend holds the mask, its runner replays),
+the state is restored after, the tree is the chosen budget's (the first nodes of the wide tree),
+width 1 skips the drafter, probing runs the widest width every k rounds, and under any width
+schedule the output equals the fake target's greedy sequence (issue 17 item 3).
+
+The fake target is a deterministic "language model" over a hidden token sequence ``T``: at a slot
+whose path (read back from the verify mask the round wrote) spells ``T`` from the root on, its argmax
+is ``T``'s next token, else a wrong one; the fake drafter proposes ``T`` at a random rank or not at
+all."""
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+
+from sglang_ddtree import adaptive as A  # noqa: E402
+from sglang_ddtree import ddtree  # noqa: E402
+from sglang_ddtree import worker as W  # noqa: E402
+from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable  # noqa: E402
+from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
+
+V, B, K, H = 64, 6, 12, 3          # vocab, drafter block (depth 5), top-k, hidden width
+CTX = 400                          # req_to_token row length
+
+
+class Backend:
+    def __init__(self, width):
+        self.width = width
+        self.cuda_graph_custom_mask = torch.zeros(200_000, dtype=torch.bool)
+
+
+class Runner:
+    def __init__(self, width, backend):
+        self.width, self.attn_backend, self.max_bs = width, backend, 64
+
+    def can_run_graph(self, fb):
+        return True
+
+
+class DraftInput:
+    def __init__(self, bonus):
+        self.bonus_tokens, self.reserved_seq_lens_cpu, self.max_top_k = bonus, None, 1
+
+
+class VerifyInput:
+    """Stands in for DFlashVerifyInput: keeps the verify inputs, records the installed state."""
+
+    def __init__(self, draft_token, positions, draft_token_num, custom_mask, capture_hidden_mode):
+        self.draft_token, self.positions, self.N, self.custom_mask = draft_token, positions, draft_token_num, custom_mask
+
+    def prepare_for_verify(self, batch, target_worker):
+        mr = target_worker.model_runner
+        return types.SimpleNamespace(spec=self, backend=mr.attn_backend, runner=mr.decode_cuda_graph_runner), True
+
+
+class World:
+    """The fake model pair + bookkeeping of one test."""
+
+    def __init__(self, rng, bs, p0):
+        self.rng = rng
+        self.T = torch.randint(0, V, (bs, CTX), generator=rng)
+        self.bs = bs
+        self.log = []            # per round: dict(N, backend width, runner width, budget, drafted)
+        self.cur = None
+
+    # the drafter's head: top-K per drafted depth, T's token at a random rank (or absent)
+    def head(self, positions, bs):
+        D = B - 1
+        pos = positions.view(bs, B)[:, 1:]                                    # prefix + 1..D
+        lp = torch.sort(torch.randn(bs, D, K, generator=self.rng).log_softmax(-1), dim=-1,
+                        descending=True).values
+        ids = torch.empty(bs, D, K, dtype=torch.int64)
+        for b in range(bs):
+            for d in range(D):
+                truth = int(self.T[b, pos[b, d]])
+                others = [t for t in torch.randperm(V, generator=self.rng).tolist() if t != truth][:K]
+                r = int(torch.randint(0, 3 * K, (), generator=self.rng))
+                if r < K:                                                    # T at rank r (often 0)
+                    r = 0 if r < K // 2 else r
+                    others[r] = truth
+                ids[b, d] = torch.tensor(others[:K])
+        return types.SimpleNamespace(lp=lp.reshape(bs * D, K), ids=ids.reshape(bs * D, K))
+
+    def target(self, fb):
+        spec = fb.spec
+        N, bs = spec.N, self.bs
+        tok = spec.draft_token.view(bs, N)
+        pos = spec.positions.view(bs, N)
+        prefix = pos[:, 0]
+        logits = torch.zeros(bs * N, V)
+        off = 0
+        for b in range(bs):
+            p = int(prefix[b])
+            row_len = p + N
+            for i in range(N):
+                row = spec.custom_mask[off + i * row_len: off + (i + 1) * row_len]
+                assert bool(row[:p].all())                                   # the prefix is visible
+                anc = [j for j in range(N) if bool(row[p + j])]
+                assert anc[0] == 0 and anc[-1] == i                          # root ... itself
+                path = [int(tok[b, j]) for j in anc[1:]]
+                ok = path == self.T[b, p + 1: p + 1 + len(path)].tolist()
+                nxt = int(self.T[b, p + 1 + len(path)])
+                logits[b * N + i, nxt if ok else (nxt + 1) % V] = 1.0
+            off += N * row_len
+        self.cur.update(N=N, backend=fb.backend.width, runner=fb.runner.width,
+                        mask_in=fb.backend.cuda_graph_custom_mask.data_ptr() == spec.custom_mask.data_ptr())
+        hidden = torch.randn(bs * N, H, generator=self.rng)
+        return types.SimpleNamespace(logits_output=types.SimpleNamespace(next_token_logits=logits,
+                                                                         hidden_states=hidden),
+                                     can_run_cuda_graph=True)
+
+
+def _prepare_block(*, bonus_tokens, prefix_lens, req_pool_indices, req_to_token, block_ids_out,
+                   positions_out, cache_loc_out, mask_token_id):
+    off = torch.arange(B)
+    block_ids_out.fill_(mask_token_id)
+    block_ids_out[:, 0] = bonus_tokens
+    positions_out.copy_(prefix_lens.view(-1, 1) + off)
+    cache_loc_out.copy_(req_to_token[req_pool_indices.view(-1, 1), prefix_lens.view(-1, 1) + off])
+
+
+def _assign_locs(*, req_pool_indices, req_to_token, start_offset, end_offset, batch_size,
+                 draft_token_num, device):
+    off = torch.arange(draft_token_num)
+    return req_to_token[req_pool_indices.view(-1, 1), start_offset.view(-1, 1) + off].reshape(-1)
+
+
+@pytest.fixture
+def world(monkeypatch, rng):
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    monkeypatch.setattr(W, "DFlashDraftInputV2", DraftInput)
+    monkeypatch.setattr(W, "DFlashVerifyInput", VerifyInput)
+    monkeypatch.setattr(W, "ForwardBatch", lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(W, "_prepare_dflash_draft_block_unchecked", _prepare_block)
+    monkeypatch.setattr(W, "assign_extend_cache_locs_func", _assign_locs)
+    monkeypatch.setattr(W, "move_accept_tokens_to_target_kvcache", lambda *a: None)
+    monkeypatch.setattr(W, "make_draft_input_v2", lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(W, "GenerationBatchResult", lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.delenv("SGLANG_DDTREE_PROFILE_FILE", raising=False)
+    built = []
+    real_build = ddtree.build_tree
+
+    def spy_build(lp, ids, budget, **kw):
+        built.append(budget)
+        return real_build(lp, ids, budget, **kw)
+
+    monkeypatch.setattr(ddtree, "build_tree", spy_build)
+    return types.SimpleNamespace(rng=rng, built=built)
+
+
+def make_worker(world_fx, env, bs=3, p0=5, budget=15):
+    wd = World(world_fx.rng, bs, p0)
+    wd.built = world_fx.built
+    home_backend = Backend(budget + 1)
+    mr = types.SimpleNamespace(
+        attn_backend=home_backend, decode_cuda_graph_runner=Runner(budget + 1, home_backend),
+        req_to_token_pool=types.SimpleNamespace(req_to_token=torch.arange(bs * CTX).view(bs, CTX) + 1),
+        model=types.SimpleNamespace(get_input_embeddings=lambda: (lambda ids: ids.float().unsqueeze(-1))),
+        server_args=None)
+    mr.home = (mr.attn_backend, mr.decode_cuda_graph_runner)
+    tw = types.SimpleNamespace(model_runner=mr,
+                               forward_batch_generation=lambda batch, forward_batch, **kw: wd.target(forward_batch))
+    w = object.__new__(W.DDTreeWorker)
+    drafted = []
+
+    def draft_forward(fb):
+        drafted.append(1)
+        wd.cur["drafted"] = True
+        return types.SimpleNamespace(can_run_graph=False,
+                                     logits_output=types.SimpleNamespace(hidden_states=fb.positions))
+
+    def ensure(n):
+        if w._draft_block_ids_buf is None:
+            w._draft_block_ids_buf = torch.zeros(8, B, dtype=torch.int64)
+            w._draft_block_positions_buf = torch.zeros(8, B, dtype=torch.int64)
+            w._draft_verify_out_cache_loc_buf = torch.zeros(8, B, dtype=torch.int64)
+            w._draft_seq_lens_cpu_buf = torch.zeros(8, dtype=torch.int32)
+
+    w.__dict__.update(
+        algo_name="DDTREE-GPU", tree_backend="reference", device="cpu", block_size=B, topk=K,
+        budget=budget, num_verify=budget + 1, ps=types.SimpleNamespace(tp_rank=0),
+        _target_worker=tw, model_runner=mr, draft_model_runner=types.SimpleNamespace(forward=draft_forward),
+        _draft_block_ids_buf=None, _mask_token_id=V - 1, _draft_block_spec_info=None, _draft_sampler=None,
+        _ensure_draft_block_buffers=ensure, _eager_topk=lambda hidden, n: wd.head(hidden, n),
+        _append_target_hidden_to_draft_kv_by_loc=lambda **kw: None, _stats=None, _rounds=0,
+        _own_mask_buf=None, _eager_mask_rounds=0,
+        _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _adaptive=None, _verify_states=None,
+        _adaptive_cfg=A.parse_config(env, budget=budget, algo="DDTREE-GPU"))
+    if w._adaptive_cfg is not None:                      # what init_cuda_graphs builds, with fakes
+        states = A.TargetStates(mr, w._adaptive_cfg.widest)
+        for width in w._adaptive_cfg.extra_widths:
+            be = Backend(width)
+            states.add(A.VerifyState(width, be, Runner(width, be)))
+        w._verify_states = states
+        w._adaptive = A.WidthController(w._adaptive_cfg, policy=None, device="cpu", window_every=2,
+                                        window_lag=1)
+    wd.w, wd.mr, wd.drafted = w, mr, drafted
+    wd.seq = torch.full((bs,), p0, dtype=torch.int64)
+    wd.bonus = wd.T[:, p0].clone()
+    wd.out = [[] for _ in range(bs)]
+    return wd
+
+
+def run_round(wd):
+    bs = wd.bs
+    batch = types.SimpleNamespace(seq_lens=wd.seq.clone(), seq_lens_cpu=wd.seq.clone().to(torch.int32),
+                                  seq_lens_sum=int(wd.seq.sum()), req_pool_indices=torch.arange(bs),
+                                  spec_info=DraftInput(wd.bonus.clone()), sampling_info=None,
+                                  return_logprob=False, token_to_kv_pool_allocator=None, out_cache_loc=None)
+    wd.cur = dict(drafted=False)
+    n_built = len(wd.built)
+    res = wd.w._forward_tree_round(batch, None)
+    wd.cur["budget"] = wd.built[-1] if len(wd.built) > n_built else None
+    assert (wd.mr.attn_backend, wd.mr.decode_cuda_graph_runner) == wd.mr.home   # restored
+    toks = res.next_token_ids.view(bs, -1)
+    for b in range(bs):
+        n = int(res.accept_lens[b])
+        wd.out[b] += toks[b, :n].tolist()
+    wd.seq = res.new_seq_lens.clone()
+    wd.bonus = res.next_draft_input.bonus_tokens.clone()
+    wd.log.append(dict(wd.cur, commit=res.accept_lens.clone()))
+    return wd.cur
+
+
+def assert_lossless(wd, p0=5):
+    for b in range(wd.bs):
+        n = len(wd.out[b])
+        assert n > 0 and wd.out[b] == wd.T[b, p0 + 1: p0 + 1 + n].tolist()
+
+
+def test_default_round_is_the_fixed_budget(world):
+    wd = make_worker(world, {})
+    assert wd.w._adaptive is None
+    for _ in range(6):
+        r = run_round(wd)
+        assert r["N"] == 16 and r["budget"] == 15 and r["drafted"] and r["backend"] == 16 and r["mask_in"]
+    assert_lossless(wd)
+    assert sum(len(o) for o in wd.out) > 6 * wd.bs                  # the drafter got tokens accepted
+
+
+def test_forced_cycle_installs_each_width_and_stays_lossless(world):
+    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1",
+           "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "15,3,0,7,0,15,7,3"}
+    wd = make_worker(world, env)
+    cycle = [15, 3, 0, 7, 0, 15, 7, 3] * 2
+    for b in cycle:
+        r = run_round(wd)
+        N = b + 1
+        assert r["N"] == N and r["backend"] == N and r["runner"] == N and r["mask_in"]
+        if b == 0:
+            assert not r["drafted"] and r["budget"] is None               # no drafter, no tree build
+            assert (wd.log[-1]["commit"] == 1).all()                      # one token per request
+        else:
+            assert r["drafted"] and r["budget"] == b
+    assert_lossless(wd)
+    # each non-widest state's mask buffer was written, the widest's too
+    for width in (1, 4, 8, 16):
+        assert wd.w._verify_states.states[width].attn_backend.cuda_graph_custom_mask.any()
+
+
+def test_probe_every_k_rounds_and_the_policy_between(world):
+    """A table that makes no-speculation the best choice: after the first window of counts the
+    policy answers NO_SPEC, except on every k-th round (the widest width, the probe)."""
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1", "SGLANG_DDTREE_PROBE_EVERY": "4"}
+    wd = make_worker(world, env)
+    table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2})
+    wd.w._adaptive.policy = BudgetPolicy(table, allow_no_spec=True)
+    widths = [run_round(wd)["N"] for _ in range(14)]
+    # rounds 0-2: no counts yet -> widest; window of rounds 0-1 arrives at round 3 (lag 1)
+    assert widths[:3] == [16, 16, 16]
+    for r in range(3, 14):
+        assert widths[r] == (16 if r % 4 == 0 else 1), (r, widths)
+    assert wd.w._adaptive.policy.rounds_seen >= 1 and wd.w._adaptive.chosen[1] >= 8
+    assert_lossless(wd)
+
+
+def test_policy_switches_widths_and_learns_from_wide_rounds(world):
+    """Costs that favour the narrow tree: the policy moves to width 4 and the acceptance it holds for
+    width 16 comes from the wide (probe) rounds only."""
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_PROBE_EVERY": "3"}
+    wd = make_worker(world, env)
+    table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
+    pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
+    wd.w._adaptive.policy = pol
+    widths = [run_round(wd)["N"] for _ in range(12)]
+    assert widths[:3] == [16, 16, 16] and set(widths[3:]) <= {4, 16}
+    assert all(widths[r] == 4 for r in range(3, 12) if r % 3), widths
+    assert pol.seen == {4, 16}
+    assert_lossless(wd)

@@ -1,0 +1,243 @@
+"""The adaptive budget's start-up pieces with fake SGLang objects (CPU): one target verify state per
+extra width, built while server_args say that width and restored after; the state swap of a round;
+the cost table from a (fake) graph timer; the worker's init_cuda_graphs builds nothing unless asked
+(issue 17 item 3)."""
+import types
+
+import pytest
+import torch
+
+from sglang_ddtree import adaptive as A
+from sglang_ddtree.budget_policy import NO_SPEC
+
+
+class FakeArgs:
+    """server_args with SGLang's ``override`` (fields set, mutation logged)."""
+
+    def __init__(self, n):
+        self.speculative_num_draft_tokens = n
+        self.log = []
+
+    def override(self, source, **kw):
+        self.log.append((source, dict(kw)))
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class FakeBackend:
+    def __init__(self, width):
+        self.width = width                      # what server_args said when it was built
+        self.cuda_graph_custom_mask = torch.zeros(100_000, dtype=torch.bool)
+        self.prepared = False
+
+
+class FakeRunner:
+    def __init__(self, model_runner, *, attn_backend, speculative_num_steps, speculative_num_draft_tokens):
+        self.attn_backend, self.width = attn_backend, speculative_num_draft_tokens
+        self.args_width = model_runner.server_args.speculative_num_draft_tokens
+        self.backend_prepared = attn_backend.prepared   # prepared before capture?
+        self.capture_bs, self.max_bs = [1, 2, 4, 8], 8
+
+
+class FakeModelRunner:
+    def __init__(self, n_max, graphs=True, fail_at=None):
+        self.server_args = FakeArgs(n_max)
+        self.attn_backend = FakeBackend(n_max)
+        self.decode_cuda_graph_runner = (FakeRunner(self, attn_backend=self.attn_backend,
+                                                    speculative_num_steps=1,
+                                                    speculative_num_draft_tokens=n_max)
+                                         if graphs else None)
+        self.init_new_workspace = False
+        self.built = []
+        self.fail_at = fail_at
+
+    def _get_attention_backend(self, init_new_workspace=False):
+        assert init_new_workspace
+        self.init_new_workspace = True          # SGLang flips it; the build restores it
+        if self.server_args.speculative_num_draft_tokens == self.fail_at:
+            raise RuntimeError("backend build failed")
+        b = FakeBackend(self.server_args.speculative_num_draft_tokens)
+        self.built.append(b)
+        return b
+
+
+def _prepare(b):
+    b.prepared = True
+
+
+def test_build_state_sees_its_width_and_restores_server_args():
+    mr = FakeModelRunner(32)
+    st = A.build_verify_state(mr, 8, use_graphs=True, runner_cls=FakeRunner, prepare_backend=_prepare,
+                              free_gb=iter([50.0, 49.25]).__next__)
+    assert st.width == 8 and st.attn_backend.width == 8 and st.attn_backend.prepared
+    assert st.graph_runner.width == 8 and st.graph_runner.args_width == 8 and st.graph_runner.backend_prepared
+    assert st.mem_gb == pytest.approx(0.75) and st.build_s >= 0
+    assert mr.server_args.speculative_num_draft_tokens == 32        # KV stays reserved for the widest
+    assert [kw for _, kw in mr.server_args.log] == [dict(speculative_num_draft_tokens=8),
+                                                    dict(speculative_num_draft_tokens=32)]
+    assert mr.init_new_workspace is False
+    eager = A.build_verify_state(mr, 1, use_graphs=False, runner_cls=FakeRunner)
+    assert eager.graph_runner is None and eager.attn_backend.width == 1
+
+
+def test_build_state_restores_server_args_on_failure():
+    mr = FakeModelRunner(32, fail_at=16)
+    with pytest.raises(RuntimeError):
+        A.build_verify_state(mr, 16, use_graphs=True, runner_cls=FakeRunner)
+    assert mr.server_args.speculative_num_draft_tokens == 32 and mr.init_new_workspace is False
+
+
+def test_installed_swaps_for_the_verify_only():
+    mr = FakeModelRunner(32)
+    home = (mr.attn_backend, mr.decode_cuda_graph_runner)
+    states = A.TargetStates(mr, 32)
+    for w in (1, 8):
+        states.add(A.build_verify_state(mr, w, use_graphs=True, runner_cls=FakeRunner))
+    with pytest.raises(ValueError):
+        states.add(A.VerifyState(8, None, None))
+    for w in (8, 1, 32):
+        with states.installed(w) as st:
+            assert st.width == w
+            assert mr.attn_backend.width == w and mr.decode_cuda_graph_runner.width == w
+            assert mr.decode_cuda_graph_runner.attn_backend is mr.attn_backend
+        assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
+    with pytest.raises(RuntimeError):
+        with states.installed(8):
+            raise RuntimeError("verify failed")
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
+    with pytest.raises(KeyError):
+        with states.installed(16):
+            pass
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
+
+
+def test_cost_table_from_a_fake_timer():
+    calls = []
+
+    def timer(w, bs):
+        calls.append((w, bs))
+        return 1.0 + 0.1 * w * bs
+
+    t = A.cost_table_from_timer({1: [1, 4], 8: [1, 4], 32: [1, 2]}, timer, draft_ms={1: 2.0, 4: 3.0},
+                                no_spec=True)
+    assert sorted(calls) == [(1, 1), (1, 4), (8, 1), (8, 4), (32, 1), (32, 2)]
+    assert t.widths == [8, 32]
+    assert t.base_ms == {1: pytest.approx(1.1), 4: pytest.approx(1.4)}          # no drafter in no-spec
+    assert t.verify_ms[8] == {1: pytest.approx(1.8 + 2.0), 4: pytest.approx(4.2 + 3.0)}
+    assert t.verify_ms[32][2] == pytest.approx(7.4 + 2 + 1 / 3)                # draft row interpolated
+    assert t.cost(4, NO_SPEC) == pytest.approx(1.4)
+    t2 = A.cost_table_from_timer({8: [1], 32: [1]}, timer, no_spec=False)
+    assert t2.base_ms == t2.verify_ms[8]                                         # placeholder, unused
+    with pytest.raises(ValueError):
+        A.cost_table_from_timer({8: [1], 32: [1]}, timer, no_spec=True)
+    with pytest.raises(ValueError):                                              # CostTable's checks
+        A.cost_table_from_timer({1: [1], 8: [1]}, lambda w, bs: 0.0, no_spec=True)
+
+
+def test_graph_replay_ms_without_a_plain_graph():
+    runner = types.SimpleNamespace(backend=types.SimpleNamespace(), _make_graph_key=lambda bs: bs)
+    assert A.graph_replay_ms(runner, 4) is None
+    runner.backend._graphs = {}
+    assert A.graph_replay_ms(runner, 4) is None
+
+
+def test_root_only_tree_is_the_budget_zero_tree(rng):
+    from sglang_ddtree import ddtree
+
+    bs, D, K = 4, 5, 6
+    lp = torch.sort(torch.randn(bs, D, K, generator=rng).log_softmax(-1), descending=True).values
+    ids = torch.randint(0, 90, (bs, D, K), generator=rng)
+    roots = torch.randint(0, 90, (bs,), generator=rng)
+    want = ddtree.build_tree(lp, ids, 0, root_tokens=roots, backend="reference")
+    got = A.root_only_tree(roots, D)
+    for f in ("tokens", "depth", "parent", "num_nodes", "visibility", "mask_words"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert got.budget == 0 and got.draft_depth == D
+
+
+# ------------------------------------------------------------------ the worker's start-up
+def _worker_module():
+    pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+    from sglang_ddtree import worker
+    return worker
+
+
+def _fake_worker(W, cfg, mr):
+    w = object.__new__(W.DDTreeWorker)
+    w.__dict__.update(algo_name="DDTREE-GPU", device="cpu", gpu_id=0, ps=types.SimpleNamespace(tp_rank=0),
+                      _adaptive_cfg=cfg, _adaptive=None, _verify_states=None,
+                      _target_worker=types.SimpleNamespace(model_runner=mr),
+                      draft_model_runner=types.SimpleNamespace(decode_cuda_graph_runner=None))
+    return w
+
+
+@pytest.fixture
+def fake_startup(monkeypatch):
+    W = _worker_module()
+    super_calls = []
+    monkeypatch.setattr(W.DFlashWorkerV2, "init_cuda_graphs", lambda self: super_calls.append(self))
+    checked = []
+    monkeypatch.setattr(W, "check_tree_verify_backend", lambda b, algo: checked.append(("check", b)))
+    monkeypatch.setattr(W, "disable_causal_verify_shortcut",
+                        lambda b, algo: (checked.append(("split", b)), _prepare(b)))
+    monkeypatch.setattr(A, "graph_runner_cls", lambda: FakeRunner)
+    monkeypatch.setattr(W, "get_tp_group", lambda: types.SimpleNamespace(world_size=1))
+    timed = []
+
+    def fake_replay(runner, bs):
+        timed.append((runner.width, bs))
+        return 1.0 + runner.width * bs / 10
+
+    monkeypatch.setattr(A, "graph_replay_ms", fake_replay)
+    return types.SimpleNamespace(W=W, super_calls=super_calls, checked=checked, timed=timed)
+
+
+def test_default_builds_no_extra_state(fake_startup):
+    W = fake_startup.W
+    mr = FakeModelRunner(32)
+    home = (mr.attn_backend, mr.decode_cuda_graph_runner)
+    w = _fake_worker(W, A.parse_config({}, budget=31, algo="DDTREE-GPU"), mr)
+    W.DDTreeWorker.init_cuda_graphs(w)
+    assert len(fake_startup.super_calls) == 1                       # DFLASH's own capture still runs
+    assert mr.built == [] and mr.server_args.log == [] and fake_startup.timed == []
+    assert w._adaptive is None and w._verify_states is None
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
+
+
+def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startup):
+    W = fake_startup.W
+    mr = FakeModelRunner(32)
+    home = (mr.attn_backend, mr.decode_cuda_graph_runner)
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31", "SGLANG_DDTREE_NO_SPEC": "1"}, budget=31,
+                         algo="DDTREE-GPU")
+    w = _fake_worker(W, cfg, mr)
+    W.DDTreeWorker.init_cuda_graphs(w)
+    assert len(fake_startup.super_calls) == 1
+    assert [b.width for b in mr.built] == [1, 8]                    # the widest is SGLang's own
+    st = w._verify_states.states
+    assert sorted(st) == [1, 8, 32] and st[32].attn_backend is home[0] and st[32].graph_runner is home[1]
+    for width in (1, 8):
+        assert st[width].graph_runner.width == width and st[width].graph_runner.backend_prepared
+        assert ("check", st[width].attn_backend) in fake_startup.checked
+    assert mr.server_args.speculative_num_draft_tokens == 32
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
+    # every captured (width, bs) timed once; the policy got that table
+    assert sorted(fake_startup.timed) == sorted((wd, bs) for wd in (1, 8, 32) for bs in (1, 2, 4, 8))
+    table = w._adaptive.policy.costs
+    assert table.widths == [8, 32] and table.base_ms[4] == pytest.approx(1.4)
+    assert w._adaptive.policy.allow_no_spec
+
+
+def test_adaptive_without_graphs(fake_startup):
+    W = fake_startup.W
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31"}, budget=31, algo="DDTREE-GPU")
+    with pytest.raises(ValueError, match="need the target's CUDA graphs"):
+        W.DDTreeWorker.init_cuda_graphs(_fake_worker(W, cfg, FakeModelRunner(32, graphs=False)))
+    # the forced cycle (the GPU lossless check) needs no cost table: eager states
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31", "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "7,31"},
+                         budget=31, algo="DDTREE-GPU")
+    mr = FakeModelRunner(32, graphs=False)
+    w = _fake_worker(W, cfg, mr)
+    W.DDTreeWorker.init_cuda_graphs(w)
+    assert w._verify_states.states[8].graph_runner is None and w._adaptive.policy is None
+    assert fake_startup.timed == []
