@@ -641,3 +641,16 @@ def test_recommendation_is_the_fastest_lossless_arm():
     md = "\n".join(report._render_recommendations(run, "##"))
     assert "| 1 | ddtree_b32 | 300 | 1.50 | 2.00 | ddtree_b32 (1.50x) |" in md
     assert "| 64 | base | 4000 | 1.00 | 1.33 | ddtree_b32 (0.97x) |" in md
+
+
+@pytest.mark.parametrize("n_code,n_prose", [(14, 7), (622, 7), (5, 13), (1, 1)])
+def test_prompts_visit_every_source_before_repeating(monkeypatch, n_code, n_prose):
+    """Python 3.12's held-out files give 7 module docstrings: a step of 7 sent all prose prompts to one."""
+    from sglang_ddtree.ab import prompts as P
+    code = [(f"c{i}", f"code body {i}") for i in range(n_code)]
+    prose = [(f"p{i}", f"prose body {i}") for i in range(n_prose)]
+    monkeypatch.setattr(P, "_stdlib_texts", lambda files=None: (code, prose))
+    ps = P.make_prompts(2 * max(n_code, n_prose))
+    for kind, size in (("code", n_code), ("prose", n_prose)):
+        srcs = [p["source"] for p in ps if p["kind"] == kind]
+        assert len(set(srcs[:size])) == size, (kind, srcs[:size])

@@ -88,7 +88,30 @@ def _stdlib_texts(files=None):
                     continue
                 if doc and len(doc) > 200:
                     prose.append((f"stdlib/{rel}:docstring", doc[:1600]))
+        if len(prose) < 50:  # few module docstrings (a restricted file set): class / function docstrings too
+            for rel in (files if files is not None else _CODE_FILES):
+                p = os.path.join(root, rel)
+                if not os.path.isfile(p):
+                    continue
+                try:
+                    tree = ast.parse(open(p, encoding="utf-8", errors="replace").read())
+                except (SyntaxError, ValueError):
+                    continue
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        doc = ast.get_docstring(node)
+                        if doc and len(doc) > 300:
+                            prose.append((f"stdlib/{rel}:{node.lineno}:docstring", doc[:1600]))
     return code, prose
+
+
+def _stride(size: int) -> int:
+    """A step through a pool of ``size`` that visits every entry before repeating (coprime with
+    ``size``), spreading neighbours apart.  A fixed step of 7 sent every prose prompt to the same
+    docstring on Python 3.12's held-out files (7 module docstrings): the text-pair A/B reports
+    before 2026-12-01 session 7 repeat one prose prompt in every other request."""
+    import math
+    return next(k for k in (7, 11, 13, 17, 19, 23, 1) if math.gcd(k, size) == 1 or k == 1)
 
 
 def make_prompts(n: int, template: str = "{prompt}", files=None) -> List[dict]:
@@ -103,7 +126,7 @@ def make_prompts(n: int, template: str = "{prompt}", files=None) -> List[dict]:
         if not pool:
             pool, tasks, kind = (prose, _PROSE_TASKS, "prose") if prose else (code, _CODE_TASKS, "code")
         j = i // 2
-        src, body = pool[(j * 7) % len(pool)] if len(pool) > 1 else pool[0]
+        src, body = pool[(j * _stride(len(pool))) % len(pool)]
         task = tasks[j % len(tasks)]
         fence = f"```python\n{body}\n```" if kind == "code" else body
         text = template.replace("{prompt}", f"{task}\n\n{fence}\n")
