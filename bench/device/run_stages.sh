@@ -72,6 +72,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export TVM_FFI_CACHE_DIR=/tmp/tvmcache TRITON_CACHE_DIR=/tmp/tritoncache FLASHINFER_WORKSPACE_BASE=/tmp/fi
 mkdir -p $TVM_FFI_CACHE_DIR $TRITON_CACHE_DIR
 [ -f $KIT/cache.tar.xz ] && tar -xJf $KIT/cache.tar.xz -C / && echo "restored JIT caches from .kit/cache.tar.xz" | tee -a $S
+# SGLang's Marlin MoE module (380 s to build: bench/device/marlin_prebuild.sh), when carried as .kit_marlin
+[ -f $REPO/.kit_marlin/marlin_moe.tar.xz ] && tar -xJf $REPO/.kit_marlin/marlin_moe.tar.xz -C / \
+  && echo "restored the Marlin MoE module from .kit_marlin/marlin_moe.tar.xz" | tee -a $S
 source $DEV/cuda_home.sh
 echo "CUDA_HOME=$CUDA_HOME" | tee -a $S
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a $S
