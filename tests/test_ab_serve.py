@@ -654,3 +654,14 @@ def test_prompts_visit_every_source_before_repeating(monkeypatch, n_code, n_pros
     for kind, size in (("code", n_code), ("prose", n_prose)):
         srcs = [p["source"] for p in ps if p["kind"] == kind]
         assert len(set(srcs[:size])) == size, (kind, srcs[:size])
+
+
+def test_verify_width_per_arm(tmp_path):
+    from sglang_ddtree.ab import runner
+    d = tmp_path / "dr"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"dflash_config": {"block_size": 16}}))
+    assert runner.verify_width({"kind": "ddtree", "num_draft_tokens": 17}, str(d)) == 17
+    assert runner.verify_width({"kind": "dflash", "num_draft_tokens": None}, str(d)) == 16
+    assert runner.verify_width({"kind": "dflash", "num_draft_tokens": None}, str(tmp_path / "none")) is None
+    assert runner.verify_width({"kind": "base", "num_draft_tokens": None}, None) is None

@@ -296,25 +296,34 @@ def _render_run(doc, top=True):
     cls = idn.get("classification")
     if cls:
         L += _render_classification(cls, h)
-    # stage split
+    # stage split, and the verify's own cost: per verify slot (width N = budget + 1 for DDTREE arms) and
+    # against the base arm's decode step at the same concurrency (client ms per step)
+    base_step = {lv["concurrency"]: lv.get("ms_per_step") for a in arms if a.get("kind") == "base"
+                 for lv in a.get("levels") or []}
     rows = []
     for a in arms:
         for lv in a.get("levels") or []:
             sp = lv.get("stage_profile")
             if sp:
                 st = sp["stage_ms"]
+                ver, bstep = st.get("verify"), base_step.get(lv["concurrency"])
+                width = a.get("verify_width") or a.get("num_draft_tokens")
+                per_slot = ver / width if ver is not None and width else None
+                vs_base = ver / bstep if ver is not None and bstep else None
                 rows.append(f"| {a['name']} | {lv['concurrency']} | {_f(sp['bs_mean'])} | {sp['rounds']} | "
                             + " | ".join(_f(st.get(k), 3) for k in STAGES)
                             + f" | {_f(sp['round_ms'], 3)} | {_f(sp['host_ms'], 3)} | {_f(lv.get('ms_per_step'), 3)} | "
-                              f"{_f(sp.get('outside_ms'), 3)} |")
-    L += ["", f"{h} Round time split of the DDTREE arms (ms, GPU time between CUDA events, per-record medians "
+                              f"{_f(sp.get('outside_ms'), 3)} | {_f(per_slot, 4)} | {_f(vs_base, 2)} |")
+    L += ["", f"{h} Round time split of the speculative arms (ms, GPU time between CUDA events, per-record medians "
               "weighted by rounds)", ""]
     if rows:
-        L += ["draft includes the drafter's top-K head; tree = build_tree + mask; host = the worker call's host wall "
-              "time; client = ms per decode round seen by the client; outside = client - round (scheduler, "
-              "output processing, HTTP).", "",
-              "| arm | c | bs mean | rounds | " + " | ".join(STAGES) + " | round | host | client | outside |",
-              "|---|---:|---:|---:|" + "---:|" * (len(STAGES) + 4)] + rows
+        L += ["draft includes the drafter's top-K head; tree = build_tree + mask (DDTREE only); host = the worker "
+              "call's host wall time; client = ms per decode round seen by the client; outside = client - round "
+              "(scheduler, output processing, HTTP); verify/slot = verify ms / verify width (DDTREE: budget + 1; DFLASH: block size); "
+              "verify/base = verify ms / the base arm's client ms per decode step at the same c.", "",
+              "| arm | c | bs mean | rounds | " + " | ".join(STAGES)
+              + " | round | host | client | outside | verify/slot | verify/base |",
+              "|---|---:|---:|---:|" + "---:|" * (len(STAGES) + 6)] + rows
     else:
         L += ["No stage records (no DDTREE arm measured, or --no-stage-profile)."]
     bad = [a for a in arms if a.get("status") != "ok"]

@@ -23,11 +23,29 @@ from .sweep import run_kernel_sweep
 
 
 # ------------------------------------------------------------------------------------------ main loop
+def verify_width(arm: dict, draft_model_path: Optional[str]) -> Optional[int]:
+    """Target verify tokens per request per round: budget + 1 for DDTREE arms; the drafter's
+    ``dflash_config.block_size`` for DFLASH (read from its config.json when it is a local folder)."""
+    if arm.get("num_draft_tokens"):
+        return int(arm["num_draft_tokens"])
+    if arm.get("kind") != "dflash" or not draft_model_path:
+        return None
+    try:
+        with open(os.path.join(draft_model_path, "config.json")) as f:
+            cfg = json.load(f)
+        b = (cfg.get("dflash_config") or {}).get("block_size") or cfg.get("block_size")
+        return int(b) if b else None
+    except (OSError, ValueError):
+        return None
+
+
 def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: List[dict], levels: List[int],
                 per_level, args, deadline_at: Optional[float], launcher, tmpdir: str, profile_path: Optional[str]):
     rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"],
                num_draft_tokens=arm["num_draft_tokens"], command=cmd, command_str=shlex.join(cmd),
                env={k: v for k, v in env.items() if k.startswith("SGLANG_DDTREE")}, status="failed", levels=[])
+    flag = "--speculative-draft-model-path"
+    rec["verify_width"] = verify_width(arm, cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else None)
     outputs = {}
     log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
     rec["log"] = log_path
