@@ -63,6 +63,8 @@ rm -f  sgl_kernel/infllm_ops*.so sgl_kernel/flashmla_ops.abi3.so
 rm -rf sgl_kernel/sm100                         # Blackwell build; H200 loads sgl_kernel/sm90
 rm -rf sglang/multimodal_gen                    # diffusion runtime, not imported by srt
 rm -rf xgrammar/lib                              # static lib
+rm -f  zstandard/_cffi.*.so                      # 12 MB: zstandard imports backend_c first (cffi only on request)
+rm -f  torchao/_C_mxfp8.cpython-310-*.so          # a Python 3.10 build: never loadable on the host's 3.12
 find . -name __pycache__ -prune -exec rm -rf {} +
 find . -name '*.so' -exec chmod 755 {} +
 du -sh .
