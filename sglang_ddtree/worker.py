@@ -11,7 +11,8 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
 2. tree: ``build_tree`` (best-first, ``b`` nodes + root = bonus) -> tokens / depth / parent / mask;
 3. verify input: ids = tree tokens, positions = ``prefix + depth``, KV slots ``prefix + 0..N-1``
    (pre-reserved rows of ``req_to_token``), the ancestor-only mask in SGLang's FULL_MASK layout
-   written straight into the target backend's CUDA-graph mask buffer;
+   written straight into the target backend's CUDA-graph mask buffer (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``:
+   only the bitmask, into the hook's buffer: ``verify_attn_hook.py``);
 4. the target's TARGET_VERIFY forward over ``bs * N`` tokens (its CUDA graph, captured with a mask:
    ``patches/decode_graph_spec_info.py``);
 5. accept: greedy -> ``accept_greedy`` on the target argmax; sampled batches -> SGLang's target-only
@@ -53,7 +54,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import adaptive, ddtree, logprobs, sampling, tree_ops
+from . import adaptive, ddtree, logprobs, sampling, tree_ops, verify_attn_hook
 from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .profiling import RoundProfiler
@@ -140,6 +141,23 @@ def disable_causal_verify_shortcut(attn_backend, algo: str) -> bool:
     logger.warning("%s: SGLang's split-KV verify (causal chain only) disabled on the target's "
                    "attention backend: the tree verify needs its mask", algo)
     return True
+
+
+def enable_tree_verify_attention(attn_backend, model_runner, algo: str, drafter_backend=None):
+    """``SGLANG_DDTREE_VERIFY_ATTN=ddtree``: our tree-verify attention on the target's verify backend
+    (``verify_attn_hook.enable``; ValueError when not covered, or when the drafter would verify on
+    the same backend object), its state; unset: None, nothing done."""
+    if not verify_attn_hook.enabled(os.environ, algo):
+        return None
+    target = verify_attention_backend(attn_backend)
+    if drafter_backend is not None and verify_attention_backend(drafter_backend) is target:
+        raise ValueError(f"{algo}: {verify_attn_hook.ENV}=ddtree: the drafter's attention backend is "
+                         "the target's; the hook would also take the drafter's (unmasked) verify")
+    state = verify_attn_hook.enable(target, model_runner.model, algo)
+    logger.info("%s: target verify attention = sglang_ddtree tree_verify_attention%s (bitmask "
+                "%s, %d prefix splits)", algo, "_mla" if state.use_mla else "",
+                tuple(state.mask_words.shape), state.num_splits)
+    return state
 
 
 # Test switch: pretend the target's CUDA-graph mask buffer holds only this many elements, so the
@@ -246,6 +264,8 @@ class DDTreeWorker(DFlashWorkerV2):
         backend = self._target_worker.model_runner.attn_backend
         check_tree_verify_backend(backend, self.algo_name)
         disable_causal_verify_shortcut(backend, self.algo_name)
+        enable_tree_verify_attention(backend, self._target_worker.model_runner, self.algo_name,
+                                     getattr(getattr(self, "draft_model_runner", None), "attn_backend", None))
         # at start-up, also when no CUDA graph is captured (the eager head is made at the first round)
         check_target_lm_head(self._target_worker.model_runner.model, self.algo_name)
 
@@ -273,6 +293,7 @@ class DDTreeWorker(DFlashWorkerV2):
         def prepare(backend):
             check_tree_verify_backend(backend, algo)
             disable_causal_verify_shortcut(backend, algo)
+            enable_tree_verify_attention(backend, mr, algo)
 
         states = adaptive.TargetStates(mr, cfg.widest)
         for w in cfg.extra_widths:
@@ -526,10 +547,17 @@ class DDTreeWorker(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices, req_to_token=req_to_token,
             start_offset=prefix, end_offset=prefix + N, batch_size=bs, draft_token_num=N,
             device=dev)
-        need = N * N * bs + N * host_bound_sum
-        mask_buf, eager_verify = self._mask_out_buffer(bs, need)
-        mask = ddtree.verify_mask(tree, prefix, out=mask_buf, backend=self.tree_backend,
-                                  validate=False)
+        attn_state = verify_attn_hook.state_of(
+            verify_attention_backend(self._target_worker.model_runner.attn_backend))
+        if attn_state is not None:
+            # SGLANG_DDTREE_VERIFY_ATTN=ddtree: the hooked verify reads the bitmask; no FULL_MASK
+            attn_state.write_mask(tree.mask_words)
+            mask, eager_verify = None, False
+        else:
+            need = N * N * bs + N * host_bound_sum
+            mask_buf, eager_verify = self._mask_out_buffer(bs, need)
+            mask = ddtree.verify_mask(tree, prefix, out=mask_buf, backend=self.tree_backend,
+                                      validate=False)
         verify_input = DFlashVerifyInput(
             draft_token=tree_ops.verify_input_ids(tree.tokens).reshape(-1),
             positions=tree.positions(prefix).reshape(-1), draft_token_num=N, custom_mask=mask,

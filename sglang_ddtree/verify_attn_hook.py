@@ -1,0 +1,264 @@
+"""Our tree-verify attention inside SGLang's triton backend (issue 13 item 2), behind
+``SGLANG_DDTREE_VERIFY_ATTN=ddtree`` (unset / ``sglang``: SGLang's own path, the hook not installed).
+
+With the switch on, the worker calls :func:`enable` at start-up on the backend object the target's
+TARGET_VERIFY runs on (``worker.verify_attention_backend``; one per verify width with the adaptive
+budget).  :func:`enable` refuses (ValueError) what the hook does not cover and attaches a
+:class:`VerifyAttnState` to that backend instance.  ``patches/triton_verify_attention.py`` hooks
+``TritonAttnBackend.forward_extend``: on a backend carrying a state and a TARGET_VERIFY batch it runs
+:func:`forward_tree_verify` (the tree's K/V written into the cache exactly as SGLang does, then
+``tree_verify_attention`` / ``tree_verify_attention_mla`` over the cache with the round's bitmask);
+every other call (the drafter's backend, which also runs TARGET_VERIFY, prefill, other servers) goes
+to SGLang's code unchanged.
+
+Per round the worker writes ``Tree.mask_words [bs, N, ceil(N/32)] int32`` into the state's persistent
+``mask_words [max_bs, N, ceil(N/32)]`` (:meth:`VerifyAttnState.write_mask`) and builds no FULL_MASK.
+Under CUDA graphs the captured kernel reads that buffer (rows ``[:graph bs]``), the graph's static
+``seq_lens`` (= prefix lengths) and ``req_pool_indices``, and ``req_to_token``; its fp32 split
+workspace is a view of the backend's own ``cuda_graph_attn_logits`` / ``cuda_graph_attn_lse``
+(decode-only buffers, idle during a verify) whenever it fits, else a per-call allocation.
+
+Assumption (true for the DDTree worker: ``assign_extend_cache_locs`` reads them from there): the
+tree's KV slots ``out_cache_loc[b*N + i]`` are ``req_to_token[req_pool_indices[b], prefix_b + i]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import List, Mapping, Optional
+
+import torch
+
+ENV = "SGLANG_DDTREE_VERIFY_ATTN"
+ENV_SPLITS = "SGLANG_DDTREE_VERIFY_ATTN_SPLITS"
+STATE_ATTR = "_ddtree_verify_attn"
+MODES = ("sglang", "ddtree")
+
+
+def mode(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> str:
+    """``"sglang"`` (unset / empty / ``sglang``) or ``"ddtree"``; ValueError otherwise."""
+    env = os.environ if env is None else env
+    raw = (env.get(ENV) or "").strip().lower() or "sglang"
+    if raw not in MODES:
+        raise ValueError(f"{algo}: {ENV} must be one of {', '.join(MODES)} (unset = sglang), got "
+                         f"{env.get(ENV)!r}")
+    return raw
+
+
+def enabled(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> bool:
+    return mode(env, algo) == "ddtree"
+
+
+@dataclasses.dataclass
+class VerifyAttnState:
+    """What the hooked verify of one target backend reads.  ``mask_words [max_bs, N, NW]`` int32
+    (persistent, written by the worker each round); ``num_splits``: the kernel's prefix split count
+    (host int, fixed: the captured grid depends on it)."""
+
+    num_verify: int
+    mask_words: torch.Tensor
+    num_splits: int
+    use_mla: bool
+    calls: int = 0           # hooked layer calls (host counter; tests and logs)
+
+    @property
+    def max_bs(self) -> int:
+        return self.mask_words.shape[0]
+
+    def write_mask(self, mask_words: torch.Tensor) -> None:
+        """mask_words [bs, N, NW] int32 (``Tree.mask_words``) -> rows [:bs] of the buffer."""
+        bs = mask_words.shape[0]
+        if tuple(mask_words.shape[1:]) != tuple(self.mask_words.shape[1:]) or bs > self.max_bs:
+            raise ValueError(f"tree mask_words {tuple(mask_words.shape)} do not fit the verify "
+                             f"bitmask buffer {tuple(self.mask_words.shape)}")
+        self.mask_words[:bs].copy_(mask_words)
+
+
+def state_of(backend) -> Optional[VerifyAttnState]:
+    s = getattr(backend, STATE_ATTR, None)
+    return s if isinstance(s, VerifyAttnState) else None
+
+
+def hook_installed() -> bool:
+    """True when ``patches/triton_verify_attention.py``'s hook was applied to SGLang's
+    ``TritonAttnBackend.forward_extend`` (registered with HookRegistry and patched)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_ddtree.patches import triton_verify_attention as P
+
+    return P.TARGET in HookRegistry._patched and any(
+        h is P.tree_verify_forward_extend for _, h, _ in HookRegistry._hooks.get(P.TARGET, ()))
+
+
+def _layer_problems(model) -> List[str]:
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+
+    bad = []
+    for name, m in model.named_modules():
+        if not isinstance(m, RadixAttention):
+            continue
+        why = []
+        if (m.logit_cap or 0) > 0:
+            why.append(f"logit cap {m.logit_cap}")
+        if m.sliding_window_size is not None and m.sliding_window_size > -1:
+            why.append(f"sliding window {m.sliding_window_size}")
+        if m.k_scale is not None or m.v_scale is not None:
+            why.append("KV scales (quantized KV cache)")
+        if (getattr(m, "xai_temperature_len", -1) or -1) > 0:
+            why.append("xai temperature")
+        if m.is_cross_attention or m.attn_type != AttentionType.DECODER:
+            why.append(f"attention type {m.attn_type} / cross={m.is_cross_attention}")
+        if getattr(m, "use_irope", False):
+            why.append("chunked (irope) attention")
+        if why:
+            bad.append(f"{name or type(m).__name__}: {', '.join(why)}")
+    return bad
+
+
+def backend_problems(backend, model) -> List[str]:
+    """Why the hook cannot serve this backend / model's verify ([] = covered)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    if not isinstance(backend, TritonAttnBackend):
+        return [f"the verify runs on {type(backend).__name__}; only SGLang's TritonAttnBackend is "
+                "covered (launch with --attention-backend triton)"]
+    why = []
+    if type(backend).forward_extend is not TritonAttnBackend.forward_extend:
+        why.append(f"{type(backend).__name__} overrides forward_extend")
+    if not hook_installed():
+        why.append("the forward_extend hook is not installed (patches/triton_verify_attention.py)")
+    if getattr(backend, "dcp_size", 1) != 1:
+        why.append("decode context parallelism")
+    if getattr(backend, "enable_deterministic", False):
+        why.append("--enable-deterministic-inference")
+    if (getattr(backend, "sliding_window_size", None) or 0) > 0 or getattr(
+            backend, "use_sliding_window_kv_pool", False):
+        why.append("sliding-window attention / SWA KV pool")
+    if getattr(backend, "_translate_kv_loc", None) is not None:
+        why.append("the unified (virtual-slot) KV pool")
+    if getattr(backend, "page_size", 1) != 1:
+        why.append(f"page size {backend.page_size}")
+    if getattr(backend, "skip_prefill", False):
+        why.append("a skip_prefill backend")
+    pool_dtype = getattr(getattr(backend, "token_to_kv_pool", None), "dtype", None)
+    if pool_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        why.append(f"KV cache dtype {pool_dtype}")
+    return why + _layer_problems(model)
+
+
+def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
+    """Prefix splits: the kernel's rule on the context length, capped so the workspace fits the
+    backend's own decode buffers (``max_kv_splits`` per head); ``SGLANG_DDTREE_VERIFY_ATTN_SPLITS``
+    overrides (a larger workspace is then allocated per call)."""
+    from sglang_ddtree.kernels.tree_verify_attention import default_num_splits
+
+    env = os.environ if env is None else env
+    raw = (env.get(ENV_SPLITS) or "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= 64:
+            raise ValueError(f"{ENV_SPLITS} must be an integer in [1, 64], got {raw!r}")
+        return n
+    cap = max(1, int(getattr(backend, "max_kv_splits", 2)) - 1)
+    return max(1, min(default_num_splits(int(backend.max_context_len)), cap))
+
+
+def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]] = None
+           ) -> VerifyAttnState:
+    """Attach a :class:`VerifyAttnState` to ``backend`` (start-up; ValueError when not covered).
+    ``model``: the target's nn.Module (its RadixAttention layers are checked)."""
+    why = backend_problems(backend, model)
+    if why:
+        raise ValueError(f"{algo}: {ENV}=ddtree cannot serve this target's verify: "
+                         + "; ".join(why) + f". Unset {ENV} to verify with SGLang's kernel.")
+    N = int(backend.num_draft_tokens)
+    max_bs = int(backend.req_to_token_pool.size)
+    words = torch.zeros((max_bs, N, (N + 31) // 32), dtype=torch.int32, device=backend.device)
+    state = VerifyAttnState(num_verify=N, mask_words=words, num_splits=default_splits(backend, env),
+                            use_mla=bool(backend.use_mla))
+    setattr(backend, STATE_ATTR, state)
+    return state
+
+
+def _workspace(backend, T: int, H: int, NS: int, DV: int, device):
+    """fp32 ([T, H, NS, DV], [T, H, NS]): views of the backend's decode buffers when they fit."""
+    lo = getattr(backend, "cuda_graph_attn_logits", None)
+    ll = getattr(backend, "cuda_graph_attn_lse", None)
+    n_o, n_l = T * H * NS * DV, T * H * NS
+    if (lo is not None and ll is not None and lo.dtype == torch.float32 and ll.dtype == torch.float32
+            and lo.is_contiguous() and ll.is_contiguous() and lo.numel() >= n_o and ll.numel() >= n_l
+            and lo.device == device):
+        return lo.view(-1)[:n_o].view(T, H, NS, DV), ll.view(-1)[:n_l].view(T, H, NS)
+    return (torch.empty((T, H, NS, DV), dtype=torch.float32, device=device),
+            torch.empty((T, H, NS), dtype=torch.float32, device=device))
+
+
+def forward_tree_verify(state: VerifyAttnState, backend, q, k, v, layer, forward_batch,
+                        save_kv_cache=True, sinks=None, score_mod=None, aux_tensors=None):
+    """``TritonAttnBackend.forward_extend`` for a TARGET_VERIFY batch of ``bs * N`` tokens:
+    q ``[bs*N, Hq*D]`` (or ``[bs*N, Hq, D]``), k / v the tree's K/V ``[bs*N, Hkv, D / Dv]`` (None:
+    already in the cache) -> ``[bs*N, Hq*Dv]``.  MLA (``backend.use_mla``): q ``[T, H, L+R]`` =
+    cat(q_nope absorbed, q_rope), k ``[T, 1, L+R]``, v = its latent ``[T, 1, L]``."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sglang_ddtree.kernels.tree_verify_attention import (tree_verify_attention,
+                                                             tree_verify_attention_mla)
+
+    if sinks is not None or score_mod is not None or aux_tensors is not None:
+        raise RuntimeError(f"{ENV}=ddtree: layer {layer.layer_id} passes attention sinks / score_mod, "
+                           "which the tree-verify kernel does not apply")
+    if layer.k_scale is not None or layer.v_scale is not None:
+        raise RuntimeError(f"{ENV}=ddtree: layer {layer.layer_id} has KV scales (not covered)")
+    Hq, D, DV = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+    N = state.num_verify
+    T = q.shape[0]
+    bs = T // N
+    if T != bs * N or bs > state.max_bs or forward_batch.seq_lens.shape[0] < bs:
+        raise RuntimeError(f"{ENV}=ddtree: verify batch of {T} tokens is not bs x {N} with bs <= "
+                           f"{state.max_bs} (seq_lens {tuple(forward_batch.seq_lens.shape)})")
+
+    attn_out = getattr(forward_batch, "_attn_output", None)
+    if attn_out is not None:
+        o = attn_out
+    elif D != DV:
+        o = q.new_empty((T, Hq * DV))
+    else:
+        o = torch.empty_like(q)
+
+    # the tree's own K/V into the cache: the calls SGLang's forward_extend makes (k_scale None)
+    if k is None and v is None:
+        pass                                      # already in the cache (cross-layer KV sharing)
+    elif k is None or v is None:
+        raise ValueError("Both k and v should be None or not None")
+    elif save_kv_cache:
+        md = backend.forward_metadata
+        loc_info = KVWriteLoc(forward_batch.out_cache_loc, md.swa_out_cache_loc,
+                              full_loc=md.out_cache_loc_full_physical)
+        backend._set_kv_buffer(forward_batch, layer, loc_info, k, v)
+    else:
+        raise RuntimeError(f"{ENV}=ddtree: layer {layer.layer_id} verifies with save_kv_cache=False; "
+                           "the tree-verify kernel reads the tree's K/V from the cache")
+
+    pool = backend.token_to_kv_pool
+    common = dict(req_to_token=backend.req_to_token, req_pool_indices=forward_batch.req_pool_indices[:bs],
+                  prefix_lens=forward_batch.seq_lens[:bs], mask_words=state.mask_words[:bs],
+                  sm_scale=layer.scaling, num_splits=state.num_splits)
+    NS = state.num_splits + 1
+    q3 = q.view(T, Hq, D)
+    out3 = o.view(T, Hq, DV)
+    if state.use_mla:
+        if layer.tp_k_head_num != 1 or D <= DV:
+            raise RuntimeError(f"{ENV}=ddtree: MLA layer {layer.layer_id} is not in absorbed form "
+                               f"(k heads {layer.tp_k_head_num}, qk {D}, v {DV})")
+        tree_verify_attention_mla(q3[..., :DV], q3[..., DV:], pool.get_key_buffer(layer.layer_id),
+                                  kv_lora_rank=DV, out=out3,
+                                  workspace=_workspace(backend, T, Hq, NS, DV, q.device), **common)
+    else:
+        tree_verify_attention(q3, pool.get_key_buffer(layer.layer_id),
+                              pool.get_value_buffer(layer.layer_id), out=out3,
+                              workspace=_workspace(backend, T, Hq, NS, DV, q.device), **common)
+    state.calls += 1
+    return o
