@@ -8,6 +8,8 @@
 # (one process each, sharing the GPU).  Stages:
 #   <gqa|mla>_<base|dflash>_<eager|graph>   stage.py (offline Engine, token check vs target greedy)
 #   <mlaint4|mlaint4ref>_<algo>_<mode>[_moetriton]  the INT4-expert MLA target (mk_int4.py) / its dequantized bf16 twin
+#   kimicost_<algo>_<mode>[_b<N>]           the production-cost INT4 MLA pair (mk_kimi_cost.py: Kimi K2 widths, ~32 GB,
+#                                           written only when a kimicost stage is named; KIMICOST_ARGS e.g. "--layers 6")
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
 #   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
 #   plugin_probe                            entry-point discovery only (no engine)
@@ -21,7 +23,7 @@
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
-#   ab_<text|gqa|mla>[-fp32]                bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
+#   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
 # two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name:
@@ -87,6 +89,15 @@ echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
 # mlaint4 / mlaint4ref (stage suffix moetriton: --moe-runner-backend triton instead of Marlin)
 python3 $DEV/mk_int4.py /tmp/models > $LOG/mk_int4.log 2>&1 && echo "int4 target at $(el)s: $(tail -1 $LOG/mk_int4.log | cut -c1-300)" | tee -a $S \
   || tail -5 $LOG/mk_int4.log | tee -a $S
+# the production-cost INT4 MLA pair (Kimi K2 widths, ~30 GB target + 2.3 GB drafter, written on the GPU), only
+# when a kimicost stage is asked for; a warm machine keeps it (mk_kimi_cost.py returns at once when
+# /tmp/models/kimicost_target/kimicost.json matches).  KIMICOST_ARGS: e.g. "--layers 6 --experts 64"
+if [[ "$GROUPS_ARG" == *kimicost* ]]; then
+  python3 $DEV/mk_kimi_cost.py /tmp/models ${KIMICOST_ARGS:-} > $LOG/mk_kimi_cost.log 2>&1 \
+    && echo "kimicost pair at $(el)s: $(grep -a -m1 '^kimicost: target' $LOG/mk_kimi_cost.log) $(tail -1 $LOG/mk_kimi_cost.log | cut -c1-400)" | tee -a $S \
+    || tail -8 $LOG/mk_kimi_cost.log | tee -a $S
+  df -h /tmp | tail -1 | tee -a $S
+fi
 # the text-trained pair (bench/textpair), when its weights are in the checkout
 if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/sglang_ddtree/data/textpair/*.safetensors >/dev/null 2>&1; then
   python3 $REPO/bench/textpair/materialize.py /tmp/models ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} > $LOG/materialize_text.log 2>&1 \
@@ -116,8 +127,13 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local spec=${st#ab_}; local pair=${spec%%-*}; local tag=${spec//-/_}; local sa=()
       [ "$spec" = "$pair-fp32" ] && sa=(--server-args "--dtype float32")
       local arms_var=AB_ARMS_${spec#$pair}; arms_var=${arms_var//-/}  # ab_gqa-2 reads AB_ARMS_2, if set
-      local arms=${!arms_var:-${AB_ARMS:-base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64}}
-      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py --pair $pair --arms $arms \
+      local pa=(--pair $pair) defarms=base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64
+      if [ "$pair" = kimicost ]; then  # not an ab_serve --pair: its folders; prompts tokenized by its (toy) tokenizer
+        pa=(--model-path /tmp/models/kimicost_target --draft-model-path /tmp/models/kimicost_drafter --token-ids)
+        defarms=base,dflash,ddtree_b16
+      fi
+      local arms=${!arms_var:-${AB_ARMS:-$defarms}}
+      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py "${pa[@]}" --arms $arms \
         --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} "${sa[@]}" \
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null

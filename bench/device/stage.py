@@ -50,6 +50,15 @@ PROMPTS += [  # 8 more (batch 16), lengths 2..40
 MAX_NEW = 96
 EOS = 2  # mk_models.EOS
 ALGOS = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "DDTREE-CPU"}
+# pair -> its drafter folder under MODELS_DIR (the target is <pair>_target).  kimicost: the
+# production-cost INT4 MLA pair of mk_kimi_cost.py (Kimi K2 widths, ~30 GB; run_stages.sh writes it
+# only when a kimicost stage is asked for)
+PAIRS = {"gqa": "drafter", "mla": "drafter", "text": "text_drafter", "mlaint4": "drafter",
+         "mlaint4ref": "drafter", "kimicost": "kimicost_drafter"}
+# engine settings a pair overrides: two kimicost engines (~37 GB of weights each) fit side by side only
+# when each leaves (1 - mem_fraction_static) = 20 % of the GPU to the other (their KV pools stay small:
+# max_total_tokens)
+PAIR_ENGINE = {"kimicost": {"mem_fraction_static": 0.8}}
 
 
 def parse_name(name):
@@ -71,7 +80,7 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         else:
             backend = p
-    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in ("gqa", "mla", "text", "mlaint4", "mlaint4ref"):
+    if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
     return pair, algo, mode, budget, backend
 
@@ -93,6 +102,7 @@ def stage_kwargs(name, models, port):
         port=port,
         nccl_port=port + 7,
     )
+    kw.update(PAIR_ENGINE.get(pair, {}))
     if os.environ.get("DDTREE_STAGE_TP"):
         kw["tp_size"] = int(os.environ["DDTREE_STAGE_TP"])
     if os.environ.get("DDTREE_STAGE_MOE_BACKEND"):
@@ -103,8 +113,7 @@ def stage_kwargs(name, models, port):
         kw.update(cuda_graph_max_bs_decode=16, disable_prefill_cuda_graph=True)
     if algo != "base":
         kw.update(speculative_algorithm=ALGOS[algo],
-                  speculative_draft_model_path=os.path.join(
-                      models, "text_drafter" if pair == "text" else "drafter"))
+                  speculative_draft_model_path=os.path.join(models, PAIRS[pair]))
     if algo in ("ddtree", "ddtreecpu"):
         kw["speculative_num_draft_tokens"] = budget + 1
     return pair, algo, mode, budget, kw
