@@ -665,3 +665,34 @@ def test_verify_width_per_arm(tmp_path):
     assert runner.verify_width({"kind": "dflash", "num_draft_tokens": None}, str(d)) == 16
     assert runner.verify_width({"kind": "dflash", "num_draft_tokens": None}, str(tmp_path / "none")) is None
     assert runner.verify_width({"kind": "base", "num_draft_tokens": None}, None) is None
+
+
+def test_ddtree_auto_arm(tmp_path):
+    from sglang_ddtree.ab import report, servers
+    a = servers.parse_arm("ddtree_auto")
+    assert a["auto"] and a["budget"] == 31 and a["num_draft_tokens"] == 32
+    assert a["env"] == {"SGLANG_DDTREE_BUDGETS": "7,15,31", "SGLANG_DDTREE_NO_SPEC": "1"}
+    b = servers.parse_arm("ddtree_auto_b63-7-15")
+    assert b["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,63" and b["num_draft_tokens"] == 64
+    for bad in ("ddtree_auto_7-15", "ddtree_auto_bx", "ddtree_autox"):
+        with pytest.raises(ValueError):
+            servers.parse_arm(bad)
+    cmd = servers.build_server_cmd(a, {"model_path": "T", "draft_model_path": "D", "maxc": 4}, 30000)
+    assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "32"
+    assert cmd[cmd.index("--speculative-algorithm") + 1] == "DDTREE-GPU"
+
+    def lv(c, tput):
+        return {"concurrency": c, "completed": 4, "failed": 0, "num_requests": 4, "output_throughput": tput}
+    same = {"compared": 8, "mismatched": 0, "errors": 0}
+    run = {"settings": {"concurrency": [1, 16]},
+           "identity": {"reference": "base", "arms": {n: same for n in ("dflash", "ddtree_b16", "ddtree_auto")}},
+           "arms": [{"name": n, "kind": n.split("_")[0], "status": "ok", "levels": [lv(1, t1), lv(16, t16)]}
+                    for n, t1, t16 in (("base", 100, 1000), ("dflash", 120, 700), ("ddtree_b16", 150, 600),
+                                       ("ddtree_auto", 146, 990))]}
+    rec = {r["c"]: r for r in report.recommendations(run)}
+    assert abs(rec[1]["auto"]["ddtree_auto"]["x_best_of_base_dflash"] - 146 / 120) < 1e-9
+    assert abs(rec[1]["auto"]["ddtree_auto"]["x_best_fixed"] - 146 / 150) < 1e-9
+    assert rec[1]["best_ddtree"] == "ddtree_b16"   # the adaptive arm is not a fixed budget
+    md = "\n".join(report._render_recommendations(run, "##"))
+    assert "| 1 | ddtree_auto | 1.22 | 0.97 | yes |" in md
+    assert "| 16 | ddtree_auto | 0.99 | 1.65 | **no** |" in md

@@ -34,7 +34,9 @@ def build_parser(default_out: str = DEFAULT_OUT):
                          "or the toy gqa / mla pairs (MODELS_DIR/<pair>_target + drafter); token ids")
     ap.add_argument("--models-dir", default="/tmp/models")
     ap.add_argument("--config", help="an SGLang YAML config (configs/*.yaml): its speculative/host/port keys are dropped")
-    ap.add_argument("--arms", default=DEFAULT_ARMS)
+    ap.add_argument("--arms", default=DEFAULT_ARMS,
+                    help="comma list of base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto[_b<B1>-<B2>-...] "
+                         "(the adaptive budget: experimental, not yet run on a GPU)")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--prompts", help="JSON list / JSON lines: strings, {text|prompt} or {input_ids}")
     ap.add_argument("--num-prompts", type=int, default=256)

@@ -94,11 +94,16 @@ def recommendations(run: dict) -> List[dict]:
         best = max(t, key=t.get)
         dd = [n for n in t if n.startswith("ddtree_b")]
         best_dd = max(dd, key=t.get) if dd else None
+        auto = [n for n in t if n.startswith("ddtree_auto")]
+        ref = [t[n] for n in ("base", "dflash") if n in t]
         out.append(dict(c=c, arm=best, tput=t[best],
                         x_base=t[best] / t["base"] if "base" in t else None,
                         x_dflash=t[best] / t["dflash"] if "dflash" in t else None,
                         best_ddtree=best_dd,
-                        best_ddtree_x_base=(t[best_dd] / t["base"]) if best_dd and "base" in t else None))
+                        best_ddtree_x_base=(t[best_dd] / t["base"]) if best_dd and "base" in t else None,
+                        # issue 17's bar: the adaptive arm >= max(base, DFLASH) and within 5 % of the best fixed budget
+                        auto={n: dict(x_best_of_base_dflash=t[n] / max(ref) if ref else None,
+                                      x_best_fixed=t[n] / t[best_dd] if best_dd else None) for n in auto}))
     return out
 
 
@@ -118,6 +123,20 @@ def _render_recommendations(run, h) -> List[str]:
         dd = "-" if not r["best_ddtree"] else (
             f"{r['best_ddtree']} ({_f(r['best_ddtree_x_base'], 2)}x)" if r["best_ddtree_x_base"] else r["best_ddtree"])
         L.append(f"| {r['c']} | {r['arm']} | {r['tput']:.0f} | {_f(r['x_base'], 2)} | {_f(r['x_dflash'], 2)} | {dd} |")
+    autos = sorted({n for r in rec for n in (r.get("auto") or {})})
+    if autos:
+        L += ["", "The adaptive arm against issue 17's bar: >= 1.00x the better of base and DFLASH, and >= 0.95x "
+                  "the best fixed DDTREE-GPU budget, at every concurrency (lossless levels only).", "",
+              "| c | arm | x max(base, dflash) | x best fixed budget | meets the bar |", "|---:|---|---:|---:|---|"]
+        for r in rec:
+            for n in autos:
+                a = (r.get("auto") or {}).get(n)
+                if a is None:
+                    L.append(f"| {r['c']} | {n} | - | - | - (not measured or not lossless) |")
+                    continue
+                xb, xf = a["x_best_of_base_dflash"], a["x_best_fixed"]
+                ok = (xb is not None and xb >= 1.0) and (xf is None or xf >= 0.95)
+                L.append(f"| {r['c']} | {n} | {_f(xb, 2)} | {_f(xf, 2)} | {'yes' if ok else '**no**'} |")
     return L
 
 

@@ -293,6 +293,7 @@ def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadli
         port = args.port + 10 * i
         cmd = build_server_cmd(arm, opts, port, cfg_path, cfg_keys)
         env = dict(os.environ)
+        env.update(arm.get("env") or {})  # ddtree_auto: the adaptive budget's switches
         prof = None
         # DDTREE arms profile their rounds; stock DFLASH through the plugin's hook
         # (patches/dflash_round_profile.py): the same stages, side by side in the report

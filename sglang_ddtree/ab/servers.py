@@ -17,12 +17,26 @@ ALGO = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "
 
 
 # ------------------------------------------------------------------------------------------ arms
+AUTO_BUDGETS = (7, 15, 31)
+
+
 def parse_arm(name: str) -> dict:
-    """'base' | 'dflash' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' -> {name, kind, algo, budget, num_draft_tokens}."""
+    """'base' | 'dflash' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' | 'ddtree_auto[_b<B1>-<B2>-...]' ->
+    {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree_auto``: the adaptive budget
+    (sglang_ddtree/adaptive.py) over the budgets given (default 7, 15, 31) plus "no speculation",
+    served at the widest budget; its ``env`` goes to the server's environment."""
     name = name.strip()
     kind, _, rest = name.partition("_")
     if kind not in ALGO:
-        raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>)")
+        raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto)")
+    if kind == "ddtree" and (rest == "auto" or rest.startswith("auto_")):
+        spec = rest[len("auto_"):] if rest.startswith("auto_") else ""
+        if spec and not (spec.startswith("b") and all(x.isdigit() for x in spec[1:].split("-"))):
+            raise ValueError(f"arm {name!r}: write the budgets as ddtree_auto_b<B1>-<B2>-..., e.g. ddtree_auto_b7-15-31")
+        budgets = sorted({int(x) for x in spec[1:].split("-")}) if spec else list(AUTO_BUDGETS)
+        return dict(name=name, kind=kind, algo=ALGO[kind], budget=budgets[-1], num_draft_tokens=budgets[-1] + 1,
+                    auto=True, env={"SGLANG_DDTREE_BUDGETS": ",".join(map(str, budgets)),
+                                    "SGLANG_DDTREE_NO_SPEC": "1"})
     budget = None
     if kind.startswith("ddtree"):
         if not (rest.startswith("b") and rest[1:].isdigit()):
