@@ -65,6 +65,7 @@ def parse_name(name):
     parts = name.split("_")
     pair, algo, mode = parts[:3]
     budget, backend = 16, "triton"
+    adaptive = []
     for p in parts[3:]:
         if p.startswith("b") and p[1:].isdigit():
             budget = int(p[1:])
@@ -78,10 +79,21 @@ def parse_name(name):
             os.environ["DDTREE_STAGE_MOE_BACKEND"] = "triton"
         elif p == "synccheck":  # count host syncs per DDTree round (worker writes one line per round)
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
+        elif p in ("cycle", "auto"):  # the adaptive budget (issue 17) over budgets 3, 7 and the stage's
+            adaptive.append(p)        # (set below, once the budget is known)
+        elif p == "vattn":  # the target verify through our tree_verify_attention (issue 13 item 2)
+            os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "ddtree"
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
+    if adaptive:
+        if algo != "ddtree" or budget <= 7:
+            raise ValueError(f"bad stage name {name!r}: cycle / auto need ddtree and a budget > 7")
+        os.environ["SGLANG_DDTREE_BUDGETS"] = f"3,7,{budget}"
+        os.environ["SGLANG_DDTREE_NO_SPEC"] = "1"
+        if "cycle" in adaptive:  # forced widths round by round, no speculation (0) included: must stay lossless
+            os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] = f"{budget},0,3,{budget},7,0,7,3"
     return pair, algo, mode, budget, backend
 
 

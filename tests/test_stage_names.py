@@ -1,0 +1,40 @@
+"""bench/device/stage.py's stage names: each suffix sets the switch the GPU stage is meant to test."""
+import os
+
+import pytest
+
+from helpers import load_bench
+
+ST = load_bench("device/stage")
+KEYS = ("SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_NO_SPEC", "SGLANG_DDTREE_TEST_BUDGET_CYCLE",
+        "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for k in KEYS:
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_plain_name_sets_no_switch():
+    assert ST.parse_name("text_ddtree_graph_b16") == ("text", "ddtree", "graph", 16, "triton")
+    assert not any(k in os.environ for k in KEYS)
+
+
+def test_cycle_and_vattn_suffixes():
+    ST.parse_name("gqa_ddtree_graph_b31_cycle_vattn")
+    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,31" and os.environ["SGLANG_DDTREE_NO_SPEC"] == "1"
+    cyc = [int(x) for x in os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"].split(",")]
+    assert cyc[0] == 31 and 0 in cyc and set(cyc) <= {0, 3, 7, 31}
+    assert os.environ["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
+
+
+def test_auto_has_no_forced_cycle():
+    ST.parse_name("mla_ddtree_graph_b16_auto")
+    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,16" and "SGLANG_DDTREE_TEST_BUDGET_CYCLE" not in os.environ
+
+
+@pytest.mark.parametrize("bad", ["gqa_dflash_graph_cycle", "gqa_ddtree_graph_b4_cycle", "zzz_ddtree_graph_b16"])
+def test_bad_names(bad):
+    with pytest.raises(ValueError):
+        ST.parse_name(bad)
