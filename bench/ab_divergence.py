@@ -47,8 +47,10 @@ def regenerate_prompt_ids(doc: dict, python: str) -> list:
     s = doc["settings"]
     code = (  # the texts come from that interpreter's stdlib; the tokenizer runs here (tokenizers package)
         "import json,sys; sys.path.insert(0, %r); import ab_serve as AB\n"
-        "p = AB.make_prompts(%d, '{prompt}', files=AB.textpair_heldout_files())[:%d]\n"
-        "print(json.dumps([x['text'] for x in p]))\n" % (HERE, s["num_prompts"], s["num_prompts"]))
+        "p = (AB.textpair_prompts(%d, '{prompt}') if %r else\n"
+        "     AB.make_prompts(%d, '{prompt}', files=AB.textpair_heldout_files()))[:%d]\n"
+        "print(json.dumps([x['text'] for x in p]))\n"
+        % (HERE, s["num_prompts"], "bare" in doc["prompts"].get("source", ""), s["num_prompts"], s["num_prompts"]))
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
     prompts = [{"text": t} for t in json.loads(out)]
     how = AB.tokenize_prompts(prompts, os.path.join(HERE, "textpair", "tokenizer"), 512)

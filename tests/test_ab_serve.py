@@ -696,3 +696,17 @@ def test_ddtree_auto_arm(tmp_path):
     md = "\n".join(report._render_recommendations(run, "##"))
     assert "| 1 | ddtree_auto | 1.22 | 0.97 | yes |" in md
     assert "| 16 | ddtree_auto | 0.99 | 1.65 | **no** |" in md
+
+
+def test_textpair_prompts_are_bare_and_in_domain():
+    """The text pair is a base model of the standard library's raw text: its prompts are held-out code
+    windows and docstrings as they are, not wrapped in a task line and a code fence."""
+    from sglang_ddtree.ab import prompts as P
+    ps = P.textpair_prompts(48)
+    tasks = P._CODE_TASKS + P._PROSE_TASKS
+    assert len(ps) == 48 and all("```" not in p["text"] and not p["text"].startswith(tasks) for p in ps)
+    held = set(P.textpair_heldout_files())
+    assert all(p["source"].split(":")[0][len("stdlib/"):] in held for p in ps)
+    assert len({p["source"] for p in ps if p["kind"] == "prose"}) == 24
+    wrapped = P.make_prompts(48, files=P.textpair_heldout_files())
+    assert [p["source"] for p in wrapped] == [p["source"] for p in ps]   # same sources, only the wrapping differs

@@ -30,6 +30,13 @@ _PROSE_TASKS = ("Summarize the following documentation in plain words.",
                 "Explain the following passage to a beginner, with an example.")
 
 
+def textpair_prompts(n: int, template: str = "{prompt}", checkout_root: Optional[str] = None) -> List[dict]:
+    """The text pair's A/B prompts: bare code windows and docstrings of its held-out files (in-domain
+    for a model trained on the standard library's raw text; 2026-12-01 session 7: before, the
+    instruction-wrapped prompts of :func:`make_prompts`)."""
+    return make_prompts(n, template, files=textpair_heldout_files(checkout_root), bare=True)
+
+
 def textpair_heldout_files(checkout_root: Optional[str] = None):
     """The text pair's held-out stdlib files (bench/textpair/corpus_manifest.tsv: sorted file i is
     held out iff i % 20 == 10): prompts for that pair must not come from its training files.
@@ -114,8 +121,11 @@ def _stride(size: int) -> int:
     return next(k for k in (7, 11, 13, 17, 19, 23, 1) if math.gcd(k, size) == 1 or k == 1)
 
 
-def make_prompts(n: int, template: str = "{prompt}", files=None) -> List[dict]:
-    """n prompts, code and prose alternating (a few hundred distinct ones), deterministic."""
+def make_prompts(n: int, template: str = "{prompt}", files=None, bare: bool = False) -> List[dict]:
+    """n prompts, code and prose alternating (a few hundred distinct ones), deterministic.
+    ``bare``: the source text alone (no task line, no code fence): in-domain prompts for a base model
+    trained on such text (the text pair, trained on the standard library's raw files), whose
+    continuation of an instruction it never saw says little about a drafter."""
     code, prose = _stdlib_texts(files)
     if not code and not prose:
         raise RuntimeError("no standard-library sources found to build prompts from; pass --prompts")
@@ -128,8 +138,11 @@ def make_prompts(n: int, template: str = "{prompt}", files=None) -> List[dict]:
         j = i // 2
         src, body = pool[(j * _stride(len(pool))) % len(pool)]
         task = tasks[j % len(tasks)]
-        fence = f"```python\n{body}\n```" if kind == "code" else body
-        text = template.replace("{prompt}", f"{task}\n\n{fence}\n")
+        if bare:
+            text = template.replace("{prompt}", body)
+        else:
+            fence = f"```python\n{body}\n```" if kind == "code" else body
+            text = template.replace("{prompt}", f"{task}\n\n{fence}\n")
         out.append(dict(text=text, source=src, kind=kind))
         i += 1
     return out

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional
 from . import client  # client.run_level is looked up at call time (the tests replace it)
 from .client import http_json
 from .environment import env_info
-from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_heldout_files, tokenize_prompts
+from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_prompts, tokenize_prompts
 from .report import write_outputs
 from .servers import (CONFIG_DROP, build_server_cmd, load_yaml_config, log_tail, parse_arms, popen_launcher,
                       wait_healthy)
@@ -176,9 +176,10 @@ def resolve_inputs(args):
         prompts = load_prompts_file(args.prompts, args.prompt_template)
         source = os.path.abspath(args.prompts)
     elif args.pair == "text":
-        prompts = make_prompts(args.num_prompts, args.prompt_template, files=textpair_heldout_files())
+        prompts = textpair_prompts(args.num_prompts, args.prompt_template)
         source = f"generated from the text pair's held-out files of the Python {platform.python_version()} " \
-                 "standard library (bench/textpair/corpus_manifest.tsv; code windows and module docstrings)"
+                 "standard library (bench/textpair/corpus_manifest.tsv; bare code windows and docstrings, " \
+                 "no task line: in-domain for the pair)"
     else:
         prompts = make_prompts(args.num_prompts, args.prompt_template)
         source = f"generated from the Python {platform.python_version()} standard library (code windows and " \
