@@ -16,7 +16,13 @@ in DDTREE-CPU's heap, counts in the stage that waited):
   accept       argmax + accept walk (or the sampled accept)
   commit       output tokens, target KV move, drafter context K/V
 ``host_ms`` is the host wall time of the worker call.  Events are read only once ``query()``
-reports them complete, so timing never blocks the round.  Stock DFLASH servers write the same
+reports them complete, so timing never blocks the round; read events go back to a pool and are
+recorded again (no event created per round once warm).
+
+With ``--enable-metrics`` the worker passes a ``sink`` (``round_stats.AcceptanceStats.stage_sink``):
+the profiler is then on without a file, and every ``every`` completed rounds the sink receives them,
+``[(stage ms list, round ms, host ms, bs, verify width or None)]`` (the Prometheus histograms
+``sglang:ddtree_stage_ms`` etc., ``docs/metrics.md``).  Stock DFLASH servers write the same
 records (``patches/dflash_round_profile.py``: draft = the drafter block, tree = 0, verify_prep,
 verify, accept = verify end to the drafter's context append, commit = that append to the end).
 """
@@ -26,7 +32,7 @@ import json
 import os
 import statistics
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 STAGES = ("draft", "tree", "verify_prep", "verify", "accept", "commit")
 ENV_FILE = "SGLANG_DDTREE_PROFILE_FILE"
@@ -38,33 +44,41 @@ def _stats(xs: List[float]) -> dict:
 
 
 class RoundProfiler:
-    def __init__(self, meta: dict):
+    """``begin()``, one ``mark()`` per stage end, ``end(bs, width)`` per round; off (no event, no
+    work) unless ``SGLANG_DDTREE_PROFILE_FILE`` is set or a ``sink`` is given."""
+
+    def __init__(self, meta: dict, sink: Optional[Callable[[List[tuple]], None]] = None):
         self.path: Optional[str] = os.environ.get(ENV_FILE) or None
+        self.sink = sink
         self.every = int(os.environ.get(ENV_EVERY, "64"))
         self.meta = dict(meta, pid=os.getpid())
         self._cur = None
         self._pending = []
         self._done = []
+        self._pool = []       # read events, recorded again by later rounds
 
     @property
     def enabled(self) -> bool:
-        return self.path is not None
+        return self.path is not None or self.sink is not None
+
+    def _event(self):
+        if self._pool:
+            e = self._pool.pop()
+        else:
+            import torch
+            e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
     def begin(self) -> None:
-        if not self.path:
+        if not self.enabled:
             return
-        import torch
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        self._cur = ([e], time.perf_counter())
+        self._cur = ([self._event()], time.perf_counter())
 
     def mark(self) -> None:
         if self._cur is None:
             return
-        import torch
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        self._cur[0].append(e)
+        self._cur[0].append(self._event())
 
     def cancel(self) -> None:
         """Drop the current round (a round whose stage marks did not all come)."""
@@ -75,21 +89,27 @@ class RoundProfiler:
         """Stage marks of the current round so far (0 outside a round)."""
         return 0 if self._cur is None else len(self._cur[0]) - 1
 
-    def end(self, bs: int) -> None:
+    def end(self, bs: int, width: Optional[int] = None) -> None:
+        """Close the round (``bs`` requests, verify width ``width``); read every finished round."""
         if self._cur is None:
             return
         events, t0 = self._cur
         self._cur = None
-        self._pending.append((events, (time.perf_counter() - t0) * 1e3, bs))
+        self._pending.append((events, (time.perf_counter() - t0) * 1e3, bs, width))
         while self._pending and self._pending[0][0][-1].query():
-            ev, host_ms, b = self._pending.pop(0)
+            ev, host_ms, b, w = self._pending.pop(0)
             self._done.append(([ev[i].elapsed_time(ev[i + 1]) for i in range(len(ev) - 1)],
-                               ev[0].elapsed_time(ev[-1]), host_ms, b))
+                               ev[0].elapsed_time(ev[-1]), host_ms, b, w))
+            self._pool.extend(ev)
         if len(self._done) >= self.every:
             self._flush()
 
     def _flush(self) -> None:
         done, self._done = self._done, []
+        if self.sink is not None:
+            self.sink(done)
+        if not self.path:
+            return
         rec = dict(self.meta, rounds=len(done), bs_mean=round(sum(d[3] for d in done) / len(done), 3),
                    stage_ms={s: _stats([d[0][i] for d in done]) for i, s in enumerate(STAGES)
                              if all(len(d[0]) > i for d in done)},

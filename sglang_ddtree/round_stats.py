@@ -1,29 +1,35 @@
 """Acceptance statistics of DDTree rounds, accumulated on the device and read without a host sync
-(issue 17 items 1 and 4; opt-in).
+(issue 17 items 1 and 4; opt-in).  Every metric is documented in ``docs/metrics.md``.
 
 On when the server runs with ``--enable-metrics`` (SGLang's Prometheus endpoint) or when
 ``SGLANG_DDTREE_STATS_FILE=/path/x.jsonl`` is set.  Per round the worker hands over the accepted
-paths ``[bs, W]`` and their lengths; on the device this adds up, with static shapes and no host sync:
+paths ``[bs, W]``, their lengths, the built tree's depths ``[bs, N]`` and the round's verify width
+N (a host int); on the device this adds up, with static shapes and no host sync:
 
 * ``request_rounds`` and ``accepted``: request-rounds and accepted draft tokens (bonus excluded);
 * ``length_hist [D + 1]``: request-rounds by accepted length (0 .. draft depth);
 * ``counterfactual [nb]``: accepted tokens every smaller budget in ``budgets`` would have given in the
   same rounds (``tree_ops.counterfactual_accept_len``: a best-first tree is prefix-closed, so one
-  round of the budget-b tree gives the exact count for every b' <= b, no extra forward).
+  round of the budget-b tree gives the exact count for every b' <= b, no extra forward); a budget
+  wider than the round's own tree (adaptive budget) is unknown in that round and not counted: its
+  request-rounds (``counterfactual_request_rounds``) are counted on the host;
+* ``tree_depth_hist [D + 1]`` and ``tree_depth_sum``: request-rounds by the depth of the built tree
+  (its deepest node; 0 = root only), and the sum of those depths;
+* on the host: rounds by chosen budget (``N - 1``; 0 = no speculation).
 
 Every ``every`` rounds (``SGLANG_DDTREE_STATS_EVERY``, default 64) the accumulators are copied to
 pinned host memory with ``non_blocking=True`` behind a CUDA event and zeroed; a later round reads the
 copy once the event has completed (``query()``, never ``synchronize()``), then
-* adds it to the Prometheus counters (multiprocess mode, as SGLang's own scheduler metrics):
-  ``sglang:ddtree_request_rounds_total``, ``sglang:ddtree_accepted_tokens_total``,
-  ``sglang:ddtree_accept_length_total{length}``, ``sglang:ddtree_counterfactual_accepted_tokens_total{budget}``
-  (labels ``algo``, ``budget`` where it is the tree's, ``tp_rank``); the mean accepted tokens per
-  round at budget b' is ``counterfactual{budget=b'} / request_rounds``;
+* adds it to the Prometheus metrics (multiprocess mode, as SGLang's own scheduler metrics; created
+  once per process, only with ``--enable-metrics``), see :class:`_Prometheus`;
 * appends one JSON line to the stats file (the same numbers, per window).
+
+The round stage times of ``profiling.RoundProfiler`` go to Prometheus through :meth:`stage_sink`.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import List, Optional, Sequence
@@ -31,10 +37,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import tree_ops
+from .profiling import STAGES, RoundProfiler
 
 ENV_FILE = "SGLANG_DDTREE_STATS_FILE"
 ENV_EVERY = "SGLANG_DDTREE_STATS_EVERY"
 PREFIX = "sglang:ddtree_"
+logger = logging.getLogger(__name__)
 
 
 def default_budgets(budget: int) -> List[int]:
@@ -58,25 +66,65 @@ def _async_host_copy(t: torch.Tensor):
     return None, t.clone()
 
 
+# Stage-time histogram buckets (ms): a verify forward is ~1-50 ms on an H200, the tree ~0.05-1 ms.
+MS_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0, 100.0,
+              250.0, 1000.0)
+
+
+def _multiprocess_ready() -> Optional[str]:
+    """None when prometheus_client writes multiprocess files (what SGLang's /metrics reads), else why not."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return "PROMETHEUS_MULTIPROC_DIR is not set"
+    from prometheus_client import values
+
+    if values.ValueClass is values.MutexValue:
+        return "prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set"
+    return None
+
+
 class _Prometheus:
-    """The plugin's counters in SGLang's Prometheus registry (created once per process)."""
+    """The plugin's metrics in SGLang's Prometheus registry, created once per process (the first
+    instance's ``chosen_budgets`` set the chosen-budget buckets).  ``registry``: prometheus_client's
+    default unless given (in multiprocess mode the values live in PROMETHEUS_MULTIPROC_DIR's files)."""
 
     _made = None
 
-    def __init__(self, labels: dict):
-        from prometheus_client import Counter
+    def __init__(self, labels: dict, *, chosen_budgets: Sequence[int] = (), registry=None):
+        from prometheus_client import REGISTRY, Counter, Histogram
 
         if _Prometheus._made is None:
+            why = _multiprocess_ready()
+            if why:
+                logger.warning("sglang_ddtree metrics: %s; they stay in this process and will not "
+                               "appear on SGLang's /metrics", why)
+            reg = REGISTRY if registry is None else registry
             base = sorted(labels)
+            C = lambda name, doc, extra=(): Counter(PREFIX + name, doc, base + list(extra), registry=reg)  # noqa: E731
+            H = lambda name, doc, extra, buckets: Histogram(PREFIX + name, doc, base + list(extra),  # noqa: E731
+                                                            buckets=buckets, registry=reg)
             _Prometheus._made = dict(
-                rounds=Counter(PREFIX + "request_rounds", "DDTree request-rounds (one request, one verify)", base),
-                accepted=Counter(PREFIX + "accepted_tokens", "Draft tokens accepted (bonus excluded)", base),
-                length=Counter(PREFIX + "accept_length", "Request-rounds by accepted length", base + ["length"]),
-                counterfactual=Counter(PREFIX + "counterfactual_accepted_tokens",
-                                       "Draft tokens a tree of this smaller budget would have accepted in the "
-                                       "same rounds (exact: best-first trees are prefix-closed)",
-                                       base + ["at_budget"]))
+                rounds=C("request_rounds", "DDTree request-rounds (one request, one verify)"),
+                accepted=C("accepted_tokens", "Draft tokens accepted (bonus excluded)"),
+                length=C("accept_length", "Request-rounds by accepted length", ["length"]),
+                counterfactual=C("counterfactual_accepted_tokens",
+                                 "Draft tokens a tree of this smaller budget would have accepted in the "
+                                 "same rounds (exact: best-first trees are prefix-closed)", ["at_budget"]),
+                cf_rounds=C("counterfactual_request_rounds",
+                            "Request-rounds whose tree was at least this budget (the denominator of "
+                            "counterfactual_accepted_tokens)", ["at_budget"]),
+                depth=C("tree_depth", "Request-rounds by the depth of the built tree (deepest node)",
+                        ["depth"]),
+                depth_sum=C("tree_depth_sum", "Sum over request-rounds of the built tree's depth"),
+                chosen=H("chosen_budget", "Tree budget (verify width - 1) chosen per round; 0 = no "
+                         "speculation", [], sorted(set(int(b) for b in chosen_budgets) | {0})),
+                stage=H("stage_ms", "GPU time of one round stage (CUDA events), ms",
+                        ["stage", "chosen_budget"], MS_BUCKETS),
+                round_ms=H("round_ms", "GPU time of one round, first to last stage event, ms",
+                           ["chosen_budget"], MS_BUCKETS),
+                host_ms=H("round_host_ms", "Host wall time of one round's worker call, ms",
+                          ["chosen_budget"], MS_BUCKETS))
         self.m, self.labels = _Prometheus._made, labels
+        self._kids = {}
 
     def add(self, rec: dict) -> None:
         m, lb = self.m, self.labels
@@ -85,16 +133,48 @@ class _Prometheus:
         for length, n in enumerate(rec["length_hist"]):
             if n:
                 m["length"].labels(**lb, length=str(length)).inc(n)
-        for b, n in zip(rec["budgets"], rec["counterfactual"]):
+        for b, n, r in zip(rec["budgets"], rec["counterfactual"], rec["counterfactual_request_rounds"]):
             m["counterfactual"].labels(**lb, at_budget=str(b)).inc(n)
+            m["cf_rounds"].labels(**lb, at_budget=str(b)).inc(r)
+        for d, n in enumerate(rec["tree_depth_hist"]):
+            if n:
+                m["depth"].labels(**lb, depth=str(d)).inc(n)
+        m["depth_sum"].labels(**lb).inc(rec["tree_depth_sum"])
+        chosen = m["chosen"].labels(**lb)
+        for b, n in sorted(rec["chosen_budget_rounds"].items()):
+            for _ in range(n):
+                chosen.observe(int(b))
+
+    def add_round_times(self, done: Sequence[tuple]) -> None:
+        """done: profiler rounds ``(stage ms list, round ms, host ms, bs, width or None)``."""
+        for stages, round_ms, host_ms, _bs, width in done:
+            hs = self._round_children(self.labels["budget"] if width is None else str(int(width) - 1))
+            for h, ms in zip(hs[:len(STAGES)], stages):
+                h.observe(ms)
+            hs[-2].observe(round_ms)
+            hs[-1].observe(host_ms)
+
+    def _round_children(self, cb: str) -> list:
+        """The labelled histograms of chosen budget ``cb``: one per stage, round_ms, host_ms (cached)."""
+        kids = self._kids.get(cb)
+        if kids is None:
+            m, lb = self.m, self.labels
+            kids = [m["stage"].labels(**lb, stage=name, chosen_budget=cb) for name in STAGES]
+            kids += [m["round_ms"].labels(**lb, chosen_budget=cb), m["host_ms"].labels(**lb, chosen_budget=cb)]
+            self._kids[cb] = kids
+        return kids
 
 
 class AcceptanceStats:
-    """Device accumulators of one worker (see the module docstring).  ``record`` per round."""
+    """Device accumulators of one worker (see the module docstring).  ``record`` per round.
+
+    ``chosen_budgets``: the budgets a round may run (the chosen-budget histogram's buckets; default
+    the tree's budget)."""
 
     def __init__(self, *, budget: int, draft_depth: int, device, algo: str, tp_rank: int = 0,
                  prometheus: bool = False, path: Optional[str] = None, every: Optional[int] = None,
-                 budgets: Optional[Sequence[int]] = None):
+                 budgets: Optional[Sequence[int]] = None, chosen_budgets: Optional[Sequence[int]] = None,
+                 registry=None):
         self.budget, self.depth, self.device = int(budget), int(draft_depth), torch.device(device)
         self.budgets = list(budgets) if budgets is not None else default_budgets(self.budget)
         if not self.budgets or any(b < 1 or b > self.budget for b in self.budgets):
@@ -104,15 +184,23 @@ class AcceptanceStats:
             raise ValueError(f"{ENV_EVERY} must be >= 1, got {self.every}")
         self.path = path
         self.meta = dict(algo=algo, budget=self.budget, tp_rank=tp_rank, pid=os.getpid())
-        self.prom = _Prometheus(dict(algo=algo, budget=str(self.budget), tp_rank=str(tp_rank))) \
+        self.chosen_budgets = list(chosen_budgets) if chosen_budgets else [self.budget]
+        self.prom = _Prometheus(dict(algo=algo, budget=str(self.budget), tp_rank=str(tp_rank)),
+                                chosen_budgets=self.chosen_budgets, registry=registry) \
             if prometheus else None
-        nb = len(self.budgets)
+        nb, d = len(self.budgets), self.depth
         self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=self.device)
-        # [request_rounds, accepted, hist (D+1), counterfactual (nb)] in one int64 vector: one copy
-        self._acc = torch.zeros(2 + self.depth + 1 + nb, dtype=torch.int64, device=self.device)
+        # [request_rounds, accepted, hist (D+1), counterfactual (nb), tree depth hist (D+1),
+        #  tree depth sum] in one int64 vector: one copy
+        self._o_cf, self._o_th = 3 + d, 3 + d + nb
+        self._acc = torch.zeros(self._o_th + d + 2, dtype=torch.int64, device=self.device)
         self._ones = None
         self._rounds = 0
-        self._inflight = []   # (event or None, pinned host copy, rounds in it, t)
+        self._host = self._new_host()
+        self._inflight = []   # (event or None, pinned host copy, rounds in it, t, host counts)
+
+    def _new_host(self) -> dict:
+        return dict(cf_rounds=[0] * len(self.budgets), chosen={})
 
     @classmethod
     def from_env(cls, server_args, **kw) -> Optional["AcceptanceStats"]:
@@ -122,21 +210,36 @@ class AcceptanceStats:
             return None
         return cls(path=path, prometheus=prom, **kw)
 
-    def record(self, path: torch.Tensor, accept_len: torch.Tensor) -> None:
+    def record(self, path: torch.Tensor, accept_len: torch.Tensor, *,
+               tree_depth: Optional[torch.Tensor] = None, width: Optional[int] = None) -> None:
         """path [bs, W] int (root first, -1 padded): this round's accepted slots; accept_len [bs]:
-        their count (the accept's own output, not recomputed here)."""
+        their count (the accept's own output, not recomputed here); tree_depth [bs, N] int: the built
+        tree's slot depths (None: not counted); width: the round's verify width N, a host int (None:
+        the tree's budget + 1)."""
         bs = path.shape[0]
         if bs == 0:
             return
+        rb = self.budget if width is None else int(width) - 1           # the round's tree budget
+        n_valid = sum(1 for b in self.budgets if b <= rb)
         accept_len = accept_len.to(torch.int64)
-        cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev).to(torch.int64)  # [bs, nb]
-        a = self._acc
+        a, d = self._acc, self.depth
         a[0] += bs
         a[1] += accept_len.sum()
         if self._ones is None or self._ones.numel() < bs:
             self._ones = torch.ones(max(bs, 64), dtype=torch.int64, device=self.device)
-        a[2:3 + self.depth].index_add_(0, accept_len.clamp(max=self.depth), self._ones[:bs])
-        a[3 + self.depth:] += cf.sum(0)
+        ones = self._ones[:bs]
+        a[2:3 + d].index_add_(0, accept_len.clamp(max=d), ones)
+        if n_valid:
+            cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid])   # [bs, n_valid]
+            a[self._o_cf:self._o_cf + n_valid] += cf.to(torch.int64).sum(0)
+        if tree_depth is not None:
+            td = tree_depth.amax(1).to(torch.int64).clamp_(0, d)                         # [bs]
+            a[self._o_th:self._o_th + d + 1].index_add_(0, td, ones)
+            a[-1] += td.sum()
+        h = self._host
+        for j in range(n_valid):
+            h["cf_rounds"][j] += bs
+        h["chosen"][rb] = h["chosen"].get(rb, 0) + 1
         self._rounds += 1
         if self._rounds % self.every == 0:
             self._snapshot()
@@ -145,12 +248,13 @@ class AcceptanceStats:
     def _snapshot(self) -> None:
         ev, host = _async_host_copy(self._acc)
         self._acc.zero_()
-        self._inflight.append((ev, host, self.every, time.time()))
+        self._inflight.append((ev, host, self.every, time.time(), self._host))
+        self._host = self._new_host()
 
     def _drain(self) -> None:
         while self._inflight and (self._inflight[0][0] is None or self._inflight[0][0].query()):
-            _, host, rounds, t = self._inflight.pop(0)
-            self._publish(self._record_from(host.tolist(), rounds, t))
+            _, host, rounds, t, hc = self._inflight.pop(0)
+            self._publish(self._record_from(host.tolist(), rounds, t, hc))
 
     def flush(self) -> None:
         """Snapshot what is accumulated and publish everything (waits for the copies: shutdown only)."""
@@ -161,10 +265,12 @@ class AcceptanceStats:
                 ev.synchronize()
         self._drain()
 
-    def _record_from(self, v: List[int], rounds: int, t: float) -> dict:
-        d = self.depth
+    def _record_from(self, v: List[int], rounds: int, t: float, hc: dict) -> dict:
+        d, o_cf, o_th = self.depth, self._o_cf, self._o_th
         return dict(self.meta, t=round(t, 3), rounds=rounds, request_rounds=v[0], accepted=v[1],
-                    length_hist=v[2:3 + d], budgets=self.budgets, counterfactual=v[3 + d:])
+                    length_hist=v[2:3 + d], budgets=self.budgets, counterfactual=v[o_cf:o_th],
+                    counterfactual_request_rounds=hc["cf_rounds"], tree_depth_hist=v[o_th:o_th + d + 1],
+                    tree_depth_sum=v[-1], chosen_budget_rounds=hc["chosen"])
 
     def _publish(self, rec: dict) -> None:
         if self.prom is not None:
@@ -172,6 +278,32 @@ class AcceptanceStats:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+
+    def stage_sink(self):
+        """The RoundProfiler sink feeding the stage-time histograms, or None without Prometheus."""
+        return None if self.prom is None else self.prom.add_round_times
+
+
+def make_round_observers(server_args, *, algo: str, budget: int, block_size: int, topk: int,
+                         tp_rank: int, device, adaptive_cfg=None, registry=None):
+    """(AcceptanceStats or None, RoundProfiler) of one worker.  Acceptance, counterfactual acceptance
+    per smaller budget, tree depth and chosen budget: opt-in (``--enable-metrics`` or
+    SGLANG_DDTREE_STATS_FILE), TP rank 0 only (every rank holds the same trees).  With
+    ``--enable-metrics`` rank 0's profiler also feeds the stage-time histograms (``docs/metrics.md``);
+    without it and without SGLANG_DDTREE_PROFILE_FILE the profiler records nothing."""
+    stats = None
+    if tp_rank == 0:
+        chosen = [budget]
+        budgets = default_budgets(budget)
+        if adaptive_cfg is not None:
+            chosen = ([0] if adaptive_cfg.no_spec else []) + list(adaptive_cfg.budgets)
+            budgets = sorted(set(budgets) | set(adaptive_cfg.budgets))
+        stats = AcceptanceStats.from_env(server_args, budget=budget, draft_depth=block_size - 1,
+                                         device=device, algo=algo, tp_rank=tp_rank, budgets=budgets,
+                                         chosen_budgets=chosen, registry=registry)
+    prof = RoundProfiler(dict(algo=algo, budget=budget, block_size=block_size, topk=topk),
+                         sink=None if stats is None else stats.stage_sink())
+    return stats, prof
 
 
 class CounterfactualWindow:

@@ -57,8 +57,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from . import adaptive, ddtree, logprobs, sampling, tree_ops, verify_attn_hook
 from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
-from .profiling import RoundProfiler
-from .round_stats import AcceptanceStats
+from .round_stats import make_round_observers
 from .spec_algo import settings_for_worker
 
 logger = logging.getLogger(__name__)
@@ -239,13 +238,10 @@ class DDTreeWorker(DFlashWorkerV2):
         self._own_mask_buf: Optional[torch.Tensor] = None
         self._eager_mask_rounds = 0
         self._rounds = 0
-        self._prof = RoundProfiler(dict(algo=self.algo_name, budget=self.budget,
-                                        block_size=self.block_size, topk=self.topk))
-        # acceptance + counterfactual acceptance per smaller budget (opt-in: --enable-metrics or
-        # SGLANG_DDTREE_STATS_FILE); TP rank 0 only, every rank holds the same trees
-        self._stats = None if self.ps.tp_rank != 0 else AcceptanceStats.from_env(
-            server_args, budget=self.budget, draft_depth=self.block_size - 1, device=self.device,
-            algo=self.algo_name, tp_rank=self.ps.tp_rank)
+        self._stats, self._prof = make_round_observers(
+            server_args, algo=self.algo_name, budget=self.budget, block_size=self.block_size,
+            topk=self.topk, tp_rank=self.ps.tp_rank, device=self.device,
+            adaptive_cfg=self._adaptive_cfg)
         if self.ps.tp_rank == 0:
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
@@ -595,7 +591,7 @@ class DDTreeWorker(DFlashWorkerV2):
             acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None:
-            self._stats.record(path, accept_len)
+            self._stats.record(path, accept_len, tree_depth=tree.depth, width=N)
         if self._adaptive is not None:
             self._adaptive.record(path, N)
         prof.mark()
@@ -626,7 +622,7 @@ class DDTreeWorker(DFlashWorkerV2):
                         None if draft_out is None else bool(draft_out.can_run_graph),
                         bool(target_out.can_run_cuda_graph))
         prof.mark()
-        prof.end(bs)
+        prof.end(bs, N)
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1),
             accept_lens=commit_lens, can_run_cuda_graph=target_out.can_run_cuda_graph,
