@@ -111,6 +111,42 @@ def extra_checks(base, perm, serves_logprobs):
     return r
 
 
+DDTREE_SERIES = ("sglang:ddtree_request_rounds_total", "sglang:ddtree_accepted_tokens_total",
+                 "sglang:ddtree_chosen_budget_count", "sglang:ddtree_stage_ms_count", "sglang:ddtree_round_ms_count",
+                 "sglang:ddtree_tree_depth_sum_total", "sglang:ddtree_counterfactual_accepted_tokens_total")
+
+
+def metric_values(text, name):
+    """Sum of every sample of ``name`` (any labels) in a Prometheus text exposition, or None."""
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(vals) if vals else None
+
+
+def scrape_metrics(base, algo):
+    """/metrics of a server started with --enable-metrics, after the traffic above (> 64 rounds, so at
+    least one window of the plugin's device counters has been published): the plugin's series are
+    there for a DDTREE server, the round counts agree, and SGLang's own metrics are there too."""
+    time.sleep(3)  # the next window's readback needs a few more rounds: send some
+    for _ in range(3):
+        requests.post(base + "/generate", json={"input_ids": [1, 5, 17, 300], "sampling_params": {
+            "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    r = requests.get(base + "/metrics", timeout=30)
+    out = {"metrics_status": r.status_code}
+    text = r.text if r.status_code == 200 else ""
+    got = {n: metric_values(text, n) for n in DDTREE_SERIES}
+    out["metrics_values"] = got
+    out["metrics_sglang_present"] = "sglang:" in text.replace("sglang:ddtree_", "")
+    if algo in ("ddtree", "ddtreecpu"):
+        rounds, chosen = got["sglang:ddtree_request_rounds_total"], got["sglang:ddtree_chosen_budget_count"]
+        out["metrics_ok"] = (r.status_code == 200 and all(v is not None for v in got.values())
+                             and rounds > 0 and chosen > 0 and got["sglang:ddtree_accepted_tokens_total"] >= 0)
+    else:  # DFLASH: the plugin exports nothing of its own there
+        out["metrics_ok"] = r.status_code == 200 and out["metrics_sglang_present"]
+    print("metrics", json.dumps(out), flush=True)
+    return out
+
+
 base, limit, pid, perm_path, stage, results = sys.argv[1:7]
 limit, pid = float(limit), int(pid)
 _parts = stage.split("_")
@@ -174,9 +210,11 @@ if up:
         except Exception as e:  # noqa
             rec["server_info_error"] = repr(e)
         rec.update(extra_checks(base, perm, rec["algo"] in ("ddtree", "ddtreecpu")))
+        if stage.endswith("_metrics"):
+            rec.update(scrape_metrics(base, rec["algo"]))
         rec["ok"] = (rec["generate_ids_status"] == 200 and rec["generate_ids_match"] is not False
                      and rec["generate_text_status"] == 200 and rec["completions_status"] == 200
-                     and all(rec.get(k) for k in EXTRA_KEYS))
+                     and all(rec.get(k) for k in EXTRA_KEYS) and rec.get("metrics_ok", True))
     except Exception as e:  # noqa
         rec["error"] = repr(e)[:1000]
 with open(results, "a") as f:

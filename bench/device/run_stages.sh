@@ -14,7 +14,8 @@
 #   kimicost_<algo>_<mode>[_b<N>]           the production-cost INT4 MLA pair (mk_kimi_cost.py: Kimi K2 widths, ~32 GB,
 #                                           written only when a kimicost stage is named; KIMICOST_ARGS e.g. "--layers 6")
 #   capture_<gqa|mla>                       capture_fixtures.py (top-k fixtures from DFLASH drafter)
-#   http_<gqa|mla>[_<algo>]                 python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree)
+#   http_<gqa|mla>[_<algo>][_metrics]       python -m sglang.launch_server --config configs/tiny_<pair>_<algo>.yaml (algo: dflash default, ddtree);
+#                                           _metrics: with --enable-metrics, /metrics scraped for the plugin's sglang:ddtree_* series
 #   plugin_probe                            entry-point discovery only (no engine)
 #   sweep                                   bench/ab_serve.py --kernel-sweep-only (GPU tree build vs CPU heap)
 #   prompts_<pair>                          the A/B prompts this host generates for the pair -> $OUT/prompts_<pair>.jsonl
@@ -117,11 +118,13 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       timeout -k 5 $lim python3 $DEV/capture_fixtures.py ${st#capture_} /tmp/models $OUT/fixtures $port > $LOG/$st.log 2>&1; rc=$?
       grep -a CAPTURE_STATS $LOG/$st.log | cut -c1-1500 > $LOG/$st.res ;;
     http_*)
-      local rest=${st#http_}; local pair=${rest%%_*}; local algo=dflash
+      local rest=${st#http_}; local pair=${rest%%_*}; local algo=dflash; local mx=()
       [ "$rest" != "$pair" ] && algo=${rest#*_}
+      # http_<pair>_<algo>_metrics: the same server with --enable-metrics; http_client scrapes /metrics
+      if [ "${algo%_metrics}" != "$algo" ]; then algo=${algo%_metrics}; mx=(--enable-metrics); fi
       # -P: python -m would put the cwd (the checkout root) first on sys.path, and its bare
       # sglang_ddtree/ (no patches/) would shadow the installed package
-      python3 -P -m sglang.launch_server --config $REPO/configs/tiny_${pair}_${algo}.yaml --port $port \
+      python3 -P -m sglang.launch_server --config $REPO/configs/tiny_${pair}_${algo}.yaml --port $port "${mx[@]}" \
         --mem-fraction-static 0.5 --max-total-tokens 32768 --nccl-port $((port+7)) > $LOG/$st.log 2>&1 &
       local sp=$!
       timeout -k 5 $lim python3 $DEV/http_client.py http://127.0.0.1:$port $((lim-15)) $sp /tmp/models/${pair}_target/perm.json $st $R > $LOG/$st.res 2>&1; rc=$?
