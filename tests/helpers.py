@@ -58,3 +58,36 @@ def tie_heavy_logprobs(bs, D, K, generator, levels=6, neg_inf_frac=0.0):
     ids = torch.stack([torch.stack([torch.randperm(max(K, 50), generator=generator)[:K]
                                     for _ in range(D)]) for _ in range(bs)])
     return vals.contiguous(), ids.to(torch.int64).contiguous()
+
+
+def assert_sglang_reads_int4(model_dir, *, attn_layer, dense_layer, shared_layer, moe_layers):
+    """SGLang 0.5.16 (CPU) reads ``model_dir`` as compressed-tensors W4A16: every non-expert linear of its
+    DeepseekV2 module names (attention of ``attn_layer``, the dense MLP of ``dense_layer``, the shared
+    experts of ``shared_layer``, lm_head) stays unquantized, and the experts of ``moe_layers`` (two
+    layer ids) get the Marlin scheme under --moe-runner-backend auto and the Triton one under triton."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    mc = ModelConfig(model_dir)
+    assert mc.quantization == "compressed-tensors"
+    cfg = CompressedTensorsConfig.from_config(mc.hf_config.quantization_config)
+    lin = torch.nn.Linear(2, 2)
+    a, d, s = (f"model.layers.{i}." for i in (attn_layer, dense_layer, shared_layer))
+    for name in [a + "self_attn.fused_qkv_a_proj_with_mqa", a + "self_attn.q_b_proj", a + "self_attn.kv_b_proj",
+                 a + "self_attn.o_proj", d + "mlp.gate_up_proj", d + "mlp.down_proj",
+                 s + "mlp.shared_experts.gate_up_proj", s + "mlp.shared_experts.down_proj", "lm_head"]:
+        assert cfg.get_scheme_dict(lin, name) is None, name
+    fused_moe = type("FusedMoE", (torch.nn.Module,), {})
+    flags = moe_utils.get_flags().moe
+    saved = flags.runner_backend
+    try:
+        flags.runner_backend = moe_utils.MoeRunnerBackend.AUTO
+        got = type(cfg.get_moe_scheme(fused_moe(), f"model.layers.{moe_layers[0]}.mlp.experts")).__name__
+        assert got == "CompressedTensorsWNA16MoE", got
+        flags.runner_backend = moe_utils.MoeRunnerBackend.TRITON
+        got = type(cfg.get_moe_scheme(fused_moe(), f"model.layers.{moe_layers[1]}.mlp.experts")).__name__
+        assert got == "CompressedTensorsWNA16TritonMoE", got
+    finally:
+        flags.runner_backend = saved

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from helpers import load_bench
+from helpers import load_bench, assert_sglang_reads_int4
 
 Q = load_bench("device/mk_int4")
 
@@ -100,28 +100,6 @@ def test_sglang_reads_it_as_the_int4_marlin_moe(written):
     every other linear of SGLang's DeepseekV2 module names stays unquantized."""
     pytest.importorskip("sglang")
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.moe import utils as moe_utils
-    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-    mc = ModelConfig(written["int4"])
-    assert mc.quantization == "compressed-tensors"
+    assert_sglang_reads_int4(written["int4"], attn_layer=1, dense_layer=0, shared_layer=1, moe_layers=(1, 2))
     assert ModelConfig(written["reference"]).quantization is None
-    cfg = CompressedTensorsConfig.from_config(mc.hf_config.quantization_config)
-    lin = torch.nn.Linear(2, 2)
-    for name in ["model.layers.1.self_attn.fused_qkv_a_proj_with_mqa", "model.layers.1.self_attn.q_b_proj",
-                 "model.layers.1.self_attn.kv_b_proj", "model.layers.1.self_attn.o_proj",
-                 "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
-                 "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj",
-                 "lm_head"]:
-        assert cfg.get_scheme_dict(lin, name) is None, name
-    FusedMoE = type("FusedMoE", (torch.nn.Module,), {})
-    flags = moe_utils.get_flags().moe
-    saved = flags.runner_backend
-    try:
-        flags.runner_backend = moe_utils.MoeRunnerBackend.AUTO
-        assert type(cfg.get_moe_scheme(FusedMoE(), "model.layers.1.mlp.experts")).__name__ == "CompressedTensorsWNA16MoE"
-        flags.runner_backend = moe_utils.MoeRunnerBackend.TRITON
-        assert type(cfg.get_moe_scheme(FusedMoE(), "model.layers.2.mlp.experts")).__name__ == \
-            "CompressedTensorsWNA16TritonMoE"
-    finally:
-        flags.runner_backend = saved

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from helpers import load_bench
+from helpers import load_bench, assert_sglang_reads_int4
 
 K = load_bench("device/mk_kimi_cost")
 Q, M = K.Q, K.M
@@ -226,33 +226,10 @@ def test_int4_tensors_round_trip(runs):
 # --- SGLang on the CPU ---------------------------------------------------------------------------------------
 def test_sglang_accepts_the_pair(full_configs, reduced):
     pytest.importorskip("sglang")
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.moe import utils as moe_utils
-    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
     from sglang.srt.server_args import prepare_server_args
 
     for d in (full_configs["target"], reduced["target"]):
-        mc = ModelConfig(d)
-        assert mc.quantization == "compressed-tensors"
-        cfg = CompressedTensorsConfig.from_config(mc.hf_config.quantization_config)
-        lin = torch.nn.Linear(2, 2)
-        for name in ["model.layers.3.self_attn.fused_qkv_a_proj_with_mqa", "model.layers.3.self_attn.q_b_proj",
-                     "model.layers.3.self_attn.kv_b_proj", "model.layers.3.self_attn.o_proj",
-                     "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
-                     "model.layers.5.mlp.shared_experts.gate_up_proj", "model.layers.5.mlp.shared_experts.down_proj",
-                     "lm_head"]:
-            assert cfg.get_scheme_dict(lin, name) is None, name
-        FusedMoE = type("FusedMoE", (torch.nn.Module,), {})
-        flags = moe_utils.get_flags().moe
-        saved = flags.runner_backend
-        try:
-            flags.runner_backend = moe_utils.MoeRunnerBackend.AUTO
-            assert type(cfg.get_moe_scheme(FusedMoE(), "model.layers.4.mlp.experts")).__name__ == "CompressedTensorsWNA16MoE"
-            flags.runner_backend = moe_utils.MoeRunnerBackend.TRITON
-            assert type(cfg.get_moe_scheme(FusedMoE(), "model.layers.1.mlp.experts")).__name__ == \
-                "CompressedTensorsWNA16TritonMoE"
-        finally:
-            flags.runner_backend = saved
+        assert_sglang_reads_int4(d, attn_layer=3, dense_layer=0, shared_layer=5, moe_layers=(4, 1))
     # the server arguments the stages use (stage.py: DFLASH with the pair's drafter) resolve on the CPU
     sa = prepare_server_args(["--device", "cuda", "--model-path", full_configs["target"], "--speculative-algorithm",
                               "DFLASH", "--speculative-draft-model-path", full_configs["drafter"],
