@@ -139,7 +139,8 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         defarms=base,dflash,ddtree_b16
       fi
       local arms=${!arms_var:-${AB_ARMS:-$defarms}}
-      timeout -k 10 $lim python3 $REPO/bench/ab_serve.py "${pa[@]}" --arms $arms \
+      # python -m sglang_ddtree.ab: the installed sglang-ddtree-ab command's code path (-P: not the cwd's copy)
+      timeout -k 10 $lim python3 -P -m sglang_ddtree.ab "${pa[@]}" --arms $arms \
         --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} "${sa[@]}" \
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
