@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import List, Optional
 
@@ -84,31 +85,28 @@ def _stdlib_texts(files=None):
                     buf = ""
     except Exception:  # noqa: BLE001 - an interpreter without pydoc_data: module docstrings only
         pass
-    if len(prose) < 50:
+    if len(prose) < 50:  # module docstrings, then (if still few: a restricted file set) class / function ones
         import ast
+        module_docs, node_docs = [], []
         for rel in (files if files is not None else _CODE_FILES):
             p = os.path.join(root, rel)
-            if os.path.isfile(p):
-                try:
-                    doc = ast.get_docstring(ast.parse(open(p, encoding="utf-8", errors="replace").read()))
-                except (SyntaxError, ValueError):  # e.g. lib2to3's Python 2 test data
-                    continue
-                if doc and len(doc) > 200:
-                    prose.append((f"stdlib/{rel}:docstring", doc[:1600]))
-        if len(prose) < 50:  # few module docstrings (a restricted file set): class / function docstrings too
-            for rel in (files if files is not None else _CODE_FILES):
-                p = os.path.join(root, rel)
-                if not os.path.isfile(p):
-                    continue
-                try:
-                    tree = ast.parse(open(p, encoding="utf-8", errors="replace").read())
-                except (SyntaxError, ValueError):
-                    continue
-                for node in ast.walk(tree):
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                        doc = ast.get_docstring(node)
-                        if doc and len(doc) > 300:
-                            prose.append((f"stdlib/{rel}:{node.lineno}:docstring", doc[:1600]))
+            if not os.path.isfile(p):
+                continue
+            try:
+                tree = ast.parse(open(p, encoding="utf-8", errors="replace").read())
+            except (SyntaxError, ValueError):  # e.g. lib2to3's Python 2 test data
+                continue
+            doc = ast.get_docstring(tree)
+            if doc and len(doc) > 200:
+                module_docs.append((f"stdlib/{rel}:docstring", doc[:1600]))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) > 300:
+                        node_docs.append((f"stdlib/{rel}:{node.lineno}:docstring", doc[:1600]))
+        prose += module_docs
+        if len(prose) < 50:
+            prose += node_docs
     return code, prose
 
 
@@ -117,8 +115,7 @@ def _stride(size: int) -> int:
     ``size``), spreading neighbours apart.  A fixed step of 7 sent every prose prompt to the same
     docstring on Python 3.12's held-out files (7 module docstrings): the text-pair A/B reports
     before 2026-12-01 session 7 repeat one prose prompt in every other request."""
-    import math
-    return next(k for k in (7, 11, 13, 17, 19, 23, 1) if math.gcd(k, size) == 1 or k == 1)
+    return next(k for k in (7, 11, 13, 17, 19, 23, 1) if math.gcd(k, size) == 1)
 
 
 def make_prompts(n: int, template: str = "{prompt}", files=None, bare: bool = False) -> List[dict]:
