@@ -214,9 +214,15 @@ def test_parse_arms_and_commands():
     assert d["ddtree_b8"]["algo"] == "DDTREE-GPU" and d["ddtree_b8"]["num_draft_tokens"] == 9
     assert d["ddtreecpu_b16"]["algo"] == "DDTREE-CPU" and d["ddtreecpu_b16"]["num_draft_tokens"] == 17
     assert d["dflash"]["num_draft_tokens"] is None
-    for bad in ("ddtree", "ddtree_16", "eagle", "base_b8", "base,base"):
+    for bad in ("ddtree", "ddtree_16", "eagle", "base_b8", "base,base", "dflash_vattn", "base_vattn",
+                "ddtreecpu_b16_vattn", "ddtree_vattn", "ddtree_b16_vattn,ddtree_b16_vattn"):
         with pytest.raises(ValueError):
             ab.parse_arms(bad)
+    v = {a["name"]: a for a in ab.parse_arms("ddtree_b16,ddtree_b16_vattn,ddtree_auto_vattn")}
+    assert v["ddtree_b16_vattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree"}
+    assert v["ddtree_b16_vattn"]["num_draft_tokens"] == 17 and not v["ddtree_b16"].get("env")
+    assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
+    assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,31" and v["ddtree_auto_vattn"]["auto"]
     opts = dict(python="py", model_path="T", draft_model_path="D", maxc=64, token_ids=True,
                 server_args="--mem-fraction-static 0.5 --tp-size 1")
     cmd = ab.build_server_cmd(d["ddtree_b8"], opts, 31000)

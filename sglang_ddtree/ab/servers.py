@@ -24,11 +24,21 @@ def parse_arm(name: str) -> dict:
     """'base' | 'dflash' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' | 'ddtree_auto[_b<B1>-<B2>-...]' ->
     {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree_auto``: the adaptive budget
     (sglang_ddtree/adaptive.py) over the budgets given (default 7, 15, 31) plus "no speculation",
-    served at the widest budget; its ``env`` goes to the server's environment."""
+    served at the widest budget; its ``env`` goes to the server's environment.  A DDTree arm may end
+    in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify runs our tree-verify attention
+    (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``), everything else as without the suffix."""
     name = name.strip()
+    if name.endswith("_vattn"):
+        arm = parse_arm(name[:-len("_vattn")])
+        if arm["kind"] != "ddtree":
+            raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take _vattn (ddtree_b<B>_vattn, ddtree_auto_vattn)")
+        arm["name"] = name
+        arm["env"] = dict(arm.get("env") or {}, SGLANG_DDTREE_VERIFY_ATTN="ddtree")
+        return arm
     kind, _, rest = name.partition("_")
     if kind not in ALGO:
-        raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto)")
+        raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto, "
+                         "ddtree_b<B>_vattn)")
     if kind == "ddtree" and (rest == "auto" or rest.startswith("auto_")):
         spec = rest[len("auto_"):] if rest.startswith("auto_") else ""
         if spec and not (spec.startswith("b") and all(x.isdigit() for x in spec[1:].split("-"))):
