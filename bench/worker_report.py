@@ -137,6 +137,7 @@ def main():
             accept_bs1=r.get("accept_len_bs1"), ms_per_round_bs1=r.get("ms_per_round_bs1")))
     doc = {"card": card, "versions": ver, "date": date, "stages": rows, "http": http,
            "text_pair": text_rows, "text_tie_threshold": (div or {}).get("tie_threshold_logits"),
+           "text_tie_rule": (div or {}).get("tie_rule"),
            "unfinished": missing,
            "all_ok": all(r["ok"] for r in rows) and all(h["ok"] for h in http) and not missing}
     json.dump(doc, open(out + ".json", "w"), indent=1)
@@ -187,10 +188,15 @@ def main():
                "Reference: the plain target's own greedy output (`text_base_graph`, cold run). Its bf16 greedy "
                "output is not unique: the same plain target differs from itself between a cold and a "
                "radix-cached run. So every first divergence is classified by `bench/text_divergence.py` with "
-               "the fp32 reference forward: near tie = the target's own top-2 are exactly the two tokens, "
-               f"logit gap <= {doc['text_tie_threshold']}; error = anything else "
+               "the fp32 reference forward: near tie = " + (
+                   f"both tokens' logits within {doc['text_tie_threshold']} of the target's top logit"
+                   if doc.get("text_tie_rule") == "below_top" else
+                   f"the target's own top-2 are exactly the two tokens, logit gap <= {doc['text_tie_threshold']}")
+               + "; error = anything else "
                "(the `--divergence` file's markdown lists each one). The `_nomaskpatch` stage runs the "
-               "target verify graph captured WITHOUT the tree mask (the classic bug): it must show errors. "
+               "target verify graph captured WITHOUT the tree mask (the classic bug): it must show errors"
+               + (", unless it is also `_vattn` (our verify attention reads the tree's bitmask, not that mask). "
+                  if any("nomaskpatch" in r["stage"] and "vattn" in r["stage"] for r in text_rows) else ". ") +
                "mixed: exact, or the first mismatch of each request (r<request>:<position>) and whether it "
                "sits at a context where a classified bs16 divergence of this run is a near tie.\n",
                "| stage | algo | mode | budget | diverged / requests | near ties | errors | mixed | sampled runs | accept bs16 | accept bs1 | ms/round bs1 |",

@@ -193,3 +193,85 @@ def test_drafter_curve_reproduces_the_committed_table(tmp_path):
     assert not doc["reached"]
     b16 = doc["points"][1]
     assert b16["block_size"] == 16 and b16["served_dflash_accept"]["1"] < 3
+
+
+def _report(tmp_path, name, summaries, records, divergence=None):
+    out = str(tmp_path / name)
+    cmd = [sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out,
+           ",".join(os.path.join(RAW, s) for s in summaries)] + [os.path.join(RAW, r) for r in records]
+    if divergence:
+        cmd += ["--divergence", os.path.join(RES, divergence)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out, json.load(open(out + ".json"))
+
+
+def test_worker_run10_reproduces_and_passes(tmp_path):
+    """Run 10 (session 8): the worker after the round split, the adaptive budget's forced widths
+    (_cycle) and policy (_auto), and our verify attention (_vattn), which needs no tree-mask patch:
+    the _nomaskpatch_vattn text stage must be free of errors where plain _nomaskpatch is not."""
+    out, doc = _report(tmp_path, "w10", ["worker_h200_run10a_summary.txt", "worker_h200_run10b_summary.txt"],
+                       ["worker_h200_run10a.jsonl", "worker_h200_run10b.jsonl"],
+                       "text_divergence_h200_run10.json")
+    assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run10.md")).read()
+    assert doc["all_ok"] and doc["unfinished"] == []
+    names = {s["stage"] for s in doc["stages"]}
+    assert {"gqa_ddtree_graph_b16_vattn", "mla_ddtree_graph_b64_vattn", "gqa_ddtree_graph_b31_cycle",
+            "mla_ddtree_graph_b31_cycle", "gqa_ddtree_graph_b16_auto"} <= names
+    for s in doc["stages"]:
+        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+    text = {s["stage"]: s for s in doc["text_pair"]}
+    assert text["text_ddtree_graph_b16_nomaskpatch_vattn"]["requests"] == 16
+    for name, s in text.items():
+        assert s["errors"] == 0, name
+    http = {h["stage"]: h for h in doc["http"]}
+    assert http["http_mla_ddtree"]["logprob_handled"] and http["http_mla_ddtree_metrics"]["ok"]
+
+
+def test_text_divergence_run10_three_way_tie_recomputes():
+    """The run-10 rule (both tokens within TIE of the top logit) on the one divergence whose output
+    token is the target's third choice: recompute its distance below the top on this CPU."""
+    doc = json.load(open(os.path.join(RES, "text_divergence_h200_run10.json")))
+    assert doc["tie_rule"] == "below_top"
+    third = [r for r in doc["divergences"] if r["rank_out"] >= 3]
+    assert third and all(r["near_tie"] for r in third)
+    code = r'''
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import common as C, pairlib as PL
+from materialize import load_pair
+T, _ = load_pair(); T = {k: v.float() for k, v in T.items()}
+raw = {}
+for path in sys.argv[2].split(","):
+    for l in open(path):
+        raw[json.loads(l)["stage"]] = json.loads(l)
+prompts = [p["ids"] for p in json.load(open(C.PROMPTS))[:16]]
+out = []
+for r in json.loads(sys.argv[3]):
+    ref = raw[r["stage"]]["reference_bs16"][r["request"]]
+    with torch.no_grad():
+        lg = PL.logits(T, torch.tensor([prompts[r["request"]] + ref[: r["pos"]]]))[0, -1].float()
+    out.append(round(float(lg.max()) - min(float(lg[r["ref_tok"]]), float(lg[r["out_tok"]])), 4))
+print(json.dumps(out))
+'''
+    raws = ",".join(os.path.join(RAW, f) for f in ("worker_h200_run10a.jsonl", "worker_h200_run10b.jsonl"))
+    r = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "bench", "textpair"), raws,
+                        json.dumps(third[:1])], cwd="/", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    below = json.loads(r.stdout.strip().splitlines()[-1])[0]
+    assert abs(below - third[0]["below_top"]) <= AD.GAP_ATOL, (third[0], below)
+    assert below <= doc["tie_threshold_logits"] - AD.GAP_ATOL   # not at the threshold: the verdict holds
+
+
+def test_kimicost_report_reproduces_and_passes(tmp_path):
+    """Issue 14 item 3's pair (K2 widths, INT4 Marlin experts): every arm token-identical to the chain,
+    and the server log names the Marlin MoE method for each."""
+    out, doc = _report(tmp_path, "k1", ["kimicost_h200_run1_summary.txt"], ["kimicost_h200_run1.jsonl"])
+    assert open(out + ".md").read() == open(os.path.join(RES, "kimicost_h200.md")).read()
+    assert doc["all_ok"]
+    st = {s["stage"]: s for s in doc["stages"]}
+    assert set(st) == {"kimicost_base_graph", "kimicost_dflash_graph", "kimicost_ddtree_graph_b16",
+                       "kimicost_ddtree_graph_b16_vattn"}
+    for name, s in st.items():
+        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"], name
+        assert s["moe_method"] == "CompressedTensorsWNA16MarlinMoEMethod", name
