@@ -19,14 +19,16 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 * ``triton_verify_attention``: with ``SGLANG_DDTREE_VERIFY_ATTN=ddtree`` (off by default: then not
   registered), the target's TARGET_VERIFY attention on the triton backend runs our tree-verify
   kernel with the round's bitmask instead of ``extend_attention_fwd`` with a FULL_MASK.
+* ``triton_cuda_graph_state``: a DDTREE target's verify graphs do not allocate the decode kernel's
+  split-KV scratch for each of their ``max_bs * N`` rows (16.8 MB a row at Kimi K2's MLA widths).
 """
 from . import (alloc_len_per_decode, decode_graph_spec_info, dflash_prepare_for_decode, dflash_round_profile,
-               req_to_token_extra_context_len, req_update_finish_state, triton_verify_attention,
-               validate_dflash_request, validate_input_ids)
+               req_to_token_extra_context_len, req_update_finish_state, triton_cuda_graph_state,
+               triton_verify_attention, validate_dflash_request, validate_input_ids)
 
 ALL = (decode_graph_spec_info, validate_input_ids, req_update_finish_state, dflash_prepare_for_decode,
        alloc_len_per_decode, req_to_token_extra_context_len, validate_dflash_request, dflash_round_profile,
-       triton_verify_attention)
+       triton_verify_attention, triton_cuda_graph_state)
 
 
 def install_all() -> None:

@@ -64,6 +64,7 @@ def test_entry_point_registers_both_algorithms_in_a_fresh_process():
     assert ("ddtree", "sglang_ddtree.plugin:register") in [tuple(e) for e in out["eps"]]
     assert "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info" \
         in out["patched"]
+    assert "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_cuda_graph_state" in out["patched"]
     g, c = out["DDTREE-GPU"], out["ddtree-cpu"]
     assert g["cls"] == "DDTreeGPUSpecAlgo" and g["backend"] == "triton" and g["name"] == "DDTREE-GPU"
     assert c["cls"] == "DDTreeCPUSpecAlgo" and c["backend"] == "reference" and c["name"] == "DDTREE-CPU"
