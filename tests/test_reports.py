@@ -275,3 +275,16 @@ def test_kimicost_report_reproduces_and_passes(tmp_path):
     for name, s in st.items():
         assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"], name
         assert s["moe_method"] == "CompressedTensorsWNA16MarlinMoEMethod", name
+
+
+def test_worker_run11_with_the_scratch_patch_passes(tmp_path):
+    """Run 11: the first GPU run with patches/triton_cuda_graph_state.py (commit bfeba5a): MLA budget 31
+    with forced widths (four verify backends), MLA with our verify attention (its workspace now
+    comes from the resized scratch), GQA budget 16, all exact."""
+    out, doc = _report(tmp_path, "w11", ["worker_h200_run11_summary.txt"], ["worker_h200_run11.jsonl"])
+    assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run11.md")).read()
+    assert doc["all_ok"] and doc["unfinished"] == []
+    assert {s["stage"] for s in doc["stages"]} == {"mla_ddtree_graph_b31_cycle", "mla_ddtree_graph_b16_vattn",
+                                                  "gqa_ddtree_graph_b16"}
+    for s in doc["stages"]:
+        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
