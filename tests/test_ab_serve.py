@@ -716,3 +716,24 @@ def test_textpair_prompts_are_bare_and_in_domain():
     assert len({p["source"] for p in ps if p["kind"] == "prose"}) == 24
     wrapped = P.make_prompts(48, files=P.textpair_heldout_files())
     assert [p["source"] for p in wrapped] == [p["source"] for p in ps]   # same sources, only the wrapping differs
+
+
+def test_chain_prompts_for_the_toy_pairs(tmp_path):
+    """bench/device/mk_chain_prompts.py: short id prompts (the test bed's regime) the A/B's --prompts reads."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "mk_chain_prompts", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         "bench", "device", "mk_chain_prompts.py"))
+    mk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mk)
+    ps = mk.chain_prompts(200, seed=3)
+    assert ps == mk.chain_prompts(200, seed=3) and ps != mk.chain_prompts(200, seed=4)
+    assert all(2 <= len(p) <= 40 and p[0] == 1 and all(3 <= t < 1000 for t in p[1:]) for p in ps)
+    assert min(map(len, ps)) <= 5 and max(map(len, ps)) >= 35   # the whole range, not one length
+    out = tmp_path / "p.jsonl"
+    with open(out, "w") as f:
+        for p in ps[:5]:
+            f.write(json.dumps({"input_ids": p}) + "\n")
+    from sglang_ddtree.ab import prompts as PR
+    got = PR.load_prompts_file(str(out))
+    assert [g["input_ids"] for g in got] == ps[:5]
