@@ -30,10 +30,13 @@ layers.  Not covered: flashinfer / fa3 / flashmla / trtllm_mla (lifting the trit
 needs this hook on their ``forward_extend`` / verify entry, with their KV layouts and graph
 metadata: issue 13 item 2, next step).
 
-Tested: CPU only (``tests/test_verify_attn_hook*.py``: SGLang's real forward_extend, the kernel
-under the Triton interpreter, against SGLang's own masked path and the torch reference).
-Untested on the GPU: serving with the switch on (eager and under CUDA graphs); see docs/NOTES.md
-"Verify-attention hook (issue 13 item 2): status" for the stages to run.
+Tested: on the CPU (``tests/test_verify_attn_hook*.py``: SGLang's real forward_extend, the kernel
+under the Triton interpreter, against SGLang's own masked path and the torch reference) and served
+on the H200 under CUDA graphs (``_vattn`` stages, ``bench/results/worker_h200_run10.md``: GQA b16,
+MLA b16 / b64 exact; the text pair's divergences all near ties, also with the tree-mask patch off;
+``bench/results/kimicost_h200.md``: Kimi K2 widths, INT4 Marlin experts, exact).  Not yet served
+eagerly on the GPU.  Its fp32 workspace comes from the backend's decode scratch, which
+``patches/triton_cuda_graph_state.py`` sizes for it.
 
 Checked against: SGLang 0.5.16 (``sglang/srt/layers/attention/triton_backend.py``:
 ``TritonAttnBackend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
