@@ -83,6 +83,11 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
             run_post_process_pass(server_args, _ddtree_target_attention_backend)
             logger.info("%s: attention backend set to %s (the tree-mask verify path)", self.name,
                         SUPPORTED_TARGET_BACKENDS[0])
+        elif split_for_prefill_backend(server_args):
+            logger.info("%s: --attention-backend %s serves prefill; the target verify runs on %s "
+                        "(prefill=%s, decode=%s, --speculative-attention-mode decode)", self.name,
+                        server_args.attention_backend, SUPPORTED_TARGET_BACKENDS[0],
+                        server_args.attention_backend, SUPPORTED_TARGET_BACKENDS[0])
         check_resolved_target_backend(server_args, self.name)
         from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
 
@@ -115,6 +120,36 @@ def _ddtree_target_attention_backend(view) -> dict:
     return {"attention_backend": SUPPORTED_TARGET_BACKENDS[0]}
 
 
+# backends that may serve the target's prefill while its TARGET_VERIFY runs on triton (page size 1,
+# GQA and MLA in SGLang 0.5.16; the KV pool is shared, each writes its own tokens' K/V)
+PREFILL_BACKENDS = ("flashinfer", "fa3")
+
+
+def prefill_split_candidate(server_args) -> bool:
+    """``--attention-backend`` is one of PREFILL_BACKENDS and no prefill / decode split was given."""
+    return (server_args.attention_backend in PREFILL_BACKENDS and server_args.prefill_attention_backend is None
+            and server_args.decode_attention_backend is None)
+
+
+def split_for_prefill_backend(server_args) -> bool:
+    """``--attention-backend flashinfer|fa3`` alone (no prefill / decode split given): keep it for the
+    target's prefill and run the verify (the only other forward a speculative target runs) on the
+    tree-mask backend, by declaring SGLang's hybrid split: prefill = the user's, decode = triton,
+    ``speculative_attention_mode = decode`` (TARGET_VERIFY on the decode side).  True when declared."""
+    if not prefill_split_candidate(server_args):
+        return False
+    user = server_args.attention_backend
+    from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+    def _split(view) -> dict:
+        return {"prefill_attention_backend": user, "decode_attention_backend": SUPPORTED_TARGET_BACKENDS[0]}
+
+    _split.__qualname__ = "ddtree_prefill_backend_split"
+    run_post_process_pass(server_args, _split)  # the backends are declarations (last writer wins)
+    server_args.speculative_attention_mode = "decode"  # a plain field: not in SGLang's declaration set
+    return True
+
+
 def _verify_backend(cfg) -> Optional[str]:
     """The backend a TARGET_VERIFY forward runs on: the prefill (default) or decode backend of the
     speculative attention mode, falling back to --attention-backend."""
@@ -127,7 +162,10 @@ def _unsupported_backend_message(algo: str, backend: str, where: str) -> str:
     return (f"{algo} verifies a tree with a custom attention mask; the target attention backend "
             f"{backend!r}{where} is not one whose TARGET_VERIFY path applies it under CUDA graphs "
             f"in SGLang 0.5.16. Use --attention-backend {' or '.join(SUPPORTED_TARGET_BACKENDS)} "
-            "(or leave it unset)")
+            f"(or leave it unset), --attention-backend {' or '.join(PREFILL_BACKENDS)} alone (prefill on it, "
+            f"the verify on {SUPPORTED_TARGET_BACKENDS[0]}), or a split whose verify side is "
+            f"{SUPPORTED_TARGET_BACKENDS[0]} (--speculative-attention-mode decode with "
+            f"--decode-attention-backend {SUPPORTED_TARGET_BACKENDS[0]})")
 
 
 def check_resolved_target_backend(server_args, algo: str) -> None:
@@ -266,5 +304,6 @@ def validate_server_args(server_args) -> None:
     if getattr(server_args, "enable_lora", False):
         raise ValueError(f"{algo} does not support LoRA")
     chosen = _verify_backend(server_args)  # the user's own choice (the fields before resolution)
-    if chosen is not None and chosen not in SUPPORTED_TARGET_BACKENDS:
+    if chosen is not None and chosen not in SUPPORTED_TARGET_BACKENDS \
+            and not prefill_split_candidate(server_args):
         raise ValueError(_unsupported_backend_message(algo, chosen, ""))

@@ -179,7 +179,7 @@ CASES = [
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUDGET": "8"}),
     ("DDTREE-GPU", ["--speculative-num-draft-tokens", "1"], {}),
     ("DDTREE-GPU", ["--speculative-num-draft-tokens", "400"], {}),
-    ("DDTREE-GPU", ["--attention-backend", "flashinfer"], {}),
+    ("DDTREE-GPU", ["--attention-backend", "flashmla"], {}),
     ("DDTREE-GPU", ["--page-size", "16"], {}),
     ("DDTREE-GPU", ["--speculative-draft-window-size", "64"], {}),
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_TOPK": "nope"}),
@@ -197,7 +197,7 @@ def test_server_args_resolution_and_rejections(tiny_models):
     assert out[1]["ok"] and out[1]["n"] == 65 and out[1]["algo"] == "DDTREE-CPU"
     assert out[2]["ok"] and out[2]["n"] == 9
     expect = ["must be >= 2", "must be in [1, 256]",
-              "'flashinfer' is not one whose TARGET_VERIFY", "--page-size 1 only",
+              "'flashmla' is not one whose TARGET_VERIFY", "--page-size 1 only",
               "--speculative-draft-window-size", "SGLANG_DDTREE_TOPK must be an integer",
               "disagrees"]
     for res, msg in zip(out[3:], expect):
@@ -232,13 +232,20 @@ out = {}
 for name, extra in [("ddtree", ["--speculative-algorithm", "DDTREE-GPU"]),
                     ("dflash", ["--speculative-algorithm", "DFLASH"]),
                     ("ddtree_fa3", ["--speculative-algorithm", "DDTREE-GPU", "--attention-backend", "fa3"]),
+                    ("ddtree_flashinfer", ["--speculative-algorithm", "DDTREE-GPU", "--attention-backend", "flashinfer"]),
+                    ("ddtree_flashmla", ["--speculative-algorithm", "DDTREE-GPU", "--attention-backend", "flashmla"]),
                     ("ddtree_split", ["--speculative-algorithm", "DDTREE-GPU",
                                       "--prefill-attention-backend", "fa3",
-                                      "--decode-attention-backend", "triton"])]:
+                                      "--decode-attention-backend", "triton"]),
+                    ("ddtree_split_decode", ["--speculative-algorithm", "DDTREE-GPU",
+                                             "--prefill-attention-backend", "fa3",
+                                             "--decode-attention-backend", "triton",
+                                             "--speculative-attention-mode", "decode"])]:
     try:
         sa = SA.prepare_server_args(base + extra)
         out[name] = [sa.attention_backend, sa.prefill_attention_backend,
-                     sa.decode_attention_backend, sa.speculative_draft_attention_backend]
+                     sa.decode_attention_backend, sa.speculative_draft_attention_backend,
+                     sa.speculative_attention_mode]
     except ValueError as e:
         out[name] = "ValueError: " + str(e)
 print("RESULT" + json.dumps(out))
@@ -248,8 +255,10 @@ print("RESULT" + json.dumps(out))
 def test_default_backend_on_hopper_is_the_tree_mask_one(tiny_models):
     """On a Hopper GPU SGLang's default target backend is fa3, whose TARGET_VERIFY ignores our tree
     mask: a DDTREE-GPU launch without --attention-backend must still end with triton after the whole
-    resolution (SGLang writes its declared default over the fields last), and an explicit fa3, also
-    through a split prefill backend, is refused.  The H200 host found the first case (the default
+    resolution (SGLang writes its declared default over the fields last).  An explicit fa3 or
+    flashinfer alone keeps the prefill and moves the verify to triton (SGLang's hybrid split,
+    speculative_attention_mode decode); a split whose verify side is fa3 is refused, one whose verify
+    side is triton accepted; flashmla is refused.  The H200 host found the first case (the default
     ended as fa3); here SGLang's Hopper choice is simulated."""
     r = _py(HOPPER_DEFAULT.replace("sys.argv[1]", repr(tiny_models)))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -257,9 +266,12 @@ def test_default_backend_on_hopper_is_the_tree_mask_one(tiny_models):
     assert out["dflash"][0] == "fa3", out      # the simulation is what SGLang picks
     assert out["ddtree"][0] == "triton" and out["ddtree"][3] == "triton", out
     assert out["ddtree"][1] in (None, "triton") and out["ddtree"][2] in (None, "triton"), out
-    for k in ("ddtree_fa3", "ddtree_split"):
+    for k, user in (("ddtree_fa3", "fa3"), ("ddtree_flashinfer", "flashinfer")):
+        assert out[k][1:3] == [user, "triton"] and out[k][4] == "decode", out
+    assert out["ddtree_split_decode"][1:3] == ["fa3", "triton"] and out["ddtree_split_decode"][4] == "decode", out
+    for k, user in (("ddtree_split", "fa3"), ("ddtree_flashmla", "flashmla")):
         assert out[k].startswith("ValueError: DDTREE-GPU verifies a tree with a custom attention mask"), out
-        assert "'fa3'" in out[k] and "--attention-backend triton" in out[k]
+        assert f"'{user}'" in out[k] and "--attention-backend triton" in out[k]
 
 
 def test_worker_refuses_a_target_that_verifies_without_the_tree_mask():
