@@ -67,17 +67,10 @@ _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
 
 
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
-    """The target backend's CUDA-graph custom-mask buffer (triton: ``cuda_graph_custom_mask``)."""
-    b = attn_backend
-    for _ in range(4):
-        buf = getattr(b, "cuda_graph_custom_mask", None)
-        if buf is not None:
-            return buf
-        nxt = getattr(b, "full_attn_backend", None) or getattr(b, "decode_backend", None)
-        if nxt is None:
-            return None
-        b = nxt
-    return None
+    """The CUDA-graph custom-mask buffer (triton: ``cuda_graph_custom_mask``) of the backend the
+    target's verify runs on: behind a prefill / decode split, the side speculative_attention_mode
+    picks (the other side may have a buffer of that name too, e.g. flashinfer's)."""
+    return getattr(verify_attention_backend(attn_backend), "cuda_graph_custom_mask", None)
 
 
 def verify_attention_backend(attn_backend):

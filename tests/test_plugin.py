@@ -448,3 +448,19 @@ def test_a_quantized_target_lm_head_is_refused_at_startup():
         with pytest.raises(ValueError, match="quantized lm_head is not supported") as e:
             check_target_lm_head(model_with(head), "DDTREE-GPU")
         assert what in str(e.value)
+
+
+def test_graph_mask_buffer_is_the_verify_sides():
+    """Behind SGLang's prefill / decode split the graph mask buffer is the one of the side the verify
+    runs on (speculative_attention_mode), not the first found: flashinfer's backend has a
+    ``cuda_graph_custom_mask`` of its own."""
+    from sglang_ddtree.worker import _find_graph_mask_buffer
+
+    tri, fi = types.SimpleNamespace(cuda_graph_custom_mask="triton-buf"), types.SimpleNamespace(cuda_graph_custom_mask="fi-buf")
+    decode_side = types.SimpleNamespace(prefill_backend=fi, decode_backend=tri, spec_attn_is_decode=True)
+    prefill_side = types.SimpleNamespace(prefill_backend=tri, decode_backend=fi, spec_attn_is_decode=False)
+    assert _find_graph_mask_buffer(decode_side) == "triton-buf"
+    assert _find_graph_mask_buffer(prefill_side) == "triton-buf"
+    assert _find_graph_mask_buffer(types.SimpleNamespace(full_attn_backend=decode_side)) == "triton-buf"
+    assert _find_graph_mask_buffer(tri) == "triton-buf"
+    assert _find_graph_mask_buffer(types.SimpleNamespace()) is None
