@@ -9,6 +9,7 @@ classification of every divergence (near tie of the target's own top-2, or error
 the records; nothing is typed in by hand.
 """
 import json
+import os
 import re
 import sys
 from collections import OrderedDict
@@ -91,6 +92,11 @@ def main():
         i = args.index("--divergence")
         div = json.load(open(args[i + 1]))
         del args[i:i + 2]
+    ab_paths = []
+    while "--ab" in args:  # A/B reports (sglang-ddtree-ab JSON) of the same pairs: their ratio tables
+        i = args.index("--ab")
+        ab_paths.append(args[i + 1])
+        del args[i:i + 2]
     out, summary, paths = args[0], args[1], args[2:]
     recs = load(paths)
     text = {n: r for n, r in recs.items() if n.startswith("text_")}
@@ -140,6 +146,11 @@ def main():
            "text_tie_rule": (div or {}).get("tie_rule"),
            "unfinished": missing,
            "all_ok": all(r["ok"] for r in rows) and all(h["ok"] for h in http) and not missing}
+    ab_docs = [(os.path.basename(p), json.load(open(p))) for p in ab_paths]
+    if ab_docs:
+        from sglang_ddtree.ab.report import summary_rows
+
+        doc["ab"] = [{"source": name, "rows": summary_rows(d)} for name, d in ab_docs]
     json.dump(doc, open(out + ".json", "w"), indent=1)
 
     def f(v):
@@ -207,6 +218,19 @@ def main():
                 f"{r['diverged']} / {r['requests']}" if r["requests"] is not None else None,
                 r["near_ties"], r["errors"], mixed_cell(r), r["sampled_ok"], r["accept_bs16"],
                 r["accept_bs1"], r["ms_per_round_bs1"])) + " |")
+    for name, d in ab_docs:
+        from sglang_ddtree.ab.report import render_summary
+
+        meta = d.get("meta") or {}
+        md += [f"\n## Production cost: the A/B (`bench/results/{name[:-5] if name.endswith('.json') else name}.md`; it has the latency, "
+               "stage split and identity tables)\n",
+               f"{meta.get('date', '')} · {', '.join(meta.get('gpu') or []) if isinstance(meta.get('gpu'), list) else meta.get('gpu', '')} · commit {meta.get('git_commit', '')}"
+               f"{' (dirty)' if meta.get('git_dirty') else ''}. Output tok/s per concurrency (x the same "
+               "run's base), accepted tokens per verify round, token identity against base.\n"]
+        if not (d.get("settings") or {}).get("pair"):  # a user-style run (--model-path): name it by the model
+            d = dict(d, settings=dict(d["settings"], pair=os.path.basename(
+                str(d["settings"].get("model_path") or "model").rstrip("/"))))
+        md += render_summary(d, "###")
     open(out + ".md", "w").write("\n".join(md) + "\n")
     print("\n".join(md))
 

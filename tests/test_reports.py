@@ -166,9 +166,30 @@ def test_worker_report_names_stages_that_left_no_result(tmp_path):
 
 
 def test_int4_report_reproduces_the_committed_matrix(tmp_path):
-    out, doc = _int4_report(tmp_path, [1, 2])
+    """bench/results/int4_mla_h200.md: INT4 runs 1+2 (toy widths), the Kimi-cost stages (K2 widths)
+    and the Kimi-cost A/B's ratio table (issue 14's done-when names this one file)."""
+    out = str(tmp_path / "i12k")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out,
+                        ",".join(os.path.join(RAW, s) for s in ("int4_mla_h200_run1_summary.txt",
+                                                               "int4_mla_h200_run2_summary.txt",
+                                                               "kimicost_h200_run1_summary.txt")),
+                        *[os.path.join(RAW, p) for p in ("int4_mla_h200_run1.jsonl", "int4_mla_h200_run2.jsonl",
+                                                         "kimicost_h200_run1.jsonl")],
+                        "--ab", os.path.join(RES, "ab_h200_kimicost.json")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.load(open(out + ".json"))
     assert open(out + ".md").read() == open(os.path.join(RES, "int4_mla_h200.md")).read()
     assert doc["all_ok"] and doc["unfinished"] == []
+    ab = {row["arm"]: row for row in doc["ab"][0]["rows"]}
+    assert set(ab) == {"base", "dflash", "ddtree_b16", "ddtree_b16_vattn"}
+    for arm, row in ab.items():
+        assert set(row["levels"]) == {1, 4, 16, 64} or set(row["levels"]) == {"1", "4", "16", "64"}, arm
+        assert all(v["tput"] for v in row["levels"].values()), arm
+        if arm != "base":
+            assert row["identity"].startswith("identical"), (arm, row["identity"])
+    assert {"kimicost_base_graph", "kimicost_dflash_graph", "kimicost_ddtree_graph_b16"} <= {
+        s["stage"] for s in doc["stages"] if s["moe_method"] == "CompressedTensorsWNA16MarlinMoEMethod"}
     st = {s["stage"]: s for s in doc["stages"]}
     for name, s in st.items():
         assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"], name
