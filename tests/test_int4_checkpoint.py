@@ -103,3 +103,42 @@ def test_sglang_reads_it_as_the_int4_marlin_moe(written):
 
     assert_sglang_reads_int4(written["int4"], attn_layer=1, dense_layer=0, shared_layer=1, moe_layers=(1, 2))
     assert ModelConfig(written["reference"]).quantization is None
+
+
+def test_logits_check_reference_and_verdicts(written):
+    """bench/int4_logits_check.py's CPU parts: the fp32 reference (HF DeepseekV3 on the dequantized twin)
+    follows the chain with its margin, and the distance / top-5 / verdict rules on crafted inputs."""
+    import math
+    HF = load_bench("hf_reference")
+    L = load_bench("int4_logits_check")
+    perm = json.load(open(os.path.join(written["reference"], "perm.json")))
+    model = HF.load_deepseek_v3(written["reference"])
+    prompt = [1, 5, 17, 300]
+    toks, t = [], prompt[-1]
+    for _ in range(6):
+        t = perm[t]
+        toks.append(t)
+    rows = HF.output_logprobs(model, prompt, toks)
+    assert rows.shape == (6, len(perm)) or rows.shape[0] == 6
+    assert rows.argmax(-1).tolist() == toks
+    top2 = rows.topk(2, -1).values
+    assert bool(((top2[:, 0] - top2[:, 1]) > 20).all())        # the chain's wide margin
+    with pytest.raises(ValueError):
+        HF.load_deepseek_v3(written["int4"])                   # a quantized folder is not a reference
+    # distances and top-5 sets
+    row = torch.full((10,), -50.0)
+    row[3], row[7], row[1] = 0.0, -10.0, -12.0
+    served = [[(3, -0.01), (7, -10.5), (1, -12.0)]]
+    d = L.distances(served, [row])
+    assert [round(x, 4) for x in d] == [0.01, 0.5, 0.0]
+    assert L.topset_mismatches(served, [row], floor=0.1) == 0
+    assert L.topset_mismatches([[(3, 0.0), (7, -10.0), (2, -50.0)]], [row], floor=0.1) == 1
+    assert L.topset_mismatches([[(3, 0.0), (7, -10.0), (2, -50.0)]], [row], floor=100.0) == 0  # within noise: skip
+    s = {k: L.stat(v) for k, v in {"ref_base": [0.2, 0.4], "int4_base": [0.3, 0.6], "int4_ddtree": [0.3, 0.6]}.items()}
+    ok = L.verdicts(s, {"ref_base": 0, "int4_base": 0, "int4_ddtree": 0}, True)
+    assert all(ok.values())
+    s["int4_base"] = L.stat([0.3, 2.0])
+    bad = L.verdicts(s, {"ref_base": 0, "int4_base": 0, "int4_ddtree": 0}, True)
+    assert not bad["int4_at_the_twin_floor"]
+    assert not L.verdicts(s, {"ref_base": 0, "int4_base": 1, "int4_ddtree": 0}, True)["top5_sets_agree"]
+    assert not math.isnan(L.stat([1.0])["p99"])

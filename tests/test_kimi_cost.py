@@ -18,6 +18,7 @@ import torch
 from helpers import load_bench, assert_sglang_reads_int4
 
 K = load_bench("device/mk_kimi_cost")
+HF = load_bench("hf_reference")
 Q, M = K.Q, K.M
 
 
@@ -64,23 +65,7 @@ def _dequantized(raw):
 
 def _hf(cfg, sd):
     """HF DeepseekV3ForCausalLM (fp32, eager attention) holding state dict sd (per-expert names)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-    conf = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "quantization_config"})
-    conf._attn_implementation = "eager"
-    with torch.device("meta"):
-        m = DeepseekV3ForCausalLM(conf)
-    hf = {k: v.float() for k, v in sd.items() if ".mlp.experts." not in k}
-    for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}.mlp.experts."
-        ne = cfg["n_routed_experts"]
-        hf[p + "gate_up_proj"] = torch.stack([torch.cat([sd[p + f"{e}.gate_proj.weight"], sd[p + f"{e}.up_proj.weight"]])
-                                              for e in range(ne)]).float()
-        hf[p + "down_proj"] = torch.stack([sd[p + f"{e}.down_proj.weight"] for e in range(ne)]).float()
-    m.load_state_dict(hf, strict=True, assign=True)
-    m.model.rotary_emb = DeepseekV3RotaryEmbedding(conf)  # its buffers were built on meta
-    assert not [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_meta]
-    return m.eval()
+    return HF.build_deepseek_v3(cfg, sd)
 
 
 def _chain(perm, t, n):

@@ -24,6 +24,7 @@
 #   sampledmem                              bench/sampled_memory.py (sampled accept memory, old vs new)
 #   verify_attn[_quick]                     bench/verify_attention.py (tree-verify attention vs floor / SGLang / flashinfer; alone on the GPU)
 #   logprobs_text                           bench/logprobs_check.py: DDTREE-GPU log-probs vs a plain server (text pair)
+#   int4logits                              bench/int4_logits_check.py: INT4 (Marlin) log-probs vs the dequantized twin in fp32
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
@@ -190,6 +191,11 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         --draft-model-path /tmp/models/text_drafter --prompts /tmp/models/heldout_prompts.json \
         --out $OUT/logprobs_h200 --port $port --deadline $((lim-15)) > $LOG/$st.log 2>&1; rc=$?
       tail -30 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
+    int4logits)  # issue 14: the INT4 server's (and DDTree's) top-5 log-probs vs the dequantized twin's fp32 function
+      timeout -k 10 $lim python3 $REPO/bench/int4_logits_check.py --int4 /tmp/models/mlaint4_target \
+        --ref /tmp/models/mlaint4ref_target --draft-model-path /tmp/models/drafter \
+        --out $OUT/int4_logits_h200 --port $port --deadline $((lim-15)) > $LOG/$st.log 2>&1; rc=$?
+      tail -16 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
     badids_text)  # does an out-of-vocabulary token id kill plain SGLang 0.5.16 / a server with the plugin?
       timeout -k 10 $lim python3 $REPO/bench/soak.py probe --model-path /tmp/models/text_target \
         --out $OUT/badids_h200 --port $port > $LOG/$st.log 2>&1; rc=$?
