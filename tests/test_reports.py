@@ -22,6 +22,38 @@ RAW = os.path.join(RES, "raw")
 AD = load_bench("ab_divergence")
 
 
+_REFIT = r'''
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import common as C, pairlib as PL
+from materialize import load_pair
+T, _ = load_pair(); T = {k: v.float() for k, v in T.items()}
+raw = {}
+for path in sys.argv[2].split(","):
+    for l in open(path):
+        raw[json.loads(l)["stage"]] = json.loads(l)
+prompts = [p["ids"] for p in json.load(open(C.PROMPTS))[:16]]
+out = []
+for r in json.loads(sys.argv[3]):
+    ref = raw[r["stage"]]["reference_bs16"][r["request"]]
+    with torch.no_grad():
+        lg = PL.logits(T, torch.tensor([prompts[r["request"]] + ref[: r["pos"]]]))[0, -1].float()
+    a, b = float(lg[r["ref_tok"]]), float(lg[r["out_tok"]])
+    out.append(round(abs(a - b) if sys.argv[4] == "gap" else float(lg.max()) - min(a, b), 4))
+print(json.dumps(out))
+'''
+
+
+def _refit_text_divergences(rows, raw_files, what):
+    """Recompute, with the text pair's fp32 forward on this CPU, each divergence row's logit ``gap``
+    (|ref - out|) or ``below_top`` (top logit minus the lower of the two) from the committed records."""
+    raws = ",".join(os.path.join(RAW, f) for f in raw_files)
+    r = subprocess.run([sys.executable, "-c", _REFIT, os.path.join(REPO, "bench", "textpair"), raws,
+                        json.dumps(rows), what], cwd="/", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_worker_report_reproduces_the_committed_matrix(tmp_path):
     out = str(tmp_path / "w")
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out,
@@ -51,27 +83,7 @@ def test_text_divergence_classification_is_stable():
     doc = json.load(open(os.path.join(RES, "text_divergence_h200.json")))
     rows = doc["divergences"]
     picks = [r for r in rows if r["near_tie"]][:2] + [r for r in rows if not r["near_tie"]][:2]
-    code = r'''
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-import common as C, pairlib as PL
-from materialize import load_pair
-T, _ = load_pair(); T = {k: v.float() for k, v in T.items()}
-raw = {json.loads(l)["stage"]: json.loads(l) for l in open(sys.argv[2])}
-prompts = [p["ids"] for p in json.load(open(C.PROMPTS))[:16]]
-out = []
-for r in json.loads(sys.argv[3]):
-    ref = raw[r["stage"]]["reference_bs16"][r["request"]]
-    with torch.no_grad():
-        lg = PL.logits(T, torch.tensor([prompts[r["request"]] + ref[: r["pos"]]]))[0, -1].float()
-    out.append(round(float((lg[r["ref_tok"]] - lg[r["out_tok"]]).abs()), 4))
-print(json.dumps(out))
-'''
-    r = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "bench", "textpair"),
-                        os.path.join(RAW, "worker_h200_text_run6.jsonl"), json.dumps(picks)],
-                       cwd="/", capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    gaps = json.loads(r.stdout.strip().splitlines()[-1])
+    gaps = _refit_text_divergences(picks, ["worker_h200_text_run6.jsonl"], "gap")
     thr = doc["tie_threshold_logits"]
     assert len(gaps) == len(picks) == 4
     for row, gap in zip(picks, gaps):
@@ -256,30 +268,8 @@ def test_text_divergence_run10_three_way_tie_recomputes():
     assert doc["tie_rule"] == "below_top"
     third = [r for r in doc["divergences"] if r["rank_out"] >= 3]
     assert third and all(r["near_tie"] for r in third)
-    code = r'''
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-import common as C, pairlib as PL
-from materialize import load_pair
-T, _ = load_pair(); T = {k: v.float() for k, v in T.items()}
-raw = {}
-for path in sys.argv[2].split(","):
-    for l in open(path):
-        raw[json.loads(l)["stage"]] = json.loads(l)
-prompts = [p["ids"] for p in json.load(open(C.PROMPTS))[:16]]
-out = []
-for r in json.loads(sys.argv[3]):
-    ref = raw[r["stage"]]["reference_bs16"][r["request"]]
-    with torch.no_grad():
-        lg = PL.logits(T, torch.tensor([prompts[r["request"]] + ref[: r["pos"]]]))[0, -1].float()
-    out.append(round(float(lg.max()) - min(float(lg[r["ref_tok"]]), float(lg[r["out_tok"]])), 4))
-print(json.dumps(out))
-'''
-    raws = ",".join(os.path.join(RAW, f) for f in ("worker_h200_run10a.jsonl", "worker_h200_run10b.jsonl"))
-    r = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "bench", "textpair"), raws,
-                        json.dumps(third[:1])], cwd="/", capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    below = json.loads(r.stdout.strip().splitlines()[-1])[0]
+    below = _refit_text_divergences(third[:1], ["worker_h200_run10a.jsonl", "worker_h200_run10b.jsonl"],
+                                    "below_top")[0]
     assert abs(below - third[0]["below_top"]) <= AD.GAP_ATOL, (third[0], below)
     assert below <= doc["tie_threshold_logits"] - AD.GAP_ATOL   # not at the threshold: the verdict holds
 
