@@ -87,14 +87,73 @@ def greedy(T, prompts, G):
 
 
 @torch.no_grad()
-def features(T, seqs, batch=256):
+def greedy_cached(T, prompts, G):
+    """greedy() with a KV cache: the prompt's forward once, then one token per step (the same
+    layers, weights and rounding as target_features; only the per-step work differs, so at a near
+    tie the argmax may differ from greedy()'s full recompute). Same returns as greedy()."""
+    cfg = C.TARGET
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rep, nl = nq // nkv, cfg["num_hidden_layers"]
+    B, P = prompts.shape
+    dev = prompts.device
+    cos, sin = TD.rope_cos_sin(torch.arange(P + G, device=dev), hd, cfg["rope_theta"])
+    K, V = [None] * nl, [None] * nl
+
+    def layers(x, t0):
+        t1 = t0 + x.shape[1]
+        c, s = cos[t0:t1], sin[t0:t1]
+        for i in range(nl):
+            p = f"model.layers.{i}."
+            h = TD.rms(x, T[p + "input_layernorm.weight"])
+            q = (h @ T[p + "self_attn.q_proj.weight"].T).view(B, t1 - t0, nq, hd)
+            k = (h @ T[p + "self_attn.k_proj.weight"].T).view(B, t1 - t0, nkv, hd)
+            v = (h @ T[p + "self_attn.v_proj.weight"].T).view(B, t1 - t0, nkv, hd)
+            q = TD.apply_rope(TD.rms(q, T[p + "self_attn.q_norm.weight"]), c, s)
+            k = TD.apply_rope(TD.rms(k, T[p + "self_attn.k_norm.weight"]), c, s)
+            if K[i] is None:  # the cache, in the dtype the forward produces
+                K[i] = torch.empty((B, P + G, nkv, hd), dtype=k.dtype, device=dev)
+                V[i] = torch.empty((B, P + G, nkv, hd), dtype=v.dtype, device=dev)
+            K[i][:, t0:t1], V[i][:, t0:t1] = k, v
+            kk, vv = K[i][:, :t1].repeat_interleave(rep, 2), V[i][:, :t1].repeat_interleave(rep, 2)
+            mask = None if t1 - t0 == 1 else torch.ones(t1 - t0, t1, dtype=torch.bool, device=dev).tril(t0)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                               attn_mask=mask)
+            x = x + a.transpose(1, 2).reshape(B, t1 - t0, nq * hd) @ T[p + "self_attn.o_proj.weight"].T
+            h = TD.rms(x, T[p + "post_attention_layernorm.weight"])
+            x = x + TD.RM.swiglu(T, p + "mlp.", h)
+        return x[:, -1:]
+
+    E = T["model.embed_tokens.weight"]
+    seq = torch.empty((B, P + G), dtype=prompts.dtype, device=dev)
+    seq[:, :P] = prompts
+    x, tie = layers(E[prompts], 0), torch.zeros((), dtype=torch.long, device=dev)
+    for j in range(G):  # no host sync inside the loop: the tie count is read once at the end
+        lg = head(T, x)[:, 0].float()
+        top2 = lg.topk(2, -1)
+        tie += (top2.values[:, 0] - top2.values[:, 1] < bf16_ulp(top2.values[:, 0])).sum()
+        seq[:, P + j] = top2.indices[:, 0]
+        if j + 1 < G:
+            x = layers(E[seq[:, P + j:P + j + 1]], P + j)
+    return seq, int(tie), B * G
+
+
+@torch.no_grad()
+def features(T, seqs, batch=256, dtype=None):
     """Context features as SGLang's DFLASH captures them: hidden after target layers
-    TARGET_LAYER_IDS, concatenated -> [B, L, 2H]."""
-    out = []
+    TARGET_LAYER_IDS, concatenated -> [B, L, 2H]. dtype (e.g. bf16): each batch is converted into
+    one preallocated tensor of that dtype (the same values as converting the concatenation, without
+    the whole set at the forward's precision: 4 bytes a value at fp32)."""
+    out, buf = [], None
     for i in range(0, seqs.shape[0], batch):
         f = TD.target_features(C.with_head(T), seqs[i:i + batch], C.TARGET_LAYER_IDS)
-        out.append(torch.cat([f[k] for k in C.TARGET_LAYER_IDS], -1))
-    return torch.cat(out)
+        x = torch.cat([f[k] for k in C.TARGET_LAYER_IDS], -1)
+        if dtype is None:
+            out.append(x)
+            continue
+        if buf is None:
+            buf = torch.empty((seqs.shape[0],) + tuple(x.shape[1:]), dtype=dtype, device=x.device)
+        buf[i:i + x.shape[0]] = x
+    return torch.cat(out) if dtype is None else buf
 
 
 def drafter_logits(D, T, feats, root, n):

@@ -13,6 +13,16 @@ The default step counts are those of the committed pair (GPU run 1, see MODEL_CA
 reproduce the run from the seed without the timing). --target-init trains only the drafter against
 a given (e.g. the committed) target.
 
+Drafter data in parts (bench/textpair/GPU_RECIPE.md): --save-data F writes the greedy sequences
+(int16; during the generation at most every 20 s, and at its end), --load-data F reads them back
+and generates only what is missing (same settings: the same data as one run; the features are
+recomputed, one forward), --data-only stops after the data. With --drafter-steps 0 (or
+--data-only) --deadline bounds the generation as well as the drafter (no batch starts that would
+leave the drafter less than --min-drafter-seconds); --gen-seconds / --gen-max-batches bound the
+generation alone; --gen-cache generates with a KV cache (pairlib.greedy_cached; other bf16 near-tie
+choices, so other data than the default full recompute). The features are kept on the device in
+bf16, 2 bytes x 2H = 1 KiB a token (16384 sequences x 5 prompt lengths: 19.2 GB).
+
 Target: random windows of --seq tokens, AdamW, warm-up + cosine, bf16 autocast (TF32 matmuls),
 tied head. Drafter data: prompts = random train windows of lengths --prompt-lens, continued
 greedily for --gen tokens by the bf16-rounded target; features after TARGET_LAYER_IDS of the whole
@@ -24,6 +34,7 @@ n+1..n+B-1, with n drawn so the labels are greedy tokens. --block-size / --draft
 target's final norm (it feeds the same tied head).
 """
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -118,27 +129,125 @@ def train_target(a, train, held, dev, res):
     return {k: v.detach() for k, v in T.items()}
 
 
-def make_drafter_data(a, Tb, train, dev, res):
+def data_key(a, Tb, train):
+    """What the greedy drafter data depends on: a saved set is resumed only under the same key, and
+    refused under another target or train stream (a drafter would learn another model's tokens)."""
+    return {"seed": a.seed, "prompt_lens": list(a.prompt_lens), "gen": a.gen, "gen_seqs": a.gen_seqs,
+            "gen_batch": a.gen_batch, "bf16": a.bf16, "gen_cache": a.gen_cache,
+            "target_sha1": _sha1(Tb[k] for k in sorted(Tb)), "train_tokens": int(train.numel()),
+            "train_sha1": _sha1([train])}
+
+
+def _sha1(tensors):
+    """A digest of the tensors' bytes with torch alone (exact integer sums: the same on any device)."""
+    parts = []
+    for t in tensors:
+        b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).long()
+        w = torch.arange(b.numel(), dtype=torch.long, device="cpu") % 65521 + 1
+        parts.append(f"{b.numel()}:{int(b.sum())}:{int((b * w).sum())}")
+    return hashlib.sha1(";".join(parts).encode()).hexdigest()[:16]
+
+
+def save_data(path, key, done, ties, steps, seconds):
+    """The greedy sequences so far (int16 token ids on the host, per prompt length), atomically."""
+    blob = {"key": key, "seqs": {p: torch.cat(v).to(torch.int16).cpu() if v else None for p, v in done.items()},
+            "ties": ties, "steps": steps, "seconds": seconds}
+    tmp = path + ".tmp"
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def load_data(path, key, dev):
+    """(done {p: [seqs]}, ties, steps, seconds, resumable, the file's key) from save_data's file."""
+    blob = torch.load(path, map_location="cpu")
+    k = blob["key"]
+    for f in ("target_sha1", "train_tokens", "train_sha1"):
+        if k.get(f) != key[f]:
+            raise SystemExit(f"--load-data {path}: made with another {f} ({k.get(f)} vs {key[f]}): refused")
+    done = {int(p): ([v.long().to(dev)] if v is not None else []) for p, v in blob["seqs"].items()}
+    resumable = k == key
+    if not resumable:
+        log(f"  --load-data: the file was made with other settings ({ {f: k[f] for f in k if k[f] != key.get(f)} }):"
+            " its sequences are used as they are, none generated")
+    return done, blob["ties"], blob["steps"], blob["seconds"], resumable, k
+
+
+def make_drafter_data(a, Tb, train, dev, res, gen_until=None):
+    """Greedy continuations of random train windows, a.gen_seqs per prompt length, in batches of
+    a.gen_batch taken round-robin over the lengths (the prompts are drawn first, in the order and
+    from the generator they always came from, so the data does not depend on the order); then the
+    features, in bf16. gen_until (a time.time()): no batch starts that would end after it (the
+    last batch's duration is the estimate), so a deadline leaves every length about equally short.
+    --save-data writes the sequences after a round at most every 20 s and at the end (a killed run
+    keeps what was written), --load-data
+    reads them back and generates only what is missing (the same settings: the same data)."""
     t0 = time.time()
     g = torch.Generator(device="cpu").manual_seed(a.seed + 3)
-    buckets, ties, steps = [], 0, 0
+    prompts = {}
     for p in a.prompt_lens:
         starts = rint(0, train.numel() - p - 1, (a.gen_seqs,), g).to(dev)
-        prompts = L.windows(train, starts, p)[0]
-        seqs = []
-        for i in range(0, a.gen_seqs, a.gen_batch):
+        prompts[p] = L.windows(train, starts, p)[0]
+    key = data_key(a, Tb, train)
+    done, ties, steps, prev_s, resumable, file_key = {p: [] for p in a.prompt_lens}, 0, 0, 0.0, True, None
+    if a.load_data:
+        done, ties, steps, prev_s, resumable, file_key = load_data(a.load_data, key, dev)
+        log(f"  drafter data: loaded {a.load_data}: " + ", ".join(
+            f"prompt {p}: {sum(x.shape[0] for x in v)}" for p, v in done.items()))
+    greedy = L.greedy_cached if a.gen_cache else L.greedy
+    n_done = {p: sum(x.shape[0] for x in v) for p, v in done.items()}
+    dur, truncated, made = {}, False, 0  # dur: the last batch's seconds per prompt length (the time estimate)
+    dirty, saved_at = False, time.time()
+    while resumable and not truncated:
+        todo = [p for p in a.prompt_lens if n_done[p] < a.gen_seqs]
+        if not todo:
+            break
+        new = 0
+        for p in todo:
+            if (gen_until is not None and time.time() + dur.get(p, max(dur.values(), default=0.0)) > gen_until
+                    or a.gen_max_batches and made >= a.gen_max_batches):
+                truncated = True
+                break
+            i = n_done[p]
+            tb = time.time()
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
-                s, t, n = L.greedy(Tb, prompts[i:i + a.gen_batch], a.gen)
-            seqs.append(s)
-            ties, steps = ties + t, steps + n
-        seqs = torch.cat(seqs)
+                s, t, n = greedy(Tb, prompts[p][i:i + a.gen_batch], a.gen)
+            done[p].append(s)
+            n_done[p] += s.shape[0]
+            ties, steps, new, made = ties + t, steps + n, new + 1, made + 1
+            _sync()
+            dur[p] = time.time() - tb
+        if new:
+            dirty = True
+            if a.save_data and time.time() - saved_at > 20:  # at most every 20 s, and at the end
+                save_data(a.save_data, key, done, ties, steps, round(prev_s + time.time() - t0, 1))
+                dirty, saved_at = False, time.time()
+            log(f"  drafter data: {dict(n_done)} seqs per prompt length t={time.time()-t0:.0f}s")
+    if a.save_data and dirty:
+        save_data(a.save_data, key, done, ties, steps, round(prev_s + time.time() - t0, 1))
+    if truncated:
+        log(f"  drafter data: generation stopped by the time / batch bound at {dict(n_done)} of {a.gen_seqs}")
+    gen_s = time.time() - t0
+    buckets = []
+    for p, v in done.items():
+        if not v or a.data_only:  # data only: the next run recomputes the features
+            continue
+        seqs = torch.cat(v)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
-            feats = L.features(Tb, seqs).to(torch.bfloat16)
+            feats = L.features(Tb, seqs, dtype=torch.bfloat16)
         buckets.append((p, seqs, feats))
-        log(f"  drafter data: prompt {p}: {tuple(seqs.shape)} greedy t={time.time()-t0:.0f}s")
-    res["drafter_data"] = {"prompt_lens": a.prompt_lens, "gen": a.gen, "seqs_per_len": a.gen_seqs,
+        log(f"  drafter data: prompt {p}: {tuple(seqs.shape)} t={time.time()-t0:.0f}s")
+    res["drafter_data"] = {"prompt_lens": list(done), "gen": a.gen, "seqs_per_len": a.gen_seqs,
                            "greedy_tokens": steps, "bf16_tie_frac_greedy_autocast": round(ties / max(1, steps), 5),
-                           "seconds": round(time.time() - t0, 1)}
+                           "seconds": round(time.time() - t0, 1), "greedy_seconds_this_run": round(gen_s, 1),
+                           "seqs_done": {str(p): n for p, n in n_done.items()},
+                           "complete": all(n_done.get(p, 0) >= a.gen_seqs for p in a.prompt_lens),
+                           "gen_cache": a.gen_cache,
+                           "feature_bytes": sum(f.numel() * f.element_size() for _, _, f in buckets)}
+    if a.load_data:
+        res["drafter_data"].update(loaded_from=a.load_data, greedy_seconds_before=prev_s, resumed=resumable,
+                                   loaded_key=file_key)
+    if a.save_data:
+        res["drafter_data"]["saved_to"] = a.save_data
     return buckets
 
 
@@ -198,7 +307,28 @@ def main():
     ap.add_argument("--drafter-steps", type=int, default=769, help="0: as many as fit in --drafter-seconds")
     ap.add_argument("--drafter-seconds", type=float, default=100)
     ap.add_argument("--deadline", type=float, default=400,
-                    help="auto drafter steps end this many seconds after the start, less 45 s for the evaluation")
+                    help="auto drafter steps end this many seconds after the start, less 45 s for the evaluation; "
+                    "with auto steps (or --data-only) it bounds the greedy generation too (see --min-drafter-seconds)")
+    ap.add_argument("--min-drafter-seconds", type=float, default=60,
+                    help="with --drafter-steps 0: the greedy generation starts no batch that would leave the "
+                    "drafter less than this before the deadline's evaluation reserve (fewer sequences then; "
+                    "log.json's drafter_data.complete says so)")
+    ap.add_argument("--gen-seconds", type=float, default=0,
+                    help="the greedy generation starts no batch that would end later than this many seconds "
+                    "after it began (0: no bound of its own)")
+    ap.add_argument("--gen-max-batches", type=int, default=0,
+                    help="generate at most this many batches in this run (0: no bound; with --save-data, "
+                    "--load-data continues from there)")
+    ap.add_argument("--gen-cache", action="store_true",
+                    help="greedy with a KV cache (pairlib.greedy_cached: far fewer FLOPs than the full recompute; "
+                    "the same tokens in fp32, bf16-autocast near ties may go the other way, so other data)")
+    ap.add_argument("--save-data", default="", help="write the greedy sequences (int16 ids, 2 bytes a token) "
+                    "to this file (after a round of batches at most every 20 s, and at the end)")
+    ap.add_argument("--load-data", default="", help="start from save-data's file: with the same settings only the "
+                    "missing sequences are generated (the same data as one run); other gen settings: used as is; "
+                    "another target / train stream: refused. The features are recomputed (one forward)")
+    ap.add_argument("--data-only", action="store_true", help="stop after the drafter data (with --save-data: "
+                    "generate in one call, train in the next with --load-data)")
     ap.add_argument("--eval-windows", type=int, default=64, help="held-out windows for the curve")
     ap.add_argument("--eval-seqs", type=int, default=256, help="held-out prompts for the DFLASH sim")
     ap.add_argument("--log-every", type=int, default=250)
@@ -250,8 +380,22 @@ def main():
     dump(a, res)
 
     log("== drafter data")
-    buckets = make_drafter_data(a, Tb, train, dev, res)
+    gen_until = [time.time() + a.gen_seconds] if a.gen_seconds > 0 else []
+    if a.data_only:
+        if not a.save_data:
+            log("  --data-only without --save-data: the data is generated and dropped")
+        gen_until.append(t_all + a.deadline - 15)
+    elif a.drafter_steps == 0:
+        gen_until.append(t_all + a.deadline - 45 - a.min_drafter_seconds)
+    buckets = make_drafter_data(a, Tb, train, dev, res, min(gen_until) if gen_until else None)
     dump(a, res)
+    if a.data_only:
+        res["total_seconds"] = round(time.time() - t_all, 1)
+        dump(a, res)
+        log(f"data only: done in {res['total_seconds']}s" + (f"; saved {a.save_data}" if a.save_data else ""))
+        return
+    if not buckets:
+        raise SystemExit("no drafter data: the time bound came before the first batch (raise --deadline / --gen-seconds)")
     log("== drafter")
     if a.drafter_steps == 0:
         a.drafter_seconds = max(10.0, min(a.drafter_seconds, a.deadline - (time.time() - t_all) - 45))
@@ -277,7 +421,10 @@ def main():
     res["reproduce"] = (f"python bench/textpair/train.py --data DATA --out OUT --seed {a.seed} {tgt} "
                         f"--drafter-steps {res['drafter']['steps']} --drafter-lr {a.drafter_lr} "
                         f"--block-size {a.block_size} --drafter-layers {a.drafter_layers} "
-                        f"--drafter-intermediate {a.drafter_intermediate}")
+                        f"--drafter-intermediate {a.drafter_intermediate} --gen-seqs {a.gen_seqs}"
+                        + (" --gen-cache" if a.gen_cache else "")
+                        + ("" if res["drafter_data"]["complete"] else
+                           " (the greedy data was cut short: --load-data the run's --save-data file)"))
     dump(a, res)
     log(f"done in {res['total_seconds']}s; reproduce: {res['reproduce']}")
 
