@@ -174,3 +174,36 @@ def test_checkout_is_found_from_the_environment(tmp_path, monkeypatch):
     held = prompts.textpair_heldout_files()
     assert held and all(f.endswith(".py") for f in held)
     assert prompts.textpair_heldout_files(checkout_root=REPO) == held
+
+
+def test_long_prompts_for_a_long_context_arm(tmp_path, monkeypatch, capsys):
+    """--long-prompts CHARS: every prompt at least CHARS characters, distinct, deterministic; the dry run
+    reports them; combined with --prompts it is refused."""
+    from sglang_ddtree.ab import cli, prompts as PR, servers
+
+    ps = PR.make_long_prompts(6, 40000)
+    assert ps == PR.make_long_prompts(6, 40000)
+    assert all(len(p["text"]) >= 40000 and p["kind"] == "long" for p in ps)
+    assert len({p["text"][:2000] for p in ps}) == 6 and len({p["source"] for p in ps}) == 6
+    short = PR.make_long_prompts(3, 10)
+    assert all("+0" in p["source"] for p in short)          # one text already holds 10 characters
+    with pytest.raises(ValueError):
+        PR.make_long_prompts(1, 0)
+    with pytest.raises(ValueError):
+        PR.make_long_prompts(1, 10 ** 12)                    # more than the whole library
+
+    def no_start(*a, **k):
+        raise AssertionError("a dry run started a process")
+    monkeypatch.setattr(servers, "PopenServer", no_start)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["--model-path", "/models/T", "--draft-model-path", "/models/D", "--num-prompts", "4",
+                   "--arms", "base,ddtree_b16", "--concurrency", "1", "--dry-run", "--no-env-probe",
+                   "--long-prompts", "30000", "--workdir", str(tmp_path / "work"), "--python", "PY"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["count"] == 4 and {k: n for k, n in summary["kinds"].items() if n} == {"long": 4}
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError):
+        cli.main(["--model-path", "/models/T", "--num-prompts", "1", "--arms", "base", "--dry-run",
+                  "--no-env-probe", "--long-prompts", "100", "--prompts", str(f), "--python", "PY"])

@@ -29,7 +29,8 @@
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
-#                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA)
+#                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
+#                                           AB_SERVER_ARGS: flags for every server, kept as one --server-args value)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
 # two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name:
 # ab_<pair>-<tag> is the same pair under another name (its arms from AB_ARMS_<tag> when set; tag fp32 also
@@ -133,6 +134,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
     ab_*)  # the A/B serving benchmark on one pair (ALONE on its GPU: it times servers); ab_<pair>-fp32: --dtype float32
       local spec=${st#ab_}; local pair=${spec%%-*}; local tag=${spec//-/_}; local sa=()
       [ "$spec" = "$pair-fp32" ] && sa=(--server-args "--dtype float32")
+      [ -n "${AB_SERVER_ARGS:-}" ] && sa=(--server-args "${AB_SERVER_ARGS}")  # e.g. "--context-length 20000" (one word list)
       local arms_var=AB_ARMS_${spec#$pair}; arms_var=${arms_var//-/}  # ab_gqa-2 reads AB_ARMS_2, if set
       local pa=(--pair $pair) defarms=base,dflash,ddtreecpu_b16,ddtree_b8,ddtree_b16,ddtree_b32,ddtree_b64
       if [ "$pair" = kimicost ]; then  # not an ab_serve --pair: its folders; prompts tokenized by its (toy) tokenizer

@@ -145,6 +145,34 @@ def make_prompts(n: int, template: str = "{prompt}", files=None, bare: bool = Fa
     return out
 
 
+def make_long_prompts(n: int, min_chars: int, template: str = "{prompt}", files=None) -> List[dict]:
+    """n long-context prompts, deterministic: prompt i joins consecutive standard-library texts (code
+    windows and prose paragraphs, alternating) from its own starting point until it holds at least
+    ``min_chars`` characters (about 3-4 per token), so the prefix a verify reads is long."""
+    if min_chars < 1:
+        raise ValueError(f"min_chars must be >= 1, got {min_chars}")
+    code, prose = _stdlib_texts(files)
+    pool = [x for pair in zip(code, prose) for x in pair] + code[len(prose):] + prose[len(code):]
+    if not pool:
+        raise RuntimeError("no standard-library sources found to build prompts from; pass --prompts")
+    total = sum(len(b) for _, b in pool)
+    if total < min_chars:
+        raise ValueError(f"the standard library here holds {total} characters of prompt text, fewer than "
+                         f"the {min_chars} asked for one prompt; pass --prompts")
+    step = _stride(len(pool))
+    out = []
+    for i in range(n):
+        j, parts, size = (i * step) % len(pool), [], 0
+        first = pool[j][0]
+        while size < min_chars:
+            parts.append(pool[j][1])
+            size += len(pool[j][1]) + 2
+            j = (j + 1) % len(pool)
+        text = template.replace("{prompt}", "\n\n".join(parts))
+        out.append(dict(text=text, source=f"long:{first}+{len(parts) - 1}", kind="long"))
+    return out
+
+
 def load_prompts_file(path: str, template: str = "{prompt}") -> List[dict]:
     """JSON list or JSON lines; each item a string, {"text"|"prompt": str} or {"input_ids": [int]}."""
     with open(path) as f:

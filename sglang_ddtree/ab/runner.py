@@ -14,7 +14,8 @@ from typing import Callable, Dict, List, Optional
 from . import client  # client.run_level is looked up at call time (the tests replace it)
 from .client import http_json
 from .environment import env_info
-from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_prompts, tokenize_prompts
+from .prompts import (load_prompts_file, make_long_prompts, make_prompts, prompt_digest, textpair_prompts,
+                      tokenize_prompts)
 from .report import write_outputs
 from .servers import (CONFIG_DROP, build_server_cmd, load_yaml_config, log_tail, parse_arms, popen_launcher,
                       wait_healthy)
@@ -172,7 +173,13 @@ def resolve_inputs(args):
         args.pair = "text"
     if not model:
         raise SystemExit("give --model-path, --pair or --config")
-    if args.prompts:
+    if args.prompts and getattr(args, "long_prompts", None):
+        raise ValueError("--long-prompts builds the prompts; it cannot be combined with --prompts")
+    if getattr(args, "long_prompts", None):
+        prompts = make_long_prompts(args.num_prompts, args.long_prompts, args.prompt_template)
+        source = f"generated from the Python {platform.python_version()} standard library: consecutive code " \
+                 f"windows and prose joined to >= {args.long_prompts} characters each (long context)"
+    elif args.prompts:
         prompts = load_prompts_file(args.prompts, args.prompt_template)
         source = os.path.abspath(args.prompts)
     elif args.pair == "text":
@@ -228,7 +235,8 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
                      mean_input_len=round(mean([len(p["input_ids"]) if token_ids else len(p["text"])
                                                 for p in prompts]), 1),
                      input_len_unit="tokens" if token_ids else "characters",
-                     kinds={k: sum(1 for p in prompts if p.get("kind") == k) for k in ("code", "prose")},
+                     kinds={k: sum(1 for p in prompts if p.get("kind") == k) for k in ("code", "prose")
+                            + (("long",) if any(p.get("kind") == "long" for p in prompts) else ())},
                      sources=[p.get("source") for p in prompts]),
         arms=[], identity=None, kernel_sweep=None,
         definitions=dict(
