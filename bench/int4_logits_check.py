@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "device"))
-from logprobs_check import generate, out_tokens  # noqa: E402
+from logprobs_check import card_line, finish_report, generate, out_tokens, start_servers, stat  # noqa: E402
 from mk_chain_prompts import chain_prompts  # noqa: E402
 
 TOP_N = 5
@@ -55,12 +55,6 @@ def topset_mismatches(served_tops, ref_rows, floor: float):
             continue
         bad += int({int(i) for i, _ in tops} != set(idx[:len(tops)].tolist()))
     return bad
-
-
-def stat(v):
-    v = sorted(v)
-    return {"n": len(v), "max": v[-1] if v else None, "median": v[len(v) // 2] if v else None,
-            "p99": v[min(len(v) - 1, int(0.99 * len(v)))] if v else None}
 
 
 def verdicts(summ, mism, tokens_ok):
@@ -99,19 +93,14 @@ def main():
     workdir = os.path.dirname(os.path.abspath(a.out + ".json"))
     servers = {"int4_base": (a.int4, "base"), "ref_base": (a.ref, "base"),
                "int4_ddtree": (a.int4, f"ddtree_b{a.budget}")}
+    specs = {name: (S.parse_arm(arm), {"model_path": model, "draft_model_path": a.draft_model_path, "maxc": 4,
+                                       "token_ids": True, "mem_fraction": 0.25,
+                                       "server_args": "--context-length 2048"})
+             for name, (model, arm) in servers.items()}
     procs, urls, outs = {}, {}, {k: [] for k in servers}
     try:
-        for k, (name, (model, arm)) in enumerate(servers.items()):
-            opts = {"model_path": model, "draft_model_path": a.draft_model_path, "maxc": 4, "token_ids": True,
-                    "mem_fraction": 0.25, "server_args": "--context-length 2048"}
-            port = a.port + 20 * k
-            cmd = S.build_server_cmd(S.parse_arm(arm), opts, port) + ["--nccl-port", str(port + 7)]
-            procs[name] = S.PopenServer(cmd, dict(os.environ), os.path.join(workdir, f"int4logits_{name}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
-        for name in servers:
-            why = S.wait_healthy(urls[name], procs[name], a.deadline - (time.time() - t0) - 60)
-            if why:
-                raise RuntimeError(f"{name} server: {why}\n{S.log_tail(procs[name].log.name)}")
+        start_servers(procs, urls, specs, dict(os.environ), workdir, "int4logits", a.port,
+                      lambda: a.deadline - (time.time() - t0) - 60)
         up_s = time.time() - t0
         for p in prompts:
             for name in servers:
@@ -148,13 +137,11 @@ def main():
            "servers_up_s": round(up_s, 1), "distance_from_fp32": summ, "top5_set_mismatches": mism,
            "checks": checks, "pass": all(checks.values()), "wall_s": round(time.time() - t0, 1)}
     json.dump(doc, open(a.out + ".json", "w"), indent=1)
-    e, v = doc["environment"], doc["environment"].get("versions", {})
     f = (lambda x: "-" if x is None else f"{x:.4f}")
     names = {"ref_base": "bf16 twin (dequantized weights), plain decoding: the floor",
              "int4_base": "INT4 target (Marlin MoE), plain decoding", "int4_ddtree": f"INT4 target, DDTREE-GPU b{a.budget}"}
     md = ["# INT4 MoE + MLA: the server's log-probabilities vs the dequantized twin's fp32 function (issue 14)\n",
-          f"{e.get('date')} · {', '.join(e.get('gpu') or ['no GPU'])} · torch {v.get('torch')} · sglang {v.get('sglang')} · "
-          f"commit {e.get('git_commit')}{' (dirty)' if e.get('git_dirty') else ''} · produced by `bench/int4_logits_check.py`\n",
+          card_line(doc["environment"], "bench/int4_logits_check.py"),
           f"{len(prompts)} short id prompts x {a.max_new_tokens} greedy tokens, top-{TOP_N} log-probs per token, each "
           "entry scored by Hugging Face's DeepseekV3ForCausalLM in fp32 on the twin's weights. Pass: INT4 within 1.5x "
           "the twin's distance (+0.05 max / +0.02 p99 nats), DDTree within 1.5x INT4's, top-5 id sets equal to the "
@@ -163,11 +150,8 @@ def main():
     for k, n in names.items():
         s_ = summ[k]
         md.append(f"| {n} | {s_['n']} | {f(s_['max'])} | {f(s_['p99'])} | {f(s_['median'])} | {mism[k]} |")
-    md += [""] + [f"- {k}: {'yes' if ok else '**NO**'}" for k, ok in checks.items()]
-    md.append(f"\nAll checks pass: {'yes' if doc['pass'] else '**NO**'}")
-    open(a.out + ".md", "w").write("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0 if doc["pass"] else 1
+    md.append("")
+    return finish_report(a.out, md, doc)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,47 @@ def rescore(url, prompt, tokens, top_n=5):
     return [t[0] for t in row], tops
 
 
+def start_servers(procs: dict, urls: dict, specs: dict, env: dict, workdir: str, prefix: str, port: int,
+                  wait_s) -> None:
+    """Start one launch_server per ``specs`` entry {name: (arm dict, build_server_cmd opts)} on
+    ``port + 20 i`` (logs ``workdir/<prefix>_<name>.log``) into ``procs`` / ``urls`` (filled as they
+    start, so the caller's ``finally`` stops what did start), then wait until each is healthy
+    (``wait_s()``: seconds left for it); RuntimeError with the log's tail when one is not."""
+    for k, (name, (arm, opts)) in enumerate(specs.items()):
+        p = port + 20 * k
+        cmd = S.build_server_cmd(arm, opts, p) + ["--nccl-port", str(p + 7)]
+        procs[name] = S.PopenServer(cmd, env, os.path.join(workdir, f"{prefix}_{name}.log"))
+        urls[name] = f"http://127.0.0.1:{p}"
+    for name in specs:
+        why = S.wait_healthy(urls[name], procs[name], wait_s())
+        if why:
+            raise RuntimeError(f"{name} server: {why}\n{S.log_tail(procs[name].log.name)}")
+
+
+def stat(v):
+    """n, max, median, p99 of a list of non-negative differences (None when empty)."""
+    v = sorted(v)
+    return {"n": len(v), "max": v[-1] if v else None, "median": v[len(v) // 2] if v else None,
+            "p99": v[min(len(v) - 1, int(0.99 * len(v)))] if v else None}
+
+
+def card_line(env: dict, script: str) -> str:
+    """The report's card: date, GPU, versions, commit, the script that wrote it."""
+    v = env.get("versions", {})
+    return (f"{env.get('date')} · {', '.join(env.get('gpu') or ['no GPU'])} · torch {v.get('torch')} · "
+            f"triton {v.get('triton')} · sglang {v.get('sglang')} · commit {env.get('git_commit')}"
+            f"{' (dirty)' if env.get('git_dirty') else ''} · produced by `{script}`\n")
+
+
+def finish_report(out: str, md: list, doc: dict) -> int:
+    """Append the checks and the verdict to ``md``, write OUT.md, print it; the exit code."""
+    md += [f"- {k}: {'yes' if v else '**NO**'}" for k, v in doc["checks"].items()]
+    md.append(f"\nAll checks pass: {'yes' if doc['pass'] else '**NO**'}")
+    open(out + ".md", "w").write("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0 if doc["pass"] else 1
+
+
 def compare_top(a, b, tol):
     """a, b: [(id, logprob)] sorted by logprob. Same ids (order may swap inside tol), values within tol."""
     da, db = dict(a), dict(b)
@@ -90,15 +131,8 @@ def main():
     env = dict(os.environ, SGLANG_DDTREE_LOGPROBS="1")
     procs, urls = {}, {}
     try:
-        for k, (name, arm) in enumerate(arms.items()):
-            port = a.port + 20 * k
-            cmd = S.build_server_cmd(arm, opts, port) + ["--nccl-port", str(port + 7)]
-            procs[name] = S.PopenServer(cmd, env, os.path.join(workdir, f"logprobs_{name}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
-        for name in arms:
-            why = S.wait_healthy(urls[name], procs[name], a.deadline - (time.time() - t0) - 60)
-            if why:
-                raise RuntimeError(f"{name} server: {why}\n{S.log_tail(procs[name].log.name)}")
+        start_servers(procs, urls, {name: (arm, opts) for name, arm in arms.items()}, env, workdir, "logprobs",
+                      a.port, lambda: a.deadline - (time.time() - t0) - 60)
         up_s = time.time() - t0
         # who x mode: the server's reported log-probs vs the plain server's re-score of the same tokens.
         # base_* is the noise floor (plain decoding's own decode-vs-extend bf16 difference).
@@ -136,10 +170,6 @@ def main():
         for pr in procs.values():
             pr.stop()
 
-    def stat(v):
-        v = sorted(v)
-        return {"n": len(v), "max": v[-1] if v else None, "median": v[len(v) // 2] if v else None,
-                "p99": v[min(len(v) - 1, int(0.99 * len(v)))] if v else None}
     summ = {k: stat(v) for k, v in diffs.items()}
     rate = {k: (b / n if n else None) for k, (n, b) in top.items()}
 
@@ -166,12 +196,8 @@ def main():
            "completions": {"status": st, "logprobs": lp}, "prompts": rows, "checks": checks,
            "pass": all(checks.values()), "wall_s": round(time.time() - t0, 1)}
     json.dump(doc, open(a.out + ".json", "w"), indent=1)
-    e = doc["environment"]
-    v = e.get("versions", {})
     md = [f"# DDTREE-GPU log-probabilities vs plain decoding (issue 15 item 3)\n",
-          f"{e.get('date')} · {', '.join(e.get('gpu') or ['no GPU'])} · torch {v.get('torch')} · "
-          f"triton {v.get('triton')} · sglang {v.get('sglang')} · commit {e.get('git_commit')}"
-          f"{' (dirty)' if e.get('git_dirty') else ''} · produced by `bench/logprobs_check.py`\n",
+          card_line(doc["environment"], "bench/logprobs_check.py"),
           f"Text pair, DDTREE-GPU budget {a.budget} with `SGLANG_DDTREE_LOGPROBS=1` vs a plain server of the same "
           f"target; {len(prompts)} held-out prompts x {a.max_new_tokens} tokens; tolerance {a.tol} nats.\n",
           "| comparison | tokens | max abs diff | p99 | median |", "|---|---:|---:|---:|---:|"]
@@ -192,11 +218,7 @@ def main():
     md.append(f"\nDDTree greedy vs plain greedy, side by side on their common prefix: {g['n']} tokens, max "
               f"{f(g['max'])}, p99 {f(g['p99'])}.  `/v1/completions` with `logprobs=3` on DDTree: status {st}, "
               f"ok {comp_ok}.\n")
-    md += [f"- {k}: {'yes' if v else '**NO**'}" for k, v in checks.items()]
-    md.append(f"\nAll checks pass: {'yes' if doc['pass'] else '**NO**'}")
-    open(a.out + ".md", "w").write("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0 if doc["pass"] else 1
+    return finish_report(a.out, md, doc)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,32 @@ def test_compare_top_counts_value_and_id_mismatches():
     assert LC.compare_top([(1, -0.3), (2, -2.0), (3, -3.0)], ref, 0.05) == 1       # value off
     assert LC.compare_top([(1, -0.1), (2, -2.0), (4, -3.01)], ref, 0.05) == 0      # edge near tie swap
     assert LC.compare_top([(1, -0.1), (2, -2.0), (4, -2.5)], ref, 0.05) == 1       # a real extra id
+
+
+def test_start_servers_ports_logs_and_a_failed_start(tmp_path, monkeypatch):
+    """start_servers (shared with bench/int4_logits_check.py): one server per spec on port + 20 i, its
+    log named by prefix and name, procs filled as they start (so a failure still stops them all)."""
+    import pytest
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, cmd, env, log_path):
+            self.cmd, self.log = cmd, open(log_path, "ab")
+            self.log.write(b"fatal: out of memory\n")
+            self.log.flush()
+            started.append(self)
+
+    health = {"http://127.0.0.1:5000": None, "http://127.0.0.1:5020": "exited with code 1"}
+    monkeypatch.setattr(LC.S, "PopenServer", FakeServer)
+    monkeypatch.setattr(LC.S, "wait_healthy", lambda url, proc, limit: health[url])
+    opts = {"model_path": "/m", "draft_model_path": "/d", "maxc": 4}
+    specs = {"base": (LC.S.parse_arm("base"), opts), "ddtree": (LC.S.parse_arm("ddtree_b8"), opts)}
+    procs, urls = {}, {}
+    with pytest.raises(RuntimeError) as ei:
+        LC.start_servers(procs, urls, specs, {}, str(tmp_path), "chk", 5000, lambda: 60)
+    assert "ddtree server: exited with code 1" in str(ei.value) and "out of memory" in str(ei.value)
+    assert list(procs) == ["base", "ddtree"] and urls["ddtree"] == "http://127.0.0.1:5020"
+    assert [s.cmd[s.cmd.index("--port") + 1] for s in started] == ["5000", "5020"]
+    assert [s.cmd[s.cmd.index("--nccl-port") + 1] for s in started] == ["5007", "5027"]
+    assert (tmp_path / "chk_ddtree.log").exists() and "--speculative-num-draft-tokens" in started[1].cmd
