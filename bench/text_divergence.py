@@ -12,7 +12,7 @@ bench/ab_divergence.py, so a three-way tie among a, b and a third token counts, 
 any of them:
 SGLang runs the target in bf16 with different kernels for plain decode and for verify, so such a
 pair can flip either way; the plain target flips the same way between a cold and a radix-cached
-run).  Anything else (b not in the target's top-2, or a clear gap) is an *error*: the output is not
+run).  Anything else (either token more than ``TIE`` below the top logit) is an *error*: the output is not
 the target's greedy output.
 
 Writes OUT.json / OUT.md.

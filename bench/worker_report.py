@@ -2,10 +2,11 @@
 matrix: bench/results/worker_h200.json + worker_h200.md.
 
 usage: python bench/worker_report.py OUT_PREFIX SUMMARY_TXT[,SUMMARY_TXT...] RESULTS_JSONL [RESULTS_JSONL ...]
-           [--divergence TEXT_DIVERGENCE_JSON]
+           [--divergence TEXT_DIVERGENCE_JSON] [--ab AB_JSON ...]
 (later files override earlier records of the same stage).  Toy-pair stages (gqa, mla) are strict
 token-identity checks; text-pair stages are reported with bench/text_divergence.py's
-classification of every divergence (near tie of the target's own top-2, or error).  Every number in the table is read from
+classification of every divergence (near tie or error, by the rule that file records); ``--ab``
+appends an A/B report's ratio table (sglang_ddtree.ab.report.render_summary).  Every number in the table is read from
 the records; nothing is typed in by hand.
 """
 import json
@@ -148,7 +149,7 @@ def main():
            "all_ok": all(r["ok"] for r in rows) and all(h["ok"] for h in http) and not missing}
     ab_docs = [(os.path.basename(p), json.load(open(p))) for p in ab_paths]
     if ab_docs:
-        from sglang_ddtree.ab.report import summary_rows
+        from sglang_ddtree.ab.report import render_summary, summary_rows
 
         doc["ab"] = [{"source": name, "rows": summary_rows(d)} for name, d in ab_docs]
     json.dump(doc, open(out + ".json", "w"), indent=1)
@@ -219,8 +220,6 @@ def main():
                 r["near_ties"], r["errors"], mixed_cell(r), r["sampled_ok"], r["accept_bs16"],
                 r["accept_bs1"], r["ms_per_round_bs1"])) + " |")
     for name, d in ab_docs:
-        from sglang_ddtree.ab.report import render_summary
-
         meta = d.get("meta") or {}
         md += [f"\n## Production cost: the A/B (`bench/results/{name[:-5] if name.endswith('.json') else name}.md`; it has the latency, "
                "stage split and identity tables)\n",

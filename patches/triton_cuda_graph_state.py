@@ -45,7 +45,7 @@ def _server_args():
     return get_server_args()
 
 
-def applies(backend, max_bs: int, max_num_tokens: int, server_args=None) -> bool:
+def applies(backend, max_bs: int, max_num_tokens: int) -> bool:
     """True for a DDTREE target backend's verify graph state (rows > max_bs) that this hook shrinks."""
     from sglang_ddtree.reservation import ddtree_shape
 
@@ -56,7 +56,7 @@ def applies(backend, max_bs: int, max_num_tokens: int, server_args=None) -> bool
     if (getattr(backend, "sliding_window_size", None) or 0) > 0:
         return False
     try:
-        sa = _server_args() if server_args is None else server_args
+        sa = _server_args()
     except Exception:  # no runtime context: leave SGLang's sizing alone
         return False
     return ddtree_shape(sa) is not None
@@ -105,10 +105,9 @@ def init_cuda_graph_state_ddtree(original, self, max_bs, max_num_tokens, *args, 
     row_o, row_l = H * splits * DV, H * splits    # whole decode rows, so the view holds all of n_o
     n_o, n_l = -(-n_o // row_o) * row_o, -(-n_l // row_l) * row_l
     flat_o, flat_l = _shared_flat(self.device, n_o, n_l)
-    rows_o = flat_o.numel() // (H * splits * DV)
-    rows_l = flat_l.numel() // (H * splits)
-    self.cuda_graph_attn_logits = flat_o[: rows_o * H * splits * DV].view(rows_o, H, splits, DV)
-    self.cuda_graph_attn_lse = flat_l[: rows_l * H * splits].view(rows_l, H, splits)
+    rows_o, rows_l = flat_o.numel() // row_o, flat_l.numel() // row_l
+    self.cuda_graph_attn_logits = flat_o[: rows_o * row_o].view(rows_o, H, splits, DV)
+    self.cuda_graph_attn_lse = flat_l[: rows_l * row_l].view(rows_l, H, splits)
     passed = kwargs.get("cuda_graph_num_kv_splits_buf", args[1] if len(args) > 1 else None)
     if passed is None:  # SGLang's own buffer, filled with the split count of the call (1): refill
         self.cuda_graph_num_kv_splits.fill_(splits)

@@ -165,8 +165,8 @@ def make_long_prompts(n: int, min_chars: int, template: str = "{prompt}", files=
         j, parts, size = (i * step) % len(pool), [], 0
         first = pool[j][0]
         while size < min_chars:
+            size += len(pool[j][1]) + (2 if parts else 0)   # + the "\n\n" that joins it to the last
             parts.append(pool[j][1])
-            size += len(pool[j][1]) + 2
             j = (j + 1) % len(pool)
         text = template.replace("{prompt}", "\n\n".join(parts))
         out.append(dict(text=text, source=f"long:{first}+{len(parts) - 1}", kind="long"))
