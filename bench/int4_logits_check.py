@@ -100,7 +100,7 @@ def main():
     procs, urls, outs = {}, {}, {k: [] for k in servers}
     try:
         start_servers(procs, urls, specs, dict(os.environ), workdir, "int4logits", a.port,
-                      lambda: a.deadline - (time.time() - t0) - 60)
+                      lambda: a.deadline - (time.time() - t0) - 60, sequential=True)
         up_s = time.time() - t0
         for p in prompts:
             for name in servers:

@@ -57,20 +57,32 @@ def rescore(url, prompt, tokens, top_n=5):
 
 
 def start_servers(procs: dict, urls: dict, specs: dict, env: dict, workdir: str, prefix: str, port: int,
-                  wait_s) -> None:
+                  wait_s, *, sequential: bool = False) -> None:
     """Start one launch_server per ``specs`` entry {name: (arm dict, build_server_cmd opts)} on
     ``port + 20 i`` (logs ``workdir/<prefix>_<name>.log``) into ``procs`` / ``urls`` (filled as they
     start, so the caller's ``finally`` stops what did start), then wait until each is healthy
-    (``wait_s()``: seconds left for it); RuntimeError with the log's tail when one is not."""
+    (``wait_s()``: seconds left for it); RuntimeError with the log's tail when one is not.
+
+    ``sequential``: start each server only once the previous one is healthy.  SGLang sizes its KV pool
+    from the free memory it measures around its own weight load (``--mem-fraction-static`` minus the
+    weights it saw arrive); servers loading at the same moment see each other's weights and one of
+    them can refuse to start (GPU run of 2026-12-01: "Loaded weights leave no GPU memory for the KV
+    cache under --mem-fraction-static=0.25", with 100 GB free)."""
+    def wait(name):
+        why = S.wait_healthy(urls[name], procs[name], wait_s())
+        if why:
+            raise RuntimeError(f"{name} server: {why}\n{S.log_tail(procs[name].log.name)}")
+
     for k, (name, (arm, opts)) in enumerate(specs.items()):
         p = port + 20 * k
         cmd = S.build_server_cmd(arm, opts, p) + ["--nccl-port", str(p + 7)]
         procs[name] = S.PopenServer(cmd, env, os.path.join(workdir, f"{prefix}_{name}.log"))
         urls[name] = f"http://127.0.0.1:{p}"
-    for name in specs:
-        why = S.wait_healthy(urls[name], procs[name], wait_s())
-        if why:
-            raise RuntimeError(f"{name} server: {why}\n{S.log_tail(procs[name].log.name)}")
+        if sequential:
+            wait(name)
+    if not sequential:
+        for name in specs:
+            wait(name)
 
 
 def stat(v):

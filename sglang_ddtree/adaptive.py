@@ -5,8 +5,9 @@ width ``N = budget + 1``); the widest must be the server's budget (``--speculati
 = widest budget + 1, or ``SGLANG_DDTREE_BUDGET``), so SGLang reserves KV, sizes buffers and captures
 its own target graph for the widest width, as for a fixed budget.  ``SGLANG_DDTREE_NO_SPEC=1`` adds
 the choice "no speculation this round": a verify of width 1 (the root alone, no drafter forward),
-i.e. a plain decode step through the verify path.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16)
-runs every k-th round at the widest width so the counterfactual acceptance of every width stays
+i.e. a plain decode step through the verify path.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16):
+at most every k-th round runs a wider tree than the chosen one (a probe, paid from 5 % of the
+rounds' cost; :class:`WidthController`) so the counterfactual acceptance of wider widths stays
 measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the budgets round by round
 (``0`` = no speculation; each must be in the set), for the GPU lossless check.
 
@@ -257,14 +258,32 @@ def graph_replay_ms(runner, bs: int, replays: int = 5) -> Optional[float]:
 class WidthController:
     """Per round: :meth:`next_width` (host values only), then :meth:`record` with the accepted path.
 
-    Order of the choice: the forced cycle (test switch); the widest width on every ``probe_every``-th
-    round and until the first window of counts has arrived; else ``policy.choose(bs)``.  Counts of
-    widths above the round's own are unknown and not recorded (a narrow round says nothing about a
-    wider tree).  Every rank sees the same rounds and counts (``CounterfactualWindow`` applies a
-    window at a fixed round), so TP ranks choose alike."""
+    Order of the choice: the forced cycle (test switch); before the first window of counts, the
+    widest width whose cost is at most twice the narrowest tree's at this batch size (the counts of
+    every narrower width come with it); else ``policy.choose(bs)``, except on a probe round.
+
+    Probes keep the acceptance of widths wider than the chosen one measured (a narrow round says
+    nothing about a wider tree).  A probe runs the widest width and is paid from a credit of
+    ``probe_share`` (default 5 %) of each round's table cost: it runs when at least ``probe_every``
+    rounds have passed since the last one and the credit covers its extra cost over the chosen
+    width, which the credit then loses (so probes add at most ~5 % to the rounds' cost).  A
+    width-32 probe at bs 64 costs 15 plain decode steps on the Kimi-widths pair (H200 cost table,
+    ``bench/results/ab_h200_kimicost_chain.md``); probing it every 16th round, as this class did,
+    added 60 % to the mean round.  No probe is needed while the widest width is the choice.
+
+    The round overhead (``BudgetPolicy.observe_interval``): the host clock between consecutive
+    ``next_width`` calls.  Each rank measures its own, so ``share`` (the worker: TP rank 0's object
+    broadcast to every rank) is applied when a window of counts arrives, at the same round on every
+    rank; until then the policy keeps the last shared values.  Every rank thus sees the same rounds,
+    counts and overheads (``CounterfactualWindow`` applies a window at a fixed round), so TP ranks
+    choose alike."""
 
     def __init__(self, cfg: AdaptiveConfig, *, policy: Optional[BudgetPolicy], device,
-                 window_every: int = 8, window_lag: int = 4):
+                 window_every: int = 8, window_lag: int = 4, probe_share: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter,
+                 share: Optional[Callable[[dict], dict]] = None):
+        if not 0.0 <= probe_share < 1.0:
+            raise ValueError(f"probe_share must be in [0, 1), got {probe_share}")
         self.cfg = cfg
         self.policy = policy
         self.spec_widths = [b + 1 for b in cfg.budgets]
@@ -272,25 +291,78 @@ class WidthController:
                                            lag=window_lag)
         self.round = 0
         self.chosen: Dict[int, int] = {}
+        self.probes = 0
+        self.probe_share = float(probe_share)
+        self.probe_credit = 0.0
+        self._since_probe = 0
+        self._clock = clock
+        self._share = share
+        self._last: Optional[Tuple[int, int, float]] = None   # (bs, choice, clock) of the last round
+        self._local_overhead: Dict[int, float] = {}
+
+    def _cost(self, bs: int, w: int) -> float:
+        return self.policy.costs.cost(bs, NO_SPEC if w == 1 else w)
+
+    def _observe(self, bs: int) -> None:
+        now = self._clock()
+        last, self._last = self._last, None
+        if last is not None and self.policy is not None:
+            lbs, lw, t = last
+            pol = self.policy
+            shared, pol.overhead_ms = pol.overhead_ms, self._local_overhead
+            try:
+                pol.observe_interval(lbs, NO_SPEC if lw == 1 else lw, (now - t) * 1e3)
+            finally:
+                self._local_overhead, pol.overhead_ms = pol.overhead_ms, shared
+        self._now = now
+
+    def _first_width(self, bs: int) -> int:
+        if self.policy is None:
+            return self.cfg.widest
+        cap = 2.0 * self._cost(bs, self.spec_widths[0])
+        return max(w for w in self.spec_widths if w == self.spec_widths[0] or self._cost(bs, w) <= cap)
+
+    def _probe_or(self, bs: int, w: int) -> int:
+        """``w`` (the policy's choice) or, on a probe round, the widest width (its counts give every
+        narrower width's too), once the credit covers its extra cost over ``w``."""
+        cur = self._cost(bs, w)
+        widest = self.cfg.widest
+        if w >= widest:
+            self._since_probe, self.probe_credit = 0, 0.0
+            return w
+        extra = self._cost(bs, widest) - cur
+        self._since_probe += 1
+        # capped at the probe's cost now: no burst of probes after a long narrow stretch
+        self.probe_credit = min(self.probe_credit + self.probe_share * cur, max(extra, 0.0))
+        if self._since_probe < self.cfg.probe_every or self.probe_credit < extra - 1e-9:
+            return w
+        self.probe_credit -= max(extra, 0.0)
+        self._since_probe = 0
+        self.probes += 1
+        return widest
 
     def next_width(self, bs: int) -> int:
         """The verify width of this round (1 = no speculation)."""
+        self._observe(bs)
         for sums, counts in self.window.due():
             if self.policy is not None:
                 self.policy.update_means({w: s / c for w, s, c in zip(self.spec_widths, sums, counts)
                                           if c > 0})
+                local = dict(self._local_overhead)
+                self.policy.overhead_ms = dict(self._share(local) if self._share else local)
         r = self.round
         self.round += 1
         cfg = self.cfg
         if cfg.cycle is not None:
             b = cfg.cycle[r % len(cfg.cycle)]
             w = 1 if b == 0 else b + 1
-        elif r % cfg.probe_every == 0 or self.policy is None or self.policy.rounds_seen == 0:
-            w = cfg.widest
+        elif self.policy is None or self.policy.rounds_seen == 0:
+            w = self._first_width(bs)
         else:
             c = self.policy.choose(bs)
-            w = 1 if c == NO_SPEC else c
+            w = self._probe_or(bs, 1 if c == NO_SPEC else c)
         self.chosen[w] = self.chosen.get(w, 0) + 1
+        self._last = (int(bs), w, self._now)
         return w
 
     def record(self, path: torch.Tensor, width: int) -> None:

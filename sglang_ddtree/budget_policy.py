@@ -15,6 +15,14 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation; a new
   choice must beat the current one by ``hysteresis`` (a fraction) to switch, so noise in the EMA
   does not flap between graphs.
+* the **round overhead**: what a round costs outside the measured GPU graph (scheduler, output
+  processing, the worker's host work where it is not hidden), ``overhead_ms[bs]``, an EMA of the
+  host-clock interval between rounds minus the table's cost (``observe_interval``; the worker shares
+  rank 0's values across TP ranks).  It is the same for every width of a round, so it is added to
+  every choice: a heavy per-round overhead makes tokens per round worth more.  Measured on the H200
+  (kimicost pair, c = 64, ``bench/results/ab_h200_kimicost_chain.md``): a no-speculation round took
+  9.7 ms on the GPU and 23 ms at the client; from the GPU table alone the policy chose plain decode
+  where DFLASH's width, at the same per-round overhead, gives 1.9x the tokens per second.
 
 ``BudgetPolicy.update`` takes the per-request counterfactual counts of one round (a host tensor or
 list); ``update_means`` takes per-width means of a window of rounds, which is what the worker hands
@@ -90,6 +98,8 @@ class BudgetPolicy:
     allow_no_spec: bool = True  # include "no speculation" (plain decode) among the choices
     prior_accept: float = 0.0   # acceptance assumed before any round was seen
     accept: Dict[int, float] = field(default_factory=dict)
+    overhead_ms: Dict[int, float] = field(default_factory=dict)   # {bs: ms per round outside the table}
+    overhead_ema: float = 0.8   # weight of the past in the overhead average
     rounds_seen: int = 0
     current: Optional[int] = None
     seen: Set[int] = field(default_factory=set)   # widths update_means has averaged
@@ -135,10 +145,34 @@ class BudgetPolicy:
             self.seen.add(w)
         self.rounds_seen += 1
 
+    def overhead(self, bs: int) -> float:
+        """Per-round ms outside the cost table at ``bs`` (0 until observed; interpolated between the
+        batch sizes seen, clamped beyond them)."""
+        return _interp(self.overhead_ms, bs) if self.overhead_ms else 0.0
+
+    def round_ms(self, bs: int, width: int) -> float:
+        """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead."""
+        return self.costs.cost(bs, width) + self.overhead(bs)
+
+    def observe_interval(self, bs: int, width: int, interval_ms: float) -> bool:
+        """One host-clock interval from the start of a round of ``bs`` requests at ``width`` to the
+        start of the next.  Folds ``interval - cost(bs, width)`` (floored at 0) into the overhead EMA
+        of ``bs``; returns False (ignored) for an interval longer than 4x the cost + 20 ms (the server
+        was idle or prefilling, not a round's overhead) or not a positive finite number."""
+        cost = self.costs.cost(bs, width)
+        ms = float(interval_ms)
+        if not (ms > 0 and ms < float("inf")) or ms > 4 * cost + 20.0:
+            return False
+        extra = max(0.0, ms - cost)
+        old = self.overhead_ms.get(int(bs))
+        self.overhead_ms[int(bs)] = extra if old is None else (
+            self.overhead_ema * old + (1 - self.overhead_ema) * extra)
+        return True
+
     def tokens_per_ms(self, bs: int, width: int) -> float:
         """Expected output tokens per millisecond of a round of ``bs`` requests at ``width``."""
         per_req = 1.0 if width == NO_SPEC else 1.0 + self.accept[width]
-        return bs * per_req / self.costs.cost(bs, width)
+        return bs * per_req / self.round_ms(bs, width)
 
     def candidates(self) -> List[int]:
         return ([NO_SPEC] if self.allow_no_spec else []) + self.costs.widths

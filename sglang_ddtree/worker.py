@@ -301,7 +301,8 @@ class DDTreeWorker(DFlashWorkerV2):
                 logger.info("%s adaptive budget: cost table (ms) verify=%s base=%s", algo,
                             table.verify_ms, table.base_ms)
         self._verify_states = states
-        self._adaptive = adaptive.WidthController(cfg, policy=policy, device=self.device)
+        self._adaptive = adaptive.WidthController(cfg, policy=policy, device=self.device,
+                                                  share=self._tp_shared)
 
     @staticmethod
     def _tp_shared(obj):

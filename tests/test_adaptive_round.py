@@ -261,32 +261,41 @@ def test_forced_cycle_installs_each_width_and_stays_lossless(world):
         assert wd.w._verify_states.states[width].attn_backend.cuda_graph_custom_mask.any()
 
 
-def test_probe_every_k_rounds_and_the_policy_between(world):
-    """A table that makes no-speculation the best choice: after the first window of counts the
-    policy answers NO_SPEC, except on every k-th round (the widest width, the probe)."""
+def test_policy_no_spec_and_a_probe_once_its_credit_is_there(world):
+    """A table that makes no-speculation the best choice: after the first window of counts the policy
+    answers NO_SPEC; the widest-width probe (79 ms more than a 1 ms plain step) waits for its credit
+    (5 % of each round's cost), then runs once (every 4th round at most)."""
     env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1", "SGLANG_DDTREE_PROBE_EVERY": "4"}
     wd = make_worker(world, env)
     table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2})
-    wd.w._adaptive.policy = BudgetPolicy(table, allow_no_spec=True)
+    ctl = wd.w._adaptive
+    ctl.policy, ctl._clock = BudgetPolicy(table, allow_no_spec=True), (lambda: 0.0)
     widths = [run_round(wd)["N"] for _ in range(14)]
-    # rounds 0-2: no counts yet -> widest; window of rounds 0-1 arrives at round 3 (lag 1)
-    assert widths[:3] == [16, 16, 16]
-    for r in range(3, 14):
-        assert widths[r] == (16 if r % 4 == 0 else 1), (r, widths)
-    assert wd.w._adaptive.policy.rounds_seen >= 1 and wd.w._adaptive.chosen[1] >= 8
+    # rounds 0-2: no counts yet -> the widest (80 <= 2 x 50); window of rounds 0-1 arrives at round 3
+    assert widths[:3] == [16, 16, 16] and widths[3:] == [1] * 11 and ctl.probes == 0
+    assert 0 < ctl.probe_credit < 1.0
+    ctl.probe_credit = 1e9                       # as after ~1600 plain rounds (capped at one probe)
+    more = [run_round(wd)["N"] for _ in range(9)]
+    assert more.count(16) == 1 and set(more) == {1, 16} and ctl.probes == 1, more
+    assert ctl.policy.rounds_seen >= 1 and ctl.chosen[1] >= 18
     assert_lossless(wd)
 
 
 def test_policy_switches_widths_and_learns_from_wide_rounds(world):
-    """Costs that favour the narrow tree: the policy moves to width 4 and the acceptance it holds for
-    width 16 comes from the wide (probe) rounds only."""
+    """Costs that favour the narrow tree: the first rounds and the policy run width 4 (the widest costs
+    over twice as much); the acceptance of width 16 arrives with its probe."""
     env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_PROBE_EVERY": "3"}
     wd = make_worker(world, env)
     table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
-    wd.w._adaptive.policy = pol
+    ctl = wd.w._adaptive
+    ctl.policy, ctl._clock = pol, (lambda: 0.0)
     widths = [run_round(wd)["N"] for _ in range(12)]
-    assert widths[:3] == [16, 16, 16] and set(widths[3:]) <= {4, 16}
-    assert all(widths[r] == 4 for r in range(3, 12) if r % 3), widths
+    assert widths == [4] * 12 and pol.seen == {4}
+    ctl.probe_credit = 1e9
+    widths = [run_round(wd)["N"] for _ in range(12)]
+    assert widths.count(16) == 1 and set(widths) == {4, 16}
+    for _ in range(6):
+        run_round(wd)
     assert pol.seen == {4, 16}
     assert_lossless(wd)

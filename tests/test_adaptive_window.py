@@ -83,25 +83,121 @@ def _cfg(**env):
     return A.parse_config(env, budget=15, algo="DDTREE-GPU")
 
 
+class _Clock:
+    """A host clock the test advances (ms)."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    def __call__(self):
+        return self.ms / 1e3
+
+
+def _drive(c, rounds, path, clock=None, round_ms=None):
+    ws = []
+    for _ in range(rounds):
+        ws.append(c.next_width(1))
+        c.record(path, ws[-1])
+        if clock is not None:
+            clock.ms += round_ms(ws[-1])
+    return ws
+
+
 def test_controller_cycle_probe_and_policy():
     c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
                                SGLANG_DDTREE_TEST_BUDGET_CYCLE="0,3,15"), policy=None, device="cpu")
     assert [c.next_width(4) for _ in range(7)] == [1, 4, 16, 1, 4, 16, 1]
     assert c.chosen == {1: 3, 4: 2, 16: 2}
-    # policy: no-spec is far cheaper, so the policy answers 1 except on probe rounds (k = 5)
+    # policy: no-spec is far cheaper, so the policy answers 1; a probe (the widest, 49 ms more than
+    # a 1 ms plain step) is paid from 5 % of each round's cost: the first one after 980 rounds
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 50.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(t, allow_no_spec=True)
     c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
                                SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
-                          window_every=2, window_lag=0)
+                          window_every=2, window_lag=0, clock=lambda: 0.0)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
-    ws = []
-    for _ in range(16):
-        ws.append(c.next_width(1))
-        c.record(path, ws[-1])
-    assert ws[:2] == [16, 16]                    # no counts yet: the server's width
-    assert all(w == (16 if r % 5 == 0 else 1) for r, w in enumerate(ws) if r >= 2), ws
+    ws = _drive(c, 1000, path)
+    assert ws[:2] == [16, 16]                    # no counts yet: the widest within 2x the narrowest
+    probes = [r for r, w in enumerate(ws) if r >= 2 and w != 1]
+    assert probes == [2 + 979] and ws[probes[0]] == 16 and c.probes == 1, probes
     assert pol.accept[16] == pytest.approx(2.0) and pol.accept[4] == pytest.approx(2.0)
+
+
+def test_controller_first_rounds_skip_a_widest_tree_that_costs_over_twice_the_narrowest():
+    t = CostTable(verify_ms={4: {1: 10.0}, 8: {1: 19.0}, 16: {1: 21.0}}, base_ms={1: 1.0})
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=BudgetPolicy(t), device="cpu",
+                          window_every=4, window_lag=0, clock=lambda: 0.0)
+    assert [c.next_width(1) for _ in range(3)] == [8, 8, 8]
+    assert A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=None, device="cpu").next_width(1) == 16
+
+
+def test_controller_probes_cost_at_most_their_share(rng):
+    """Cheap probes: the policy keeps width 4; the widest runs every k-th round or less often, and the
+    probes' extra cost stays within 5 % of the rounds' cost (+ one probe)."""
+    t = CostTable(verify_ms={4: {1: 1.5}, 16: {1: 2.0}}, base_ms={1: 1.0})
+    pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
+    k = 5
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                               SGLANG_DDTREE_PROBE_EVERY=str(k)), policy=pol, device="cpu",
+                          window_every=2, window_lag=0, clock=lambda: 0.0)
+    path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
+    pol.accept[16] = 2.0
+    ws = _drive(c, 400, path)[2:]
+    # accept 2 at both widths: width 4 gives 2 tokens/ms, width 16 1.5, plain decode 1
+    assert set(ws) == {4, 16}
+    probes = [r for r, w in enumerate(ws) if w == 16]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert min(gaps) >= k and c.probes == len(probes)
+    extra = 0.5 * len(probes)
+    assert extra <= 0.05 * 1.5 * len(ws) + 0.5, (extra, len(ws))
+    # the credit is spent, not hoarded: a probe as soon as 0.5 ms of credit (0.075 a round) is there
+    assert max(gaps) <= 7 and probes[0] <= 7, (probes[:3], gaps)
+
+
+def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
+    """GPU cost alone favours plain decode (1 token / 10 ms > 3 tokens / 40 ms); a measured 20 ms per
+    round outside the table makes width 4 the better (3 / 60 > 1 / 30).  The overhead each rank
+    measured reaches the policy only through ``share`` when a window arrives."""
+    t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
+    shared = []
+
+    def share(d):
+        shared.append(dict(d))
+        return d
+
+    clock = _Clock()
+    pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                               SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol, device="cpu",
+                          window_every=4, window_lag=0, clock=clock, share=share)
+    path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
+    cost = {1: 10.0, 4: 40.0, 16: 45.0}
+    ws = _drive(c, 40, path, clock, lambda w: cost[w] + 20.0)
+    assert ws[:4] == [16] * 4
+    assert len(shared) == 9 and shared[0] == {1: pytest.approx(20.0)}
+    assert pol.overhead(1) == pytest.approx(20.0)
+    assert set(ws[4:]) == {4}, ws
+    # the same table, no overhead (the clock stands still: every interval is ignored): plain decode
+    pol2 = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
+    c2 = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                                SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol2, device="cpu",
+                           window_every=4, window_lag=0, clock=lambda: 0.0)
+    assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == {}
+
+
+def test_policy_observe_interval_filters_and_averages():
+    t = CostTable(verify_ms={4: {1: 4.0, 8: 8.0}}, base_ms={1: 1.0, 8: 2.0})
+    pol = BudgetPolicy(t)
+    assert pol.overhead(5) == 0.0
+    assert pol.observe_interval(1, 4, 6.0) and pol.overhead_ms == {1: pytest.approx(2.0)}
+    assert pol.observe_interval(1, 4, 3.0)                       # faster than the table: 0 extra
+    assert pol.overhead_ms[1] == pytest.approx(0.8 * 2.0)
+    assert not pol.observe_interval(1, 4, 4 * 4.0 + 20.5)        # idle gap / prefill: ignored
+    assert not pol.observe_interval(1, 4, 0.0) and not pol.observe_interval(1, 4, float("nan"))
+    assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_ms[8] == pytest.approx(5.0)
+    assert pol.overhead(4) == pytest.approx(1.6 + (5.0 - 1.6) * 3 / 7)
+    assert pol.round_ms(8, 4) == pytest.approx(8.0 + 5.0)
+    assert pol.tokens_per_ms(8, NO_SPEC) == pytest.approx(8 / 7.0)
 
 
 def test_controller_record_drops_wider_widths():

@@ -48,3 +48,33 @@ def test_start_servers_ports_logs_and_a_failed_start(tmp_path, monkeypatch):
     assert [s.cmd[s.cmd.index("--port") + 1] for s in started] == ["5000", "5020"]
     assert [s.cmd[s.cmd.index("--nccl-port") + 1] for s in started] == ["5007", "5027"]
     assert (tmp_path / "chk_ddtree.log").exists() and "--speculative-num-draft-tokens" in started[1].cmd
+
+
+def test_start_servers_sequential_waits_before_the_next_start(tmp_path, monkeypatch):
+    """sequential=True: server k+1 is launched only after server k is healthy, and a failed start
+    launches nothing after it (the int4logits stage: concurrent weight loads confuse SGLang's KV sizing)."""
+    import pytest
+
+    events = []
+
+    class FakeServer:
+        def __init__(self, cmd, env, log_path):
+            self.cmd, self.log = cmd, open(log_path, "ab")
+            events.append(("start", cmd[cmd.index("--port") + 1]))
+
+    def healthy(url, proc, limit):
+        events.append(("wait", url.rsplit(":", 1)[1]))
+        return "exited with code 1" if url.endswith(":5020") else None
+
+    monkeypatch.setattr(LC.S, "PopenServer", FakeServer)
+    monkeypatch.setattr(LC.S, "wait_healthy", healthy)
+    opts = {"model_path": "/m", "draft_model_path": "/d", "maxc": 4}
+    specs = {n: (LC.S.parse_arm("base"), opts) for n in ("a", "b", "c")}
+    procs, urls = {}, {}
+    with pytest.raises(RuntimeError, match="b server: exited with code 1"):
+        LC.start_servers(procs, urls, specs, {}, str(tmp_path), "seq", 5000, lambda: 60, sequential=True)
+    assert events == [("start", "5000"), ("wait", "5000"), ("start", "5020"), ("wait", "5020")]
+    assert list(procs) == ["a", "b"]
+    events.clear()
+    LC.start_servers({}, {}, {"a": specs["a"], "c": specs["c"]}, {}, str(tmp_path), "par", 5100, lambda: 60)
+    assert events == [("start", "5100"), ("start", "5120"), ("wait", "5100"), ("wait", "5120")]

@@ -238,10 +238,14 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
 
 i=0
 IFS=';' read -ra GRPS <<< "$GROUPS_ARG"
+# GROUP_CAPS="150,400": seconds per group, in order (else STAGE_CAP, default 220); empty = STAGE_CAP
+IFS=',' read -ra GCAPS <<< "${GROUP_CAPS:-}"
+g=0
 for grp in "${GRPS[@]}"; do
+  cap=${GCAPS[$g]:-${STAGE_CAP:-220}}; g=$((g+1))
   left=$(( DEADLINE - $(el) ))
   if [ $left -lt 60 ]; then echo "SKIP group '$grp' (deadline)" | tee -a $S; continue; fi
-  lim=$left; [ $lim -gt ${STAGE_CAP:-220} ] && lim=${STAGE_CAP:-220}
+  lim=$left; [ $lim -gt $cap ] && lim=$cap
   echo "-- group [$grp] at $(el)s, limit ${lim}s, gpu mem used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)" | tee -a $S
   for st in $grp; do
     i=$((i+1)); run_stage $st $((30000 + 100*i)) $lim &
