@@ -299,3 +299,50 @@ def test_worker_run11_with_the_scratch_patch_passes(tmp_path):
                                                   "gqa_ddtree_graph_b16"}
     for s in doc["stages"]:
         assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+
+
+def _ab_doc(name):
+    from sglang_ddtree.ab import report as R
+    path = os.path.join(RES, name) if os.path.exists(os.path.join(RES, name + ".json")) else os.path.join(RAW, name)
+    doc = json.load(open(path + ".json"))
+    assert R.render_markdown(doc) == open(path + ".md").read()
+    run = doc["runs"][0] if "runs" in doc else doc
+    return doc, {a["name"]: a for a in run["arms"]}
+
+
+def test_kimicost_chain_ab_before_and_after_the_probe_fix():
+    """bench/results/ab_h200_kimicost_chain.md (session 9, after the probe fix) and raw run 1 (before):
+    both render from their JSON; every arm token-identical to base; the adaptive arm at c=64 rose from
+    0.50x to 0.78x base and still misses issue 17's bar (the report says so)."""
+    from sglang_ddtree.ab import report as R
+    tput = {}
+    for name in ("raw_run1", "ab_h200_kimicost_chain"):
+        doc, arms = _ab_doc("ab_h200_kimicost_chain_run1" if name == "raw_run1" else name)
+        assert set(arms) == {"base", "dflash", "ddtree_auto_vattn"}
+        run = doc["runs"][0] if "runs" in doc else doc
+        for arm in ("dflash", "ddtree_auto_vattn"):
+            _, idn, _ = R._identity_of(run, arm)
+            assert idn and idn["mismatched"] == 0 and idn["compared"] == 160, (name, arm, idn)
+        lv = {a: {l["concurrency"]: l for l in arms[a]["levels"]} for a in arms}
+        tput[name] = lv["ddtree_auto_vattn"][64]["output_throughput"] / lv["base"][64]["output_throughput"]
+    assert tput["raw_run1"] < 0.55 and 0.7 < tput["ab_h200_kimicost_chain"] < 1.0, tput
+    assert "| 64 | ddtree_auto_vattn | 0.78 | - | **no** |" in open(os.path.join(RES, "ab_h200_kimicost_chain.md")).read()
+
+
+def test_worker_run12_prefill_backend_split(tmp_path):
+    """Run 12 (session 9): DDTREE-GPU with --attention-backend flashinfer (prefill on flashinfer, verify
+    on triton through SGLang's hybrid split): GQA graph b16 / eager b8 and MLA eager b16 / graph b16 with
+    our verify attention exact; the text pair's divergences all near ties; the MLA graph stage without
+    our verify attention and the fa3 stage left no result (the report lists them)."""
+    out, doc = _report(tmp_path, "w12", ["worker_h200_run12a_summary.txt", "worker_h200_run12b_summary.txt"],
+                       ["worker_h200_run12a.jsonl", "worker_h200_run12b.jsonl"],
+                       "text_divergence_h200_run12.json")
+    assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run12.md")).read()
+    st = {s["stage"]: s for s in doc["stages"]}
+    assert set(st) == {"gqa_ddtree_graph_b16_flashinfer", "gqa_ddtree_eager_b8_flashinfer",
+                       "mla_ddtree_eager_b16_flashinfer", "mla_ddtree_graph_b16_flashinfer_vattn"}
+    for s in st.values():
+        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+    assert {u["stage"] for u in doc["unfinished"]} >= {"mla_ddtree_graph_b16_flashinfer", "gqa_ddtree_graph_b16_fa3"}
+    text = {s["stage"]: s for s in doc["text_pair"]}
+    assert text["text_ddtree_graph_b16_flashinfer"]["errors"] == 0
