@@ -82,8 +82,12 @@ def mixed_cell(row):
     mm = row["mixed_mismatches"]
     if mm and all(m["near_tie"] for m in mm):
         return "near ties at " + ", ".join(f"r{m['request']}:{m['position']}" for m in mm)
-    return "**NO** " + ", ".join(f"r{m['request']}:{m['position']}" + ("" if m["near_tie"] else " (not a tie)")
-                                 for m in mm)
+    def why(m):
+        if m["near_tie"]:
+            return ""
+        # a length mismatch: the first differing token is unknown unless the stage kept the outputs
+        return " (length differs: unclassified)" if isinstance(m["position"], str) else " (not a tie)"
+    return "**NO** " + ", ".join(f"r{m['request']}:{m['position']}" + why(m) for m in mm)
 
 
 def main():
