@@ -300,27 +300,27 @@ class WidthController:
         self._last: Optional[Tuple[int, int, float]] = None   # (bs, choice, clock) of the last round
         self._local_overhead: Dict[int, float] = {}
 
-    def _cost(self, bs: int, w: int) -> float:
-        return self.policy.costs.cost(bs, NO_SPEC if w == 1 else w)
+    @staticmethod
+    def _choice(w: int) -> int:
+        """A verify width as the policy names it (width 1 = NO_SPEC)."""
+        return NO_SPEC if w == 1 else w
 
-    def _observe(self, bs: int) -> None:
+    def _cost(self, bs: int, w: int) -> float:
+        return self.policy.costs.cost(bs, self._choice(w))
+
+    def _observe(self) -> float:
+        """Fold the interval since the last round's start into this rank's overhead; the clock now."""
         now = self._clock()
-        last, self._last = self._last, None
-        if last is not None and self.policy is not None:
-            lbs, lw, t = last
-            pol = self.policy
-            shared, pol.overhead_ms = pol.overhead_ms, self._local_overhead
-            try:
-                pol.observe_interval(lbs, NO_SPEC if lw == 1 else lw, (now - t) * 1e3)
-            finally:
-                self._local_overhead, pol.overhead_ms = pol.overhead_ms, shared
-        self._now = now
+        if self._last is not None and self.policy is not None:
+            lbs, lw, t = self._last
+            self.policy.observe_interval(lbs, self._choice(lw), (now - t) * 1e3, into=self._local_overhead)
+        return now
 
     def _first_width(self, bs: int) -> int:
         if self.policy is None:
             return self.cfg.widest
         cap = 2.0 * self._cost(bs, self.spec_widths[0])
-        return max(w for w in self.spec_widths if w == self.spec_widths[0] or self._cost(bs, w) <= cap)
+        return max(w for w in self.spec_widths if self._cost(bs, w) <= cap)
 
     def _probe_or(self, bs: int, w: int) -> int:
         """``w`` (the policy's choice) or, on a probe round, the widest width (its counts give every
@@ -330,26 +330,26 @@ class WidthController:
         if w >= widest:
             self._since_probe, self.probe_credit = 0, 0.0
             return w
-        extra = self._cost(bs, widest) - cur
+        extra = max(self._cost(bs, widest) - cur, 0.0)
         self._since_probe += 1
         # capped at the probe's cost now: no burst of probes after a long narrow stretch
-        self.probe_credit = min(self.probe_credit + self.probe_share * cur, max(extra, 0.0))
+        self.probe_credit = min(self.probe_credit + self.probe_share * cur, extra)
         if self._since_probe < self.cfg.probe_every or self.probe_credit < extra - 1e-9:
             return w
-        self.probe_credit -= max(extra, 0.0)
+        self.probe_credit -= extra
         self._since_probe = 0
         self.probes += 1
         return widest
 
     def next_width(self, bs: int) -> int:
         """The verify width of this round (1 = no speculation)."""
-        self._observe(bs)
+        now = self._observe()
         for sums, counts in self.window.due():
             if self.policy is not None:
                 self.policy.update_means({w: s / c for w, s, c in zip(self.spec_widths, sums, counts)
                                           if c > 0})
                 local = dict(self._local_overhead)
-                self.policy.overhead_ms = dict(self._share(local) if self._share else local)
+                self.policy.overhead_ms = dict(self._share(local)) if self._share else local
         r = self.round
         self.round += 1
         cfg = self.cfg
@@ -362,7 +362,7 @@ class WidthController:
             c = self.policy.choose(bs)
             w = self._probe_or(bs, 1 if c == NO_SPEC else c)
         self.chosen[w] = self.chosen.get(w, 0) + 1
-        self._last = (int(bs), w, self._now)
+        self._last = (int(bs), w, now)
         return w
 
     def record(self, path: torch.Tensor, width: int) -> None:

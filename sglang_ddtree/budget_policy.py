@@ -154,19 +154,21 @@ class BudgetPolicy:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead."""
         return self.costs.cost(bs, width) + self.overhead(bs)
 
-    def observe_interval(self, bs: int, width: int, interval_ms: float) -> bool:
+    def observe_interval(self, bs: int, width: int, interval_ms: float,
+                         into: Optional[Dict[int, float]] = None) -> bool:
         """One host-clock interval from the start of a round of ``bs`` requests at ``width`` to the
         start of the next.  Folds ``interval - cost(bs, width)`` (floored at 0) into the overhead EMA
-        of ``bs``; returns False (ignored) for an interval longer than 4x the cost + 20 ms (the server
-        was idle or prefilling, not a round's overhead) or not a positive finite number."""
+        of ``bs`` in ``into`` (default: ``overhead_ms``; the controller keeps each rank's own until
+        they are shared); returns False (ignored) for an interval longer than 4x the cost + 20 ms (the
+        server was idle or prefilling, not a round's overhead) or not a positive finite number."""
+        table = self.overhead_ms if into is None else into
         cost = self.costs.cost(bs, width)
         ms = float(interval_ms)
         if not (ms > 0 and ms < float("inf")) or ms > 4 * cost + 20.0:
             return False
         extra = max(0.0, ms - cost)
-        old = self.overhead_ms.get(int(bs))
-        self.overhead_ms[int(bs)] = extra if old is None else (
-            self.overhead_ema * old + (1 - self.overhead_ema) * extra)
+        old = table.get(int(bs))
+        table[int(bs)] = extra if old is None else self.overhead_ema * old + (1 - self.overhead_ema) * extra
         return True
 
     def tokens_per_ms(self, bs: int, width: int) -> float:
