@@ -268,8 +268,10 @@ class WidthController:
     rounds have passed since the last one and the credit covers its extra cost over the chosen
     width, which the credit then loses (so probes add at most ~5 % to the rounds' cost).  A
     width-32 probe at bs 64 costs 15 plain decode steps on the Kimi-widths pair (H200 cost table,
-    ``bench/results/ab_h200_kimicost_chain.md``); probing it every 16th round, as this class did,
-    added 60 % to the mean round.  No probe is needed while the widest width is the choice.
+    ``bench/results/raw/ab_h200_kimicost_chain_run1_auto_server_log.txt``); probing it every 16th
+    round, as this class did, made the mean round at c = 64 about 65 % longer than the median
+    (16.9 vs 10.2 ms, ``raw/ab_h200_kimicost_chain_run1_profile_auto.jsonl``).  No probe is needed
+    while the widest width is the choice.
 
     The round overhead (``BudgetPolicy.observe_interval``): the host clock between consecutive
     ``next_width`` calls.  Each rank measures its own, so ``share`` (the worker: TP rank 0's object

@@ -20,9 +20,10 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   host-clock interval between rounds minus the table's cost (``observe_interval``; the worker shares
   rank 0's values across TP ranks).  It is the same for every width of a round, so it is added to
   every choice: a heavy per-round overhead makes tokens per round worth more.  Measured on the H200
-  (kimicost pair, c = 64, ``bench/results/ab_h200_kimicost_chain.md``): a no-speculation round took
-  9.7 ms on the GPU and 23 ms at the client; from the GPU table alone the policy chose plain decode
-  where DFLASH's width, at the same per-round overhead, gives 1.9x the tokens per second.
+  (kimicost pair, c = 64, before this term: ``bench/results/raw/ab_h200_kimicost_chain_run1.md``): a
+  no-speculation round took 9.7 ms on the GPU and 23 ms at the client; from the GPU table alone the
+  policy chose plain decode, and the DFLASH arm of the same run served 1.9x the adaptive arm's tokens
+  per second (part of that gap was the probes: ``adaptive.WidthController``).
 
 ``BudgetPolicy.update`` takes the per-request counterfactual counts of one round (a host tensor or
 list); ``update_means`` takes per-width means of a window of rounds, which is what the worker hands
