@@ -44,6 +44,22 @@ def main():
     T = {k: v.float() for k, v in T.items()}
     prompts = [p["ids"] for p in json.load(open(C.PROMPTS))[:16]]
     rows, per_stage = [], {}
+
+    def classify(stage, i, j, ref, out):
+        """The fp32 target's logits of ref[j] and out[j] after prompt i + ref[:j]: a near tie or not."""
+        ctx = torch.tensor([prompts[i] + ref[:j]])
+        with torch.no_grad():
+            lg = PL.logits(T, ctx)[0, -1].float()
+        top2 = torch.topk(lg, 2)
+        ta, tb = ref[j], out[j]
+        gap = float((lg[ta] - lg[tb]).abs())
+        below_top = float(top2.values[0]) - min(float(lg[ta]), float(lg[tb]))
+        return {"stage": stage, "check": "bs16", "request": i, "pos": j, "ref_tok": ta, "out_tok": tb,
+                "logit_ref": round(float(lg[ta]), 4), "logit_out": round(float(lg[tb]), 4),
+                "gap": round(gap, 4), "below_top": round(below_top, 4),
+                "rank_out": int((lg > lg[tb]).sum()) + 1, "top2": top2.indices.tolist(),
+                "top2_gap": round(float(top2.values[0] - top2.values[1]), 4), "near_tie": below_top <= TIE}
+
     lines = [line for path in a.results for line in open(path) if line.strip()]
     src = " ".join(os.path.basename(p) for p in a.results)
     for line in lines:
@@ -58,20 +74,29 @@ def main():
             if j is None:
                 continue
             st["diverged"] += 1
-            ctx = torch.tensor([prompts[i] + ref[:j]])
-            with torch.no_grad():
-                lg = PL.logits(T, ctx)[0, -1].float()
-            top2 = torch.topk(lg, 2)
-            ta, tb = ref[j], out[j]
-            gap = float((lg[ta] - lg[tb]).abs())
-            below_top = float(top2.values[0]) - min(float(lg[ta]), float(lg[tb]))
-            tie = below_top <= TIE
-            st["near_tie" if tie else "error"] += 1
-            rows.append({"stage": r["stage"], "request": i, "pos": j, "ref_tok": ta, "out_tok": tb,
-                         "logit_ref": round(float(lg[ta]), 4), "logit_out": round(float(lg[tb]), 4),
-                         "gap": round(gap, 4), "below_top": round(below_top, 4),
-                         "rank_out": int((lg > lg[tb]).sum()) + 1, "top2": top2.indices.tolist(),
-                         "top2_gap": round(float(top2.values[0] - top2.values[1]), 4), "near_tie": tie})
+            row = classify(r["stage"], i, j, ref, out)
+            st["near_tie" if row["near_tie"] else "error"] += 1
+            rows.append(row)
+        # the mixed check (stage.py text_mixed: request i asks for 1 + 2i tokens, odd ones also stop at a
+        # token of their reference): its expected output is a prefix of reference_bs16[i] of length
+        # mixed_lens[i][1]; the first token that leaves the reference inside that prefix is classified
+        # like a bs16 divergence; equal tokens with a different length mean a stop / length error
+        for i, out in enumerate(r.get("mixed_outputs") or []):
+            ref, exp_len = r["reference_bs16"][i], r["mixed_lens"][i][1]
+            j = first_diff(out[:exp_len], ref[:min(len(out), exp_len)])
+            if j is None and len(out) == exp_len:
+                continue
+            st["mixed_diverged"] = st.get("mixed_diverged", 0) + 1
+            if j is None or j >= exp_len:   # same tokens, wrong length: not a tie
+                st["mixed_error"] = st.get("mixed_error", 0) + 1
+                rows.append({"stage": r["stage"], "check": "mixed", "request": i,
+                             "pos": f"len {len(out)} != {exp_len}", "near_tie": False})
+                continue
+            row = classify(r["stage"], i, j, ref, out)
+            row["check"] = "mixed"
+            st["mixed_near_tie" if row["near_tie"] else "mixed_error"] = \
+                st.get("mixed_near_tie" if row["near_tie"] else "mixed_error", 0) + 1
+            rows.append(row)
     doc = {"tie_threshold_logits": TIE, "tie_rule": "below_top", "stages": per_stage, "divergences": rows,
            "source": src}
     json.dump(doc, open(a.out + ".json", "w"), indent=1)
@@ -80,14 +105,21 @@ def main():
           f"trained target on each first divergence's common prefix). Near tie: both tokens' fp32 logits "
           f"are within {TIE} of the target's top logit (bench/ab_divergence.py's rule). Reference: `text_base_graph` (16 held-out "
           "prompts x 96 tokens, first cold run).\n",
-          "| stage | requests | diverged | near ties | errors | accept/round bs16 |", "|---|---|---|---|---|---|"]
+          "Mixed: the test bed's mixed check (request i: 1 + 2i tokens, odd ones with a stop token), its "
+          "first token off the reference classified the same way; a length difference with equal tokens is "
+          "an error.\n",
+          "| stage | requests | diverged | near ties | errors | mixed diverged | mixed near ties | mixed errors "
+          "| accept/round bs16 |", "|---|---|---|---|---|---|---|---|---|"]
     for s, v in sorted(per_stage.items()):
-        md.append(f"| {s} | {v['requests']} | {v['diverged']} | {v['near_tie']} | {v['error']} | {v['accept_bs16']} |")
-    md += ["\n| stage | request | position | reference token | output token | logit gap | below top | output's rank | target top-2 gap | near tie |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+        md.append(f"| {s} | {v['requests']} | {v['diverged']} | {v['near_tie']} | {v['error']} | "
+                  f"{v.get('mixed_diverged', 0)} | {v.get('mixed_near_tie', 0)} | {v.get('mixed_error', 0)} | "
+                  f"{v['accept_bs16']} |")
+    md += ["\n| stage | check | request | position | reference token | output token | logit gap | below top | output's rank | target top-2 gap | near tie |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['stage']} | {r['request']} | {r['pos']} | {r['ref_tok']} | {r['out_tok']} | {r['gap']} | "
-                  f"{r['below_top']} | {r['rank_out']} | {r['top2_gap']} | {'yes' if r['near_tie'] else '**NO**'} |")
+        md.append(f"| {r['stage']} | {r['check']} | {r['request']} | {r['pos']} | {r.get('ref_tok', '-')} | "
+                  f"{r.get('out_tok', '-')} | {r.get('gap', '-')} | {r.get('below_top', '-')} | "
+                  f"{r.get('rank_out', '-')} | {r.get('top2_gap', '-')} | {'yes' if r['near_tie'] else '**NO**'} |")
     open(a.out + ".md", "w").write("\n".join(md) + "\n")
     print("\n".join(md[:4 + len(per_stage)]))
 

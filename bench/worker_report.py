@@ -70,8 +70,14 @@ def unfinished(summaries, recs):
     return list(out.values())
 
 
-def mixed_mismatches(rec, tie_ctx):
-    """[{request, position, near_tie}] for every request of the mixed run that left the reference."""
+def mixed_mismatches(rec, tie_ctx, classified=None):
+    """[{request, position, near_tie}] for every request of the mixed run that left the reference.
+    ``classified``: bench/text_divergence.py's own rows for this stage's mixed check (it classifies
+    each first divergence, length mismatches included, from the stage's ``mixed_outputs``); without
+    them a mismatch counts as a tie only at a context where a bs16 divergence was one."""
+    if classified:
+        return [{"request": v["request"], "position": v["pos"], "near_tie": bool(v["near_tie"]), "classified": True}
+                for v in sorted(classified, key=lambda v: v["request"])]
     return [{"request": i, "position": j, "near_tie": (i, j) in tie_ctx}
             for i, j in enumerate(rec.get("mixed_first_mismatch") or []) if j is not None]
 
@@ -86,7 +92,10 @@ def mixed_cell(row):
         if m["near_tie"]:
             return ""
         # a length mismatch: the first differing token is unknown unless the stage kept the outputs
-        return " (length differs: unclassified)" if isinstance(m["position"], str) else " (not a tie)"
+        # (then bench/text_divergence.py found equal tokens with a different length: an error)
+        if isinstance(m["position"], str):
+            return " (same tokens, length differs)" if m.get("classified") else " (length differs: unclassified)"
+        return " (not a tie)"
     return "**NO** " + ", ".join(f"r{m['request']}:{m['position']}" + why(m) for m in mm)
 
 
@@ -135,7 +144,8 @@ def main():
     # Contexts (request, position) where a classified bs16 divergence of this run found the fp32
     # target's top-2 in a near tie; a mixed-run mismatch at the same context (same prompt, same
     # reference prefix) is the same near tie.
-    tie_ctx = {(v["request"], v["pos"]) for v in (div or {}).get("divergences", []) if v.get("near_tie")}
+    divs = (div or {}).get("divergences", [])
+    tie_ctx = {(v["request"], v["pos"]) for v in divs if v.get("near_tie") and v.get("check", "bs16") == "bs16"}
     text_rows = []
     for name, r in sorted(text.items()):
         d = (div or {}).get("stages", {}).get(name, {})
@@ -143,7 +153,8 @@ def main():
             stage=name, algo=r.get("algo"), mode=r.get("mode"), budget=r.get("budget"),
             requests=d.get("requests"), diverged=d.get("diverged"), near_ties=d.get("near_tie"),
             errors=d.get("error"), mixed_exact=r.get("mixed_matches"),
-            mixed_mismatches=mixed_mismatches(r, tie_ctx),
+            mixed_mismatches=mixed_mismatches(r, tie_ctx, [v for v in divs if v["stage"] == name
+                                                             and v.get("check") == "mixed"]),
             sampled_ok=r.get("sampled_matches"), accept_bs16=r.get("accept_len_bs16_mean"),
             accept_bs1=r.get("accept_len_bs1"), ms_per_round_bs1=r.get("ms_per_round_bs1")))
     doc = {"card": card, "versions": ver, "date": date, "stages": rows, "http": http,

@@ -346,3 +346,30 @@ def test_worker_run12_prefill_backend_split(tmp_path):
     assert {u["stage"] for u in doc["unfinished"]} >= {"mla_ddtree_graph_b16_flashinfer", "gqa_ddtree_graph_b16_fa3"}
     text = {s["stage"]: s for s in doc["text_pair"]}
     assert text["text_ddtree_graph_b16_flashinfer"]["errors"] == 0
+
+
+def test_worker_run13_flashinfer_text_and_mla_graph(tmp_path):
+    """Run 13 (session 10): the two flashinfer stages run 12 left open.  MLA graph b16 with
+    --attention-backend flashinfer (no verify attention of ours) exact; the text pair b16 under
+    flashinfer: every bs16 divergence a near tie, and the mixed check's request 7, which ran to 15
+    tokens where the reference stops at 4 (run 12 too), leaves the reference at position 2: a near tie
+    that bench/text_divergence.py now classifies from the stage's mixed_outputs."""
+    out, doc = _report(tmp_path, "w13", ["worker_h200_run13_summary.txt"], ["worker_h200_run13.jsonl"],
+                       "text_divergence_h200_run13.json")
+    assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run13.md")).read()
+    st = {s["stage"]: s for s in doc["stages"]}
+    assert set(st) == {"mla_ddtree_graph_b16_flashinfer"}
+    s = st["mla_ddtree_graph_b16_flashinfer"]
+    assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"] and s["repeat_exact"]
+    text = {s["stage"]: s for s in doc["text_pair"]}
+    fi = text["text_ddtree_graph_b16_flashinfer"]
+    assert fi["errors"] == 0 and fi["diverged"] == fi["near_ties"] == 5
+    assert {(m["request"], m["position"]) for m in fi["mixed_mismatches"]} == {(7, 2), (14, 23)}
+    assert all(m["near_tie"] for m in fi["mixed_mismatches"])
+    div = json.load(open(os.path.join(RES, "text_divergence_h200_run13.json")))
+    r7 = [v for v in div["divergences"] if v["stage"] == "text_ddtree_graph_b16_flashinfer"
+          and v["check"] == "mixed" and v["request"] == 7]
+    assert len(r7) == 1 and r7[0]["pos"] == 2
+    below = _refit_text_divergences(r7, ["worker_h200_run13.jsonl"], "below_top")[0]
+    assert abs(below - r7[0]["below_top"]) <= AD.GAP_ATOL
+    assert below <= div["tie_threshold_logits"] - AD.GAP_ATOL
