@@ -73,3 +73,34 @@ def counterfactual_accept_len(path: torch.Tensor, budgets) -> torch.Tensor:
     b = torch.as_tensor(budgets, device=path.device).to(torch.int64).view(1, 1, -1)
     nodes = path[:, 1:].to(torch.int64).unsqueeze(-1)
     return ((nodes >= 1) & (nodes <= b)).sum(1).to(torch.int32)
+
+
+def commit_path_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix: torch.Tensor,
+                      path: torch.Tensor, num_slots: int) -> None:
+    """Commit the accepted path by reordering KV slot *locations*, not KV data (page size 1).
+
+    The verify wrote the K/V of tree slot i at ``req_to_token[r, prefix_r + i]`` for i < N; the
+    accepted slots ``path[r, 0..a]`` (root first, -1 padded; slot ``path[r, k]`` has depth k) must end
+    up at positions ``prefix_r + k``.  Instead of copying every layer's K/V rows there (SGLang's
+    ``move_accept_tokens_to_target_kvcache``: two indexing ops per layer), permute the row segment
+    ``req_to_token[r, prefix_r : prefix_r + N]`` in place: the path's locations first, in path order,
+    then the other slots' locations in slot order.  The request owns the same locations as before
+    (a permutation), so freeing and radix caching stay exact; the rejected slots' locations sit
+    after the committed length, where the next round writes.  req_to_token [R, L] int32,
+    req_pool_indices / prefix [bs], path [bs, W] int, N = num_slots.  In place, no host sync."""
+    bs, W = path.shape
+    N = int(num_slots)
+    if N <= 1 or bs == 0:
+        return
+    dev = path.device
+    valid = path >= 0
+    slot_col = torch.where(valid, path.to(torch.int64), torch.full_like(path, N, dtype=torch.int64))
+    depth = torch.arange(W, device=dev, dtype=torch.int64).expand(bs, W)
+    # key of slot i: its depth on the path, else N + i; column N is a dump for the padding entries
+    key = (N + torch.arange(N + 1, device=dev, dtype=torch.int64)).repeat(bs, 1)
+    key.scatter_(1, slot_col, torch.where(valid, depth, torch.full_like(depth, 2 * N + 1)))
+    order = torch.argsort(key[:, :N], dim=1)                                   # [bs, N] slots
+    rows = req_pool_indices.to(torch.int64).view(bs, 1)
+    cols = prefix.to(torch.int64).view(bs, 1) + torch.arange(N, device=dev, dtype=torch.int64)
+    locs = req_to_token[rows, cols]
+    req_to_token[rows, cols] = torch.gather(locs, 1, order)

@@ -64,6 +64,19 @@ logger = logging.getLogger(__name__)
 
 # Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
 _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
+KV_COMMIT_ENV = "SGLANG_DDTREE_KV_COMMIT"
+
+
+def kv_commit_mode(env, algo: str) -> str:
+    """How a round commits the accepted path's target K/V: ``remap`` (default) permutes the request's
+    ``req_to_token`` row over the verify slots (``tree_ops.commit_path_slots``: a few small ops,
+    whatever the layer count); ``move`` copies each layer's K/V rows into place with SGLang's
+    ``move_accept_tokens_to_target_kvcache`` (two indexing ops per layer: 122 launches on a 61-layer
+    target).  Both need page size 1, which the plugin requires (``spec_algo``)."""
+    mode = (env.get(KV_COMMIT_ENV) or "remap").strip().lower()
+    if mode not in ("remap", "move"):
+        raise ValueError(f"{algo}: {KV_COMMIT_ENV} must be 'remap' or 'move', got {env.get(KV_COMMIT_ENV)!r}")
+    return mode
 
 
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
@@ -212,6 +225,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self.budget = self.settings.budget
         self.num_verify = self.settings.num_verify_tokens
         self.topk = self.settings.topk
+        self._kv_commit = kv_commit_mode(os.environ, self.algo_name)
         # adaptive budget (issue 17): None unless SGLANG_DDTREE_BUDGETS / _NO_SPEC ask for it; the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
         self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
@@ -597,9 +611,19 @@ class DDTreeWorker(DFlashWorkerV2):
         out_tokens = ddtree.Accept(accept_len, path, bonus).new_tokens(tree).clamp_(min=0)
         if getattr(batch, "return_logprob", False):
             logprobs.fill_round_logprobs(batch, logits_output, path, out_tokens, N)
-        move_accept_tokens_to_target_kvcache(
-            batch, tree_ops.accept_index_from_path(path, N), accept_len.to(torch.int64),
-            batch.token_to_kv_pool_allocator)
+        if getattr(self, "_kv_commit", "remap") == "remap":
+            # the accepted slots' locations move to positions prefix + 0..a (K/V stays where the
+            # verify wrote it); the drafter's context K/V then goes to the same locations
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            tree_ops.commit_path_slots(req_to_token, batch.req_pool_indices, prefix, path, N)
+            if N > 1:
+                cols = prefix.to(torch.int64).view(bs, 1) + torch.arange(
+                    self.block_size, device=prefix.device, dtype=torch.int64)
+                block_loc.copy_(req_to_token[batch.req_pool_indices.to(torch.int64).view(bs, 1), cols])
+        else:
+            move_accept_tokens_to_target_kvcache(
+                batch, tree_ops.accept_index_from_path(path, N), accept_len.to(torch.int64),
+                batch.token_to_kv_pool_allocator)
         if on_publish is not None:
             on_publish(new_seq_lens)
         hidden = logits_output.hidden_states

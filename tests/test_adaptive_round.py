@@ -53,7 +53,8 @@ class VerifyInput:
 
     def prepare_for_verify(self, batch, target_worker):
         mr = target_worker.model_runner
-        return types.SimpleNamespace(spec=self, backend=mr.attn_backend, runner=mr.decode_cuda_graph_runner), True
+        return types.SimpleNamespace(spec=self, backend=mr.attn_backend, runner=mr.decode_cuda_graph_runner,
+                                     out_cache_loc=batch.out_cache_loc), True
 
 
 class World:
@@ -91,6 +92,13 @@ class World:
         pos = spec.positions.view(bs, N)
         prefix = pos[:, 0]
         logits = torch.zeros(bs * N, V)
+        # the fake KV store: every committed position's location holds T's token there (the commit
+        # put the accepted slots' K/V at positions prefix + 0..a); then this verify writes its slots
+        r2t = self.mr.req_to_token_pool.req_to_token
+        for b in range(bs):
+            p = int(prefix[b])
+            assert self.kv[r2t[b, :p]].tolist() == self.T[b, :p].tolist(), "committed K/V out of place"
+        self.kv[fb.out_cache_loc.view(-1)] = tok.reshape(-1)
         off = 0
         for b in range(bs):
             p = int(prefix[b])
@@ -185,8 +193,9 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15):
         _target_worker=tw, model_runner=mr, draft_model_runner=types.SimpleNamespace(forward=draft_forward),
         _draft_block_ids_buf=None, _mask_token_id=V - 1, _draft_block_spec_info=None, _draft_sampler=None,
         _ensure_draft_block_buffers=ensure, _eager_topk=lambda hidden, n: wd.head(hidden, n),
-        _append_target_hidden_to_draft_kv_by_loc=lambda **kw: None, _stats=None, _rounds=0,
-        _own_mask_buf=None, _eager_mask_rounds=0,
+        _append_target_hidden_to_draft_kv_by_loc=lambda **kw: wd.draft_appends.append(
+            (kw["cache_loc_2d"].clone(), kw["commit_lens"].clone(), kw["positions"].clone())), _stats=None, _rounds=0,
+        _own_mask_buf=None, _eager_mask_rounds=0, _kv_commit="remap",
         _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _adaptive=None, _verify_states=None,
         _adaptive_cfg=A.parse_config(env, budget=budget, algo="DDTREE-GPU"))
     if w._adaptive_cfg is not None:                      # what init_cuda_graphs builds, with fakes
@@ -199,6 +208,11 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15):
                                         window_lag=1)
     wd.w, wd.mr, wd.drafted = w, mr, drafted
     wd.seq = torch.full((bs,), p0, dtype=torch.int64)
+    wd.draft_appends = []
+    r2t = mr.req_to_token_pool.req_to_token
+    wd.kv = torch.full((int(r2t.max()) + 1,), -1, dtype=torch.int64)
+    for b in range(bs):
+        wd.kv[r2t[b, :p0]] = wd.T[b, :p0]
     wd.bonus = wd.T[:, p0].clone()
     wd.out = [[] for _ in range(bs)]
     return wd
@@ -219,6 +233,13 @@ def run_round(wd):
     for b in range(bs):
         n = int(res.accept_lens[b])
         wd.out[b] += toks[b, :n].tolist()
+    loc2d, commit, pos = wd.draft_appends[-1]
+    r2t = wd.mr.req_to_token_pool.req_to_token
+    for b in range(bs):
+        n = int(commit[b])
+        p = int(wd.seq[b])
+        assert loc2d[b, :n].tolist() == r2t[b, p:p + n].tolist()      # the drafter's context K/V slots
+        assert pos.view(bs, -1)[b, :n].tolist() == list(range(p, p + n))
     wd.seq = res.new_seq_lens.clone()
     wd.bonus = res.next_draft_input.bonus_tokens.clone()
     wd.log.append(dict(wd.cur, commit=res.accept_lens.clone()))
@@ -299,3 +320,10 @@ def test_policy_switches_widths_and_learns_from_wide_rounds(world):
         run_round(wd)
     assert pol.seen == {4, 16}
     assert_lossless(wd)
+
+
+def test_kv_commit_mode_env():
+    assert W.kv_commit_mode({}, "DDTREE-GPU") == "remap"
+    assert W.kv_commit_mode({W.KV_COMMIT_ENV: " Move "}, "DDTREE-GPU") == "move"
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_KV_COMMIT must be 'remap' or 'move'"):
+        W.kv_commit_mode({W.KV_COMMIT_ENV: "copy"}, "DDTREE-GPU")

@@ -96,6 +96,46 @@ def test_kv_commit_mapping_moves_path_to_front(rng):
         assert got == [(b, int(path[b, i])) for i in range(alen[b] + 1)]
 
 
+@pytest.mark.parametrize("budget", [1, 5, 23])
+def test_commit_by_slot_permutation_matches_the_kv_move(rng, budget):
+    """tree_ops.commit_path_slots reorders req_to_token instead of moving K/V: on a toy KV store
+    (location -> the node whose K/V the verify wrote there) every committed position reads the node
+    the KV move would have put there, the request owns the same locations as before, positions
+    outside [prefix, prefix + N) are untouched, and rows of requests outside the batch too."""
+    tree = _random_trees(rng, 6, 8, budget)
+    path, alen, _ = _random_accept(rng, tree)
+    bs, N = tree.tokens.shape
+    R, L = bs + 3, 90
+    req_to_token = (torch.randperm(R * L, generator=rng).view(R, L) + 1).to(torch.int32)
+    pool = torch.randperm(R, generator=rng)[:bs]
+    prefix = torch.randint(0, L - N, (bs,), generator=rng)
+    kv = {}
+    for b in range(bs):
+        for j in range(N):
+            kv[int(req_to_token[pool[b], prefix[b] + j])] = (b, j)
+    before = req_to_token.clone()
+    tree_ops.commit_path_slots(req_to_token, pool, prefix, path, N)
+    for b in range(bs):
+        r, p = int(pool[b]), int(prefix[b])
+        got = [kv[int(req_to_token[r, p + k])] for k in range(alen[b] + 1)]
+        assert got == [(b, int(path[b, k])) for k in range(alen[b] + 1)]
+        assert sorted(req_to_token[r].tolist()) == sorted(before[r].tolist())
+        assert torch.equal(req_to_token[r, :p], before[r, :p]) and torch.equal(req_to_token[r, p + N:], before[r, p + N:])
+        rest = [kv[int(req_to_token[r, p + k])][1] for k in range(alen[b] + 1, N)]
+        assert rest == sorted(set(range(N)) - set(path[b, :alen[b] + 1].tolist()))
+    others = sorted(set(range(R)) - set(pool.tolist()))
+    assert torch.equal(req_to_token[others], before[others])
+
+
+def test_commit_by_slot_permutation_root_only_is_identity(rng):
+    req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
+    before = req_to_token.clone()
+    path = torch.tensor([[0, -1, -1], [0, -1, -1]])
+    tree_ops.commit_path_slots(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 5]), path, 1)
+    tree_ops.commit_path_slots(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 5]), path, 4)
+    assert torch.equal(req_to_token, before)
+
+
 def test_gather_path_rows_and_verify_ids(rng):
     tree = _random_trees(rng, 3, 4, 9)
     path, alen, _ = _random_accept(rng, tree)
