@@ -5,7 +5,8 @@ event at each stage boundary of a round and, every ``SGLANG_DDTREE_PROFILE_EVERY
 completed rounds, append one JSON line::
 
   {"pid", "algo", "budget", "block_size", "topk", "rounds", "bs_mean",
-   "stage_ms": {stage: {"median", "mean"}}, "round_ms": {...}, "host_ms": {...}}
+   "stage_ms": {stage: {"median", "mean"}}, "round_ms": {...}, "host_ms": {...},
+   "by_width": {width: {"rounds", "bs_mean", "verify_ms", "round_ms"}}}   (DDTree rounds only)
 
 Stages (GPU timeline between consecutive events, so GPU idle time spent waiting for the host, as
 in DDTREE-CPU's heap, counts in the stage that waited):
@@ -37,6 +38,23 @@ from typing import Callable, List, Optional
 STAGES = ("draft", "tree", "verify_prep", "verify", "accept", "commit")
 ENV_FILE = "SGLANG_DDTREE_PROFILE_FILE"
 ENV_EVERY = "SGLANG_DDTREE_PROFILE_EVERY"
+
+
+def _by_width(done: List[tuple]) -> Optional[dict]:
+    """{width: {rounds, bs_mean, verify_ms, round_ms}} of the rounds that name their verify width
+    (the adaptive budget mixes widths in one record; a width of 1 is a no-speculation round), or
+    None when no round does (stock DFLASH records)."""
+    groups: dict = {}
+    for d in done:
+        if d[4] is not None:
+            groups.setdefault(int(d[4]), []).append(d)
+    if not groups:
+        return None
+    vi = STAGES.index("verify")
+    return {str(w): {"rounds": len(g), "bs_mean": round(sum(d[3] for d in g) / len(g), 3),
+                     "verify_ms": _stats([d[0][vi] for d in g if len(d[0]) > vi]) if any(len(d[0]) > vi for d in g) else None,
+                     "round_ms": _stats([d[1] for d in g])}
+            for w, g in sorted(groups.items())}
 
 
 def _stats(xs: List[float]) -> dict:
@@ -114,5 +132,8 @@ class RoundProfiler:
                    stage_ms={s: _stats([d[0][i] for d in done]) for i, s in enumerate(STAGES)
                              if all(len(d[0]) > i for d in done)},
                    round_ms=_stats([d[1] for d in done]), host_ms=_stats([d[2] for d in done]))
+        by_width = _by_width(done)
+        if by_width:
+            rec["by_width"] = by_width
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")

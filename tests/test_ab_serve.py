@@ -737,3 +737,45 @@ def test_chain_prompts_for_the_toy_pairs(tmp_path):
     from sglang_ddtree.ab import prompts as PR
     got = PR.load_prompts_file(str(out))
     assert [g["input_ids"] for g in got] == ps[:5]
+
+
+def test_rounds_per_verify_width_recorded_aggregated_and_rendered(tmp_path, monkeypatch):
+    """The adaptive arm mixes verify widths in one profile record: the profiler splits its rounds by
+    width (verify stage and round medians per width), the A/B aggregates the split rounds-weighted,
+    and the report renders a per-width table only for arms that mixed widths."""
+    from sglang_ddtree import profiling
+    from sglang_ddtree.ab import report
+    done = [([1.0, 0.0, 0.0, v, 0.0, 0.0], r, 0.5, bs, w)
+            for v, r, bs, w in ((4.0, 6.0, 2, 8), (5.0, 7.0, 4, 8), (9.0, 11.0, 2, 32), (0.5, 2.0, 6, 1))]
+    bw = profiling._by_width(done)
+    assert set(bw) == {"1", "8", "32"} and bw["8"]["rounds"] == 2 and bw["8"]["bs_mean"] == 3.0
+    assert bw["8"]["verify_ms"]["median"] == 4.5 and bw["32"]["round_ms"]["median"] == 11.0
+    assert profiling._by_width([(d[0], d[1], d[2], d[3], None) for d in done]) is None
+    path = tmp_path / "p.jsonl"
+    monkeypatch.setenv(profiling.ENV_FILE, str(path))
+    prof = profiling.RoundProfiler({"algo": "DDTREE-GPU"})
+    prof._done = list(done)
+    prof._flush()
+    rec = json.loads(path.read_text().splitlines()[-1])
+    assert rec["by_width"] == json.loads(json.dumps(bw))
+    rec2 = dict(rec, rounds=4, by_width={"8": {"rounds": 6, "bs_mean": 1.0, "verify_ms": {"median": 6.5},
+                                               "round_ms": {"median": 9.0}}})
+    agg = ab.aggregate_profile([rec, rec2])
+    assert agg["by_width"]["8"]["rounds"] == 8 and agg["by_width"]["8"]["verify_ms"] == round((4.5 * 2 + 6.5 * 6) / 8, 4)
+    assert agg["by_width"]["32"]["rounds"] == 1 and agg["by_width"]["1"]["verify_ms"] == 0.5
+    assert "by_width" not in ab.aggregate_profile([{k: v for k, v in rec.items() if k != "by_width"}])
+    import copy
+    import os
+    base_doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                                           "ab_h200_kimicost_chain.json")))
+    assert "Rounds per verify width" not in report.render_markdown(base_doc)   # older records: no table
+    doc = copy.deepcopy(base_doc)
+    arms = {a["name"]: a for a in doc["arms"]}
+    lv16 = next(lv for lv in arms["ddtree_auto_vattn"]["levels"] if lv["concurrency"] == 16)
+    lv16["stage_profile"]["by_width"] = agg["by_width"]
+    lv1d = next(lv for lv in arms["dflash"]["levels"] if lv["concurrency"] == 1)
+    lv1d["stage_profile"]["by_width"] = {"8": agg["by_width"]["8"]}           # one width: no rows
+    md = report.render_markdown(doc)
+    tail = md.split("Rounds per verify width")[1]
+    assert "| ddtree_auto_vattn | 16 | no spec | 1 (10 %) |" in tail
+    assert "| ddtree_auto_vattn | 16 | 8 | 8 (80 %) |" in tail and "| dflash |" not in tail.split("##")[0]

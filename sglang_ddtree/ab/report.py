@@ -345,6 +345,24 @@ def _render_run(doc, top=True):
               "|---|---:|---:|---:|" + "---:|" * (len(STAGES) + 6)] + rows
     else:
         L += ["No stage records (no DDTREE arm measured, or --no-stage-profile)."]
+    wrows = []
+    for a in arms:
+        for lv in a.get("levels") or []:
+            bw = (lv.get("stage_profile") or {}).get("by_width") or {}
+            if len(bw) < 2:
+                continue
+            total = sum(v["rounds"] for v in bw.values()) or 1
+            for wd, v in sorted(bw.items(), key=lambda kv: int(kv[0])):
+                per = v["verify_ms"] / int(wd) if v.get("verify_ms") is not None and int(wd) > 1 else None
+                wrows.append(f"| {a['name']} | {lv['concurrency']} | {'no spec' if wd == '1' else wd} | {v['rounds']} "
+                             f"({100.0 * v['rounds'] / total:.0f} %) | {_f(v.get('bs_mean'))} | "
+                             f"{_f(v.get('verify_ms'), 3)} | {_f(v.get('round_ms'), 3)} | {_f(per, 4)} |")
+    if wrows:
+        L += ["", f"{h} Rounds per verify width (arms that mix widths: the adaptive budget)", "",
+              "Rounds of the profile records per width the round ran (1 = no speculation), their mean batch "
+              "size and the rounds-weighted medians of the verify stage and of the whole round (GPU ms).", "",
+              "| arm | c | width | rounds | bs mean | verify | round | verify/slot |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"] + wrows
     bad = [a for a in arms if a.get("status") != "ok"]
     if bad:
         L += ["", f"{h} Arms not fully measured", ""]

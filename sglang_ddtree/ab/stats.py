@@ -109,6 +109,21 @@ def aggregate_profile(recs: List[dict]) -> Optional[dict]:
                stage_ms={s: wavg(lambda r, s=s: ((r.get("stage_ms") or {}).get(s) or {}).get("median"))
                          for s in STAGES})
     out["stage_ms"] = {k: v for k, v in out["stage_ms"].items() if v is not None}
+    widths = sorted({int(k) for r in recs for k in (r.get("by_width") or {})})
+    if widths:   # per verify width (adaptive arms): rounds summed, medians weighted by their rounds
+        bw = {}
+        for wd in widths:
+            parts = [r["by_width"][str(wd)] for r in recs if str(wd) in (r.get("by_width") or {})]
+            n = sum(p["rounds"] for p in parts)
+
+            def pw(get, parts=parts, n=n):
+                vals = [(get(p), p["rounds"]) for p in parts if get(p) is not None]
+                ww = sum(k for _, k in vals)
+                return round(sum(v * k for v, k in vals) / ww, 4) if ww else None
+            bw[str(wd)] = dict(rounds=n, bs_mean=pw(lambda p: p.get("bs_mean")),
+                               verify_ms=pw(lambda p: (p.get("verify_ms") or {}).get("median")),
+                               round_ms=pw(lambda p: (p.get("round_ms") or {}).get("median")))
+        out["by_width"] = bw
     return out
 
 
