@@ -203,6 +203,68 @@ def _eager_verify(model_runner, eager: bool):
         del runner.can_run_graph
 
 
+def warm_batch_sizes(max_bs: int):
+    """Batch sizes that reach every Triton specialisation a per-round kernel can take on the batch
+    size: each power of two P <= max_bs (``next_power_of_2(bs)`` constexprs), and P // 2 + 1, the
+    smallest size of P's bucket (an int argument equal to 1 or divisible by 16 is its own
+    specialisation, so a bucket holds a divisible and a non-divisible size from 16 up)."""
+    out, p = set(), 1
+    while p // 2 + 1 <= max_bs:   # every bucket (P/2, P] that holds a size <= max_bs
+        out.update({p, p // 2 + 1})
+        m = (p // 2 // 16 + 1) * 16           # the bucket's smallest multiple of 16
+        if m <= min(p, max_bs):
+            out.add(m)
+        p *= 2
+    out.add(int(max_bs))
+    return sorted(b for b in out if 1 <= b <= max_bs)
+
+
+def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, max_bs: int,
+                       tree_backend: str, full_mask: bool, device, req_to_token=None,
+                       assign_locs=None) -> dict:
+    """Run every per-round kernel once per (verify width, batch-size bucket), and SGLang's
+    ``assign_extend_cache_locs`` once per bucket, on throwaway inputs at start-up.
+
+    A Triton kernel's first launch with a new set of constexpr / specialisation values compiles it
+    (or loads it from the disk cache) inside the scheduler process: tens of ms to a second during
+    which no request advances.  Ours take N-dependent constexprs (``build_tree`` / ``tree_mask`` /
+    ``accept_greedy``: the next power of two of N; N itself specialised when divisible by 16) and
+    ``verify_mask`` a batch-size one; SGLang's ``assign_extend_cache_locs`` specialises on
+    ``next_power_of_2(bs)`` and the row length of ``req_to_token`` (hence its zero copy here).  With
+    the adaptive budget every width first used mid-serving would stall the batch.  widths: verify
+    widths (1 = no speculation: nothing of ours runs).  Returns {"widths", "batch_sizes", "s"}."""
+    import time as _time
+
+    t0 = _time.perf_counter()
+    D, dev = block_size - 1, device
+    sizes = warm_batch_sizes(int(max_bs))
+    K = max(1, min(int(topk), int(vocab_size)))
+    done = []
+    for N in sorted({int(w) for w in widths}):
+        if N <= 1:
+            continue
+        for b in sizes:
+            lp = torch.randn(b, D, K, device=dev).log_softmax(-1).sort(-1, descending=True).values
+            ids = torch.randint(0, int(vocab_size), (b, D, K), device=dev, dtype=torch.int64)
+            roots = torch.zeros(b, dtype=torch.int64, device=dev)
+            tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=roots, backend=tree_backend, validate=False)
+            if full_mask:
+                ddtree.verify_mask(tree, torch.ones(b, dtype=torch.int64, device=dev),
+                                   backend=tree_backend, validate=False)
+            ddtree.accept_greedy(tree, torch.zeros(b, N, dtype=torch.int64, device=dev),
+                                 backend=tree_backend, validate=False)
+        done.append(N)
+    if assign_locs is not None and req_to_token is not None:
+        rows = torch.zeros(1, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
+        for b in sizes:
+            zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+            assign_locs(req_pool_indices=zeros, req_to_token=rows, start_offset=zeros,
+                        end_offset=zeros + 1, batch_size=b, draft_token_num=1, device=dev)
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+    return {"widths": done, "batch_sizes": sizes, "s": round(_time.perf_counter() - t0, 3)}
+
+
 class DDTreeWorker(DFlashWorkerV2):
     """Spec-v2 worker (overlap and non-overlap).  Constructed by SGLang's scheduler with exactly
     ``(server_args, gpu_id, ps, nccl_port, target_worker)``."""
@@ -274,10 +336,30 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def init_cuda_graphs(self):
         """The drafter's graphs (DFLASH's); with the adaptive budget on, then one target verify state
-        per extra width (the target's own graphs, for the widest width, exist by now)."""
+        per extra width (the target's own graphs, for the widest width, exist by now); then every
+        per-round kernel warmed for every width (``warm_round_kernels``)."""
         super().init_cuda_graphs()
         if self._adaptive_cfg is not None:
             self._init_adaptive(self._adaptive_cfg)
+        if torch.device(self.device).type == "cuda" and self.tree_backend == "triton":
+            mr = self._target_worker.model_runner
+            widths = self._adaptive_cfg.widths if self._adaptive_cfg is not None else (self.num_verify,)
+            try:   # an optimisation only: a failure is logged and serving goes on (first uses compile then)
+                info = warm_round_kernels(
+                    widths=widths, block_size=self.block_size, topk=self.topk,
+                    vocab_size=mr.model_config.vocab_size,
+                    max_bs=max(1, min(1024, int(mr.req_to_token_pool.size))),   # the most requests a batch holds
+                    tree_backend=self.tree_backend,
+                    full_mask=not verify_attn_hook.enabled(os.environ, self.algo_name),
+                    device=self.device, req_to_token=mr.req_to_token_pool.req_to_token,
+                    assign_locs=assign_extend_cache_locs_func)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("%s: warming the per-round kernels failed (%s: %s); their first uses "
+                               "will compile them while serving", self.algo_name, type(e).__name__, e)
+                info = None
+            if info is not None and self.ps.tp_rank == 0:
+                logger.info("%s: per-round kernels warmed for verify widths %s, batch sizes %s in %.2f s",
+                            self.algo_name, info["widths"], info["batch_sizes"], info["s"])
 
     def _init_adaptive(self, cfg: "adaptive.AdaptiveConfig") -> None:
         mr = self._target_worker.model_runner

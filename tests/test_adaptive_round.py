@@ -327,3 +327,48 @@ def test_kv_commit_mode_env():
     assert W.kv_commit_mode({W.KV_COMMIT_ENV: " Move "}, "DDTREE-GPU") == "move"
     with pytest.raises(ValueError, match="SGLANG_DDTREE_KV_COMMIT must be 'remap' or 'move'"):
         W.kv_commit_mode({W.KV_COMMIT_ENV: "copy"}, "DDTREE-GPU")
+
+
+def test_warm_batch_sizes_reach_every_bucket_and_specialisation():
+    assert W.warm_batch_sizes(1) == [1]
+    assert W.warm_batch_sizes(64) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64]
+    s = W.warm_batch_sizes(48)
+    assert max(s) == 48 and 33 in s and 32 in s and 64 not in s
+    def key(b):   # what a Triton specialisation can see of a batch size
+        return (1 << (b - 1).bit_length(), b == 1, b % 16 == 0)
+    for top in (1, 7, 48, 64, 100):
+        warm = W.warm_batch_sizes(top)
+        assert max(warm) == top and min(warm) == 1
+        for bs in range(1, top + 1):
+            assert any(key(b) == key(bs) for b in warm), (top, bs)
+
+
+def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
+    calls = {"build": [], "mask": [], "accept": [], "assign": []}
+    real_build, real_mask, real_acc = ddtree.build_tree, ddtree.verify_mask, ddtree.accept_greedy
+
+    def spy(name, fn):
+        def f(*a, **kw):
+            out = fn(*a, **kw)
+            calls[name].append((a[0].shape[0] if name == "build" else a[0].tokens.shape, ))
+            return out
+        return f
+    monkeypatch.setattr(ddtree, "build_tree", spy("build", real_build))
+    monkeypatch.setattr(ddtree, "verify_mask", spy("mask", real_mask))
+    monkeypatch.setattr(ddtree, "accept_greedy", spy("accept", real_acc))
+    r2t = torch.zeros(3, 40, dtype=torch.int32)
+
+    def assign(**kw):
+        calls["assign"].append((kw["batch_size"], kw["req_to_token"].shape, kw["req_to_token"].dtype))
+        return torch.zeros(kw["batch_size"], dtype=torch.int64)
+    info = W.warm_round_kernels(widths=(1, 8, 16), block_size=6, topk=5, vocab_size=50, max_bs=8,
+                                tree_backend="reference", full_mask=True, device="cpu",
+                                req_to_token=r2t, assign_locs=assign)
+    sizes = W.warm_batch_sizes(8)
+    assert info["widths"] == [8, 16] and info["batch_sizes"] == sizes
+    assert len(calls["build"]) == len(calls["mask"]) == len(calls["accept"]) == 2 * len(sizes)
+    assert [c[0] for c in calls["assign"]] == sizes
+    assert all(c[1] == (1, 40) and c[2] == torch.int32 for c in calls["assign"])   # the real row length
+    W.warm_round_kernels(widths=(8,), block_size=6, topk=5, vocab_size=50, max_bs=2, tree_backend="reference",
+                         full_mask=False, device="cpu")
+    assert len(calls["mask"]) == 2 * len(sizes)   # our verify attention: no FULL mask to warm
