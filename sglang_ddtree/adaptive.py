@@ -373,16 +373,28 @@ class WidthController:
         self.window.record(path, n_valid)
 
 
+_ROOT_ONLY_CONST: Dict[tuple, tuple] = {}
+
+
 def root_only_tree(root_tokens: torch.Tensor, draft_depth: int):
     """The tree of a no-speculation round: the root alone (N = 1; what ``build_tree`` gives for
-    budget 0).  root_tokens [bs] int64 -> Tree with tokens [bs, 1], no drafter input needed."""
+    budget 0).  root_tokens [bs] int64 -> Tree with tokens [bs, 1], no drafter input needed.  The
+    constant parts (depth, parent, num_nodes, visibility, mask_words) are cached per (bs, device):
+    no-speculation rounds come at high load, where every launch of the round's host work counts;
+    nothing downstream writes into them."""
     from .ddtree import Tree
 
     bs, dev = root_tokens.shape[0], root_tokens.device
-    return Tree(tokens=root_tokens.reshape(bs, 1).to(torch.int64),
-                depth=torch.zeros((bs, 1), dtype=torch.int32, device=dev),
-                parent=torch.full((bs, 1), -1, dtype=torch.int32, device=dev),
-                num_nodes=torch.ones((bs,), dtype=torch.int32, device=dev),
-                visibility=torch.ones((bs, 1, 1), dtype=torch.bool, device=dev),
-                mask_words=torch.ones((bs, 1, 1), dtype=torch.int32, device=dev),
+    key = (int(bs), str(dev))
+    const = _ROOT_ONLY_CONST.get(key)
+    if const is None:
+        const = (torch.zeros((bs, 1), dtype=torch.int32, device=dev),
+                 torch.full((bs, 1), -1, dtype=torch.int32, device=dev),
+                 torch.ones((bs,), dtype=torch.int32, device=dev),
+                 torch.ones((bs, 1, 1), dtype=torch.bool, device=dev),
+                 torch.ones((bs, 1, 1), dtype=torch.int32, device=dev))
+        _ROOT_ONLY_CONST[key] = const
+    depth, parent, num_nodes, visibility, mask_words = const
+    return Tree(tokens=root_tokens.reshape(bs, 1).to(torch.int64), depth=depth, parent=parent,
+                num_nodes=num_nodes, visibility=visibility, mask_words=mask_words,
                 budget=0, draft_depth=int(draft_depth))
