@@ -45,7 +45,8 @@ from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_un
 from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.distributed import get_tp_group
 from sglang.srt.managers.scheduler import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
+                                                           compute_position)
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
@@ -201,6 +202,16 @@ def _eager_verify(model_runner, eager: bool):
         yield
     finally:
         del runner.can_run_graph
+
+
+def host_to_device_int32(values, device) -> torch.Tensor:
+    """A host list of ints -> an int32 tensor on ``device`` without synchronising the stream: on CUDA
+    through pinned memory and a non-blocking copy (PyTorch's caching host allocator keeps the
+    pinned buffer until the copy is done); elsewhere a plain tensor."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return torch.tensor(values, dtype=torch.int32, device=dev)
+    return torch.tensor(values, dtype=torch.int32, pin_memory=True).to(dev, non_blocking=True)
 
 
 def warm_batch_sizes(max_bs: int):
@@ -469,16 +480,54 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # ------------------------------------------------------------------ the decode round
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             if getattr(batch, "return_logprob", False):
                 # DFLASH refuses the flag up front although its prefill is the target's own extend
                 # (admitted unless SGLANG_DDTREE_LOGPROBS=0: patches/validate_dflash_request.py)
                 with logprobs.prefill_with_logprobs(self, batch):
-                    return super().forward_batch_generation(batch, on_publish=on_publish)
+                    return self._prefill(batch, on_publish)
+            return self._prefill(batch, on_publish)
+        if batch.forward_mode.is_idle():
             return super().forward_batch_generation(batch, on_publish=on_publish)
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)
         return self._forward_tree_round(batch, on_publish)
+
+    def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        """The prefill (extend) batch: the target's extend with its hidden states captured, then the
+        prompt's drafter K/V, as ``DFlashWorkerV2.forward_batch_generation``'s extend branch does in
+        SGLang 0.5.16 (checked against that version only), with one difference: its
+        ``torch.tensor(batch.extend_lens, device=cuda)`` copies from pageable memory, which
+        synchronises the stream, so the host waited for the in-flight decode round and this prefill
+        to finish before it could prepare the next batch (an admission stall of every new request;
+        plain decoding's prefill launch overlaps the running round).  Here the two length vectors
+        go through pinned memory with a non-blocking copy on the same stream: same values, same
+        order on the GPU.  DFLASH's sampling-fallback warning is not DDTree's case and is not
+        repeated."""
+        batch_output = self.target_worker.forward_batch_generation(
+            batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        logits_output, next_token_ids = batch_output.logits_output, batch_output.next_token_ids
+        batch_output.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch_output.new_seq_lens)
+        if logits_output.hidden_states is None:
+            raise RuntimeError(f"{self.algo_name} requires the target's aux hidden states at prefill, "
+                               "got None (the target model has no DFlash layers-to-capture configured)")
+        if batch.extend_lens is None or batch.prefix_lens is None:
+            raise RuntimeError(f"{self.algo_name}: extend_lens / prefix_lens missing in extend mode")
+        if batch.out_cache_loc is None:
+            raise RuntimeError(f"{self.algo_name}: prefill without out_cache_loc")
+        device = next_token_ids.device
+        ctx_lens = host_to_device_int32(batch.extend_lens, device)
+        draft_seq_lens = host_to_device_int32(batch.prefix_lens, device)
+        positions, _ = compute_position(self.model_runner.server_args.attention_backend,
+                                        draft_seq_lens, ctx_lens, int(sum(batch.extend_lens)))
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=logits_output.hidden_states, cache_loc=batch.out_cache_loc, positions=positions)
+        logits_output.hidden_states = None   # no large hidden-state copy to the host under overlap
+        batch_output.next_draft_input = self._make_next_draft_input_prefill(
+            bonus_tokens=next_token_ids, seq_lens=batch.seq_lens)
+        return batch_output
 
     def _sync_checked_round(self, batch, on_publish):
         """SGLANG_DDTREE_SYNC_CHECK_FILE=path: run the round under torch's CUDA sync debug mode

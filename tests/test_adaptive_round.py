@@ -372,3 +372,50 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
     W.warm_round_kernels(widths=(8,), block_size=6, topk=5, vocab_size=50, max_bs=2, tree_backend="reference",
                          full_mask=False, device="cpu")
     assert len(calls["mask"]) == 2 * len(sizes)   # our verify attention: no FULL mask to warm
+
+
+def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatch):
+    """DDTreeWorker._prefill == DFlashWorkerV2.forward_batch_generation's extend branch (SGLang
+    0.5.16) call for call, on fakes: same target call, same drafter K/V append (positions, slots,
+    hidden), same next draft input; the length vectors come from host_to_device_int32."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    made = []
+    real_h2d = W.host_to_device_int32
+    monkeypatch.setattr(W, "host_to_device_int32", lambda v, d: made.append(list(v)) or real_h2d(v, d))
+
+    def make(cls):
+        calls = []
+        hidden = torch.randn(9, 4)
+        tw = types.SimpleNamespace(
+            model_runner=None,
+            forward_batch_generation=lambda batch, **kw: calls.append(("target", kw)) or types.SimpleNamespace(
+                logits_output=types.SimpleNamespace(hidden_states=hidden), next_token_ids=torch.tensor([5, 7])))
+        w = object.__new__(cls)
+        w.__dict__.update(
+            _target_worker=tw, algo_name="DDTREE-GPU", ps=types.SimpleNamespace(tp_rank=0),
+            model_runner=types.SimpleNamespace(server_args=types.SimpleNamespace(attention_backend="torch_native")),
+            _append_target_hidden_to_draft_kv_by_loc=lambda **kw: calls.append(("append", kw)),
+            _warned_sampling_fallback=True)
+        return w, calls, hidden
+
+    batch = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False), is_extend_in_batch=True,
+        return_logprob=False, sampling_info=None, extend_lens=[4, 5], prefix_lens=[3, 0],
+        seq_lens=torch.tensor([7, 5]), out_cache_loc=torch.arange(100, 109))
+    published = []
+    ours, ours_calls, h1 = make(W.DDTreeWorker)
+    theirs, their_calls, h2 = make(DFlashWorkerV2)
+    r1 = ours.forward_batch_generation(batch, on_publish=published.append)
+    r2 = DFlashWorkerV2.forward_batch_generation(theirs, batch, on_publish=published.append)
+    assert made == [[4, 5], [3, 0]]
+    assert [c[0] for c in ours_calls] == [c[0] for c in their_calls] == ["target", "append"]
+    assert ours_calls[0][1] == their_calls[0][1]
+    a1, a2 = ours_calls[1][1], their_calls[1][1]
+    assert set(a1) == set(a2) and torch.equal(a1["positions"], a2["positions"])
+    assert a1["positions"].tolist() == [3, 4, 5, 6, 0, 1, 2, 3, 4]
+    assert torch.equal(a1["cache_loc"], a2["cache_loc"]) and a1["target_hidden"] is h1 and a2["target_hidden"] is h2
+    assert r1.logits_output.hidden_states is None and r2.logits_output.hidden_states is None
+    assert torch.equal(r1.next_draft_input.bonus_tokens, r2.next_draft_input.bonus_tokens)
+    assert torch.equal(r1.new_seq_lens, batch.seq_lens) and len(published) == 2
+    assert W.host_to_device_int32 is not real_h2d and real_h2d([1, 2], "cpu").dtype == torch.int32
