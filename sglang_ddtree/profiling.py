@@ -6,7 +6,12 @@ completed rounds, append one JSON line::
 
   {"pid", "algo", "budget", "block_size", "topk", "rounds", "bs_mean",
    "stage_ms": {stage: {"median", "mean"}}, "round_ms": {...}, "host_ms": {...},
-   "by_width": {width: {"rounds", "bs_mean", "verify_ms", "round_ms"}}}   (DDTree rounds only)
+   "by_width": {width: {"rounds", "bs_mean", "verify_ms", "round_ms"}},   (DDTree rounds only)
+   "t_first", "t_last"}   (wall clock, time.time(), at the end of the record's first and last round)
+
+A pause of more than ``IDLE_GAP_S`` between two rounds closes the current record early (written at
+the next round), so a record never spans an idle gap: a benchmark level's rounds are not mixed
+with the next level's (``sglang_ddtree.ab`` assigns records to levels by their wall times).
 
 Stages (GPU timeline between consecutive events, so GPU idle time spent waiting for the host, as
 in DDTREE-CPU's heap, counts in the stage that waited):
@@ -38,6 +43,7 @@ from typing import Callable, List, Optional
 STAGES = ("draft", "tree", "verify_prep", "verify", "accept", "commit")
 ENV_FILE = "SGLANG_DDTREE_PROFILE_FILE"
 ENV_EVERY = "SGLANG_DDTREE_PROFILE_EVERY"
+IDLE_GAP_S = 0.1   # a pause between rounds longer than this closes the current record
 
 
 def _by_width(done: List[tuple]) -> Optional[dict]:
@@ -74,6 +80,8 @@ class RoundProfiler:
         self._pending = []
         self._done = []
         self._pool = []       # read events, recorded again by later rounds
+        self._wall = []       # time.time() at the end of each round in _pending + _done, in order
+        self._last_end = None
 
     @property
     def enabled(self) -> bool:
@@ -113,17 +121,30 @@ class RoundProfiler:
             return
         events, t0 = self._cur
         self._cur = None
+        now = time.time()
+        if self._last_end is not None and now - self._last_end > IDLE_GAP_S and (self._pending or self._done):
+            # the server was idle (between benchmark levels, between bursts): the rounds before the
+            # gap are long finished; write them as their own record so no record spans the gap
+            self._collect()
+            if self._done:
+                self._flush()
+        self._last_end = now
         self._pending.append((events, (time.perf_counter() - t0) * 1e3, bs, width))
+        self._wall.append(now)
+        self._collect()
+        if len(self._done) >= self.every:
+            self._flush()
+
+    def _collect(self) -> None:
         while self._pending and self._pending[0][0][-1].query():
             ev, host_ms, b, w = self._pending.pop(0)
             self._done.append(([ev[i].elapsed_time(ev[i + 1]) for i in range(len(ev) - 1)],
                                ev[0].elapsed_time(ev[-1]), host_ms, b, w))
             self._pool.extend(ev)
-        if len(self._done) >= self.every:
-            self._flush()
 
     def _flush(self) -> None:
         done, self._done = self._done, []
+        wall, self._wall = self._wall[:len(done)], self._wall[len(done):]
         if self.sink is not None:
             self.sink(done)
         if not self.path:
@@ -132,6 +153,8 @@ class RoundProfiler:
                    stage_ms={s: _stats([d[0][i] for d in done]) for i, s in enumerate(STAGES)
                              if all(len(d[0]) > i for d in done)},
                    round_ms=_stats([d[1] for d in done]), host_ms=_stats([d[2] for d in done]))
+        if len(wall) == len(done):
+            rec.update(t_first=round(wall[0], 3), t_last=round(wall[-1], 3))
         by_width = _by_width(done)
         if by_width:
             rec["by_width"] = by_width

@@ -150,3 +150,49 @@ def test_a_failing_round_is_dropped_and_the_next_one_counts(prof_file):
         _call(w, _batch())
     recs = [json.loads(x) for x in prof_file.read_text().splitlines()]
     assert len(recs) == 1 and recs[0]["rounds"] == 4
+
+
+def test_an_idle_gap_closes_the_record_and_records_carry_wall_times(prof_file):
+    """Rounds on either side of a pause longer than IDLE_GAP_S never share a record (a benchmark level's
+    tail is not mixed into the next level), and each record says when its first and last round ended."""
+    w = StockDFlash()
+    t0 = time.time()
+    for _ in range(6):                      # 4 -> one record at the 4th round, 2 left open
+        _call(w, _batch(bs=2))
+    t_mid = time.time()
+    time.sleep(profiling.IDLE_GAP_S + 0.1)
+    t1 = time.time()
+    for _ in range(5):                      # the first of these closes the 2 (a record of 2 rounds)
+        _call(w, _batch(bs=5))
+    recs = [json.loads(x) for x in prof_file.read_text().splitlines()]
+    assert [r["rounds"] for r in recs] == [4, 2, 4]
+    assert [r["bs_mean"] for r in recs] == [2, 2, 5]
+    assert all(r["t_first"] <= r["t_last"] for r in recs)
+    assert t0 - 0.01 <= recs[0]["t_first"] and recs[1]["t_last"] <= t_mid + 0.01
+    assert recs[2]["t_first"] >= t1 - 0.01
+
+
+def test_ab_assigns_records_to_levels_by_wall_clock(tmp_path, monkeypatch):
+    """sglang_ddtree.ab's level split: a record counts for the level whose window holds it; the
+    flush request after the last level is sent; records without wall times change nothing."""
+    from sglang_ddtree.ab import runner
+    path = tmp_path / "p.jsonl"
+
+    def rec(t0, t1, bs, rnd):
+        return {"rounds": 4, "bs_mean": bs, "stage_ms": {"verify": {"median": 1.0}},
+                "round_ms": {"median": rnd}, "host_ms": {"median": 0.5}, "t_first": t0, "t_last": t1}
+    path.write_text("\n".join(json.dumps(r) for r in (rec(10.0, 11.0, 4, 5.0), rec(11.5, 11.9, 4, 6.0),
+                                                       rec(20.2, 21.0, 64, 30.0), rec(30.0, 30.1, 1, 2.0))) + "\n")
+    sent = []
+    monkeypatch.setattr(runner.client, "run_level", lambda *a, **kw: sent.append(a[3]) or ([], 0.0, False))
+    monkeypatch.setattr(runner, "IDLE_FLUSH_S", 0.0)
+    levels = [{"concurrency": 4, "ms_per_step": 8.0, "_window": (9.9, 12.0)},
+              {"concurrency": 64, "ms_per_step": 33.0, "_window": (20.0, 21.5)}]
+    runner._profiles_by_window(levels, str(path), "http://x", [{"ids": [1]}], None)
+    assert sent == [2]                                   # one short request closes the last record
+    assert levels[0]["stage_profile"]["rounds"] == 8 and levels[0]["stage_profile"]["round_ms"] == 5.5
+    assert levels[1]["stage_profile"]["bs_mean"] == 64 and levels[1]["stage_profile"]["outside_ms"] == 3.0
+    old = [{"concurrency": 1, "stage_profile": {"rounds": 1}, "_window": (0.0, 1.0)}]
+    path.write_text(json.dumps({"rounds": 3, "round_ms": {"median": 1.0}}) + "\n")
+    runner._profiles_by_window(old, str(path), "http://x", [{"ids": [1]}], None)
+    assert old[0]["stage_profile"] == {"rounds": 1}

@@ -24,6 +24,38 @@ from .sweep import run_kernel_sweep
 
 
 # ------------------------------------------------------------------------------------------ main loop
+def _profiles_by_window(levels, profile_path, base_url, prompts, deadline_at) -> None:
+    """Re-assign the round-profile records to levels by wall clock: a record carries the time of its
+    first and last round (``t_first`` / ``t_last``; sglang_ddtree.profiling closes a record at an idle
+    gap), so a level's stage split holds only its own rounds.  Reading by file position, as each
+    level does right after it ends, gave a level the previous level's tail and lost its own tail
+    (the record still open; session-10 audit of ab_h200_kimicost_chain: the c=64 'outside' time of
+    13 ms came from a record holding the c=16 tail).  One short request after the last level closes
+    the last record.  Records without timestamps (older plugin versions) keep the per-level reading."""
+    if deadline_at is None or time.time() < deadline_at - 5:
+        try:
+            time.sleep(IDLE_FLUSH_S)
+            client.run_level(base_url, prompts[:1], 1, 2, deadline_at, progress=False, timeout=60)
+            time.sleep(0.3)
+        except Exception:  # noqa: BLE001 - the flush request is best effort
+            pass
+    recs = [r for r in read_profile(profile_path) if "t_first" in r and "t_last" in r]
+    if not recs:
+        return
+    for lv in levels:
+        w = lv.get("_window")
+        if not w:
+            continue
+        sel = [r for r in recs if w[0] - 0.05 <= r["t_first"] and r["t_last"] <= w[1] + 0.05]
+        sp = aggregate_profile(sel)
+        lv["stage_profile"] = sp
+        if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
+            sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
+
+
+IDLE_FLUSH_S = 0.3   # > sglang_ddtree.profiling.IDLE_GAP_S: the flush request's round closes the last record
+
+
 def verify_width(arm: dict, draft_model_path: Optional[str]) -> Optional[int]:
     """Target verify tokens per request per round: budget + 1 for DDTREE arms; the drafter's
     ``dflash_config.block_size`` for DFLASH (read from its config.json when it is a local folder)."""
@@ -88,9 +120,11 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                     pass
                 # socket timeout per read: a hung server cannot hold the run much past the deadline
                 tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
+                t_lv = time.time()
                 res, dur, partial = client.run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
                                               desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
                 lv = aggregate_level(c, res, dur, prompts[:n], partial)
+                lv["_window"] = (t_lv, time.time())
                 if profile_path:
                     time.sleep(0.2)
                     recs = read_profile(profile_path)
@@ -109,7 +143,10 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                   f"{lv['median_itl_ms']} p99 {lv['p99_itl_ms']} ms, accept {lv['accept_length']}, failed "
                   f"{lv['failed']}{' PARTIAL' if lv['partial'] else ''}", flush=True)
         if profile_path:
+            _profiles_by_window(rec["levels"], profile_path, base_url, prompts, deadline_at)
             rec["stage_profile_all"] = aggregate_profile(read_profile(profile_path)[:])
+        for lv in rec["levels"]:
+            lv.pop("_window", None)
         rec["status"] = "ok" if rec["levels"] and all(lv["failed"] == 0 and not lv["partial"]
                                                       for lv in rec["levels"]) else "partial"
     except Exception as e:  # noqa: BLE001 - one arm's failure never stops the others
