@@ -35,6 +35,11 @@ from ab_serve import first_diff  # noqa: E402
 TIE = 0.15  # logit units: a few bf16 spacings at |logit| ~ 8-16 (this target's top logits)
 
 
+def bump(counts: dict, key: str) -> None:
+    """Count one more (the mixed-check keys appear only for stages that kept mixed outputs)."""
+    counts[key] = counts.get(key, 0) + 1
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+", help="results.jsonl of one run (several calls: all of them)")
@@ -86,16 +91,15 @@ def main():
             j = first_diff(out[:exp_len], ref[:min(len(out), exp_len)])
             if j is None and len(out) == exp_len:
                 continue
-            st["mixed_diverged"] = st.get("mixed_diverged", 0) + 1
+            bump(st, "mixed_diverged")
             if j is None or j >= exp_len:   # same tokens, wrong length: not a tie
-                st["mixed_error"] = st.get("mixed_error", 0) + 1
+                bump(st, "mixed_error")
                 rows.append({"stage": r["stage"], "check": "mixed", "request": i,
                              "pos": f"len {len(out)} != {exp_len}", "near_tie": False})
                 continue
             row = classify(r["stage"], i, j, ref, out)
             row["check"] = "mixed"
-            st["mixed_near_tie" if row["near_tie"] else "mixed_error"] = \
-                st.get("mixed_near_tie" if row["near_tie"] else "mixed_error", 0) + 1
+            bump(st, "mixed_near_tie" if row["near_tie"] else "mixed_error")
             rows.append(row)
     doc = {"tie_threshold_logits": TIE, "tie_rule": "below_top", "stages": per_stage, "divergences": rows,
            "source": src}

@@ -239,6 +239,12 @@ def _report(tmp_path, name, summaries, records, divergence=None):
     return out, json.load(open(out + ".json"))
 
 
+def _assert_all_exact(stages):
+    """Every stage token-identical on its bs16, bs1, mixed and sampled checks."""
+    for s in stages:
+        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+
+
 def test_worker_run10_reproduces_and_passes(tmp_path):
     """Run 10 (session 8): the worker after the round split, the adaptive budget's forced widths
     (_cycle) and policy (_auto), and our verify attention (_vattn), which needs no tree-mask patch:
@@ -251,8 +257,7 @@ def test_worker_run10_reproduces_and_passes(tmp_path):
     names = {s["stage"] for s in doc["stages"]}
     assert {"gqa_ddtree_graph_b16_vattn", "mla_ddtree_graph_b64_vattn", "gqa_ddtree_graph_b31_cycle",
             "mla_ddtree_graph_b31_cycle", "gqa_ddtree_graph_b16_auto"} <= names
-    for s in doc["stages"]:
-        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+    _assert_all_exact(doc["stages"])
     text = {s["stage"]: s for s in doc["text_pair"]}
     assert text["text_ddtree_graph_b16_nomaskpatch_vattn"]["requests"] == 16
     for name, s in text.items():
@@ -297,8 +302,7 @@ def test_worker_run11_with_the_scratch_patch_passes(tmp_path):
     assert doc["all_ok"] and doc["unfinished"] == []
     assert {s["stage"] for s in doc["stages"]} == {"mla_ddtree_graph_b31_cycle", "mla_ddtree_graph_b16_vattn",
                                                   "gqa_ddtree_graph_b16"}
-    for s in doc["stages"]:
-        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+    _assert_all_exact(doc["stages"])
 
 
 def _ab_doc(name):
@@ -401,8 +405,7 @@ def test_worker_run14_commit_by_slot_permutation(tmp_path):
     assert doc["all_ok"] and doc["unfinished"] == []
     assert {s["stage"] for s in doc["stages"]} == {"gqa_ddtree_graph_b16", "gqa_ddtree_eager_b8",
                                                   "mla_ddtree_graph_b31_cycle"}
-    for s in doc["stages"]:
-        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+    _assert_all_exact(doc["stages"])
     text = {s["stage"]: s for s in doc["text_pair"]}
     assert text["text_ddtree_graph_b16"]["errors"] == 0 and text["text_ddtree_graph_b16"]["mixed_exact"]
 
@@ -419,8 +422,7 @@ def test_worker_run12_prefill_backend_split(tmp_path):
     st = {s["stage"]: s for s in doc["stages"]}
     assert set(st) == {"gqa_ddtree_graph_b16_flashinfer", "gqa_ddtree_eager_b8_flashinfer",
                        "mla_ddtree_eager_b16_flashinfer", "mla_ddtree_graph_b16_flashinfer_vattn"}
-    for s in st.values():
-        assert s["bs16_exact"] and s["bs1_exact"] and s["mixed_exact"] and s["sampled_exact"], s["stage"]
+    _assert_all_exact(st.values())
     assert {u["stage"] for u in doc["unfinished"]} >= {"mla_ddtree_graph_b16_flashinfer", "gqa_ddtree_graph_b16_fa3"}
     text = {s["stage"]: s for s in doc["text_pair"]}
     assert text["text_ddtree_graph_b16_flashinfer"]["errors"] == 0

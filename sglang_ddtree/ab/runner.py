@@ -46,11 +46,14 @@ def _profiles_by_window(levels, profile_path, base_url, prompts, deadline_at) ->
         w = lv.get("_window")
         if not w:
             continue
-        sel = [r for r in recs if w[0] - 0.05 <= r["t_first"] and r["t_last"] <= w[1] + 0.05]
-        sp = aggregate_profile(sel)
-        lv["stage_profile"] = sp
-        if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
-            sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
+        _set_stage_profile(lv, [r for r in recs if w[0] - 0.05 <= r["t_first"] and r["t_last"] <= w[1] + 0.05])
+
+
+def _set_stage_profile(lv: dict, recs: List[dict]) -> None:
+    """A level's stage split from its profile records, with the client time outside the GPU round."""
+    sp = lv["stage_profile"] = aggregate_profile(recs)
+    if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
+        sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
 
 
 IDLE_FLUSH_S = 0.3   # > sglang_ddtree.profiling.IDLE_GAP_S: the flush request's round closes the last record
@@ -128,11 +131,8 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                 if profile_path:
                     time.sleep(0.2)
                     recs = read_profile(profile_path)
-                    lv["stage_profile"] = aggregate_profile(recs[prof_mark:])
+                    _set_stage_profile(lv, recs[prof_mark:])
                     prof_mark = len(recs)
-                    sp = lv["stage_profile"]
-                    if sp and lv.get("ms_per_step") is not None and sp.get("round_ms") is not None:
-                        sp["outside_ms"] = round(lv["ms_per_step"] - sp["round_ms"], 4)
                 reps.append((lv, [r["output_ids"] if r and r["ok"] else None for r in res]))
                 if partial:
                     break
