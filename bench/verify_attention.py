@@ -47,6 +47,7 @@ from sglang_ddtree.ab.environment import env_info  # noqa: E402
 GQA = dict(arch="gqa", Hq=32, Hkv=8, D=128, Dv=128)
 MLA = dict(arch="mla", H=64, L=512, R=64)
 L2_BYTES = 60 * 2**20
+REPLAY_BUDGET_S = 1.5   # seconds of timed replays per measurement, at least 5 replays
 TOL = 3e-2   # bf16 outputs of two fp32-accumulating kernels
 
 
@@ -64,7 +65,16 @@ def _bench_graph(fns, quick: bool):
     the verify (``fns``: one per rotating slot set; ``sglang_ddtree.cuda_timing``).  No host launch
     overhead is counted, unlike eager timing of a small cell."""
     from sglang_ddtree.cuda_timing import graph_time_us
-    return graph_time_us(fns, replays=20 if quick else 100)[0]
+    fns[0]()                                   # compile / first call outside the timing
+    st, en = torch.cuda.Event(True), torch.cuda.Event(True)
+    st.record()
+    fns[0]()
+    en.record()
+    en.synchronize()
+    one_s = max(st.elapsed_time(en) * 1e-3, 1e-6)
+    # a slow baseline (SGLang's extend at 128k: ~0.5 s a call) gets fewer replays (>= 5)
+    replays = max(5, min(20 if quick else 100, int(REPLAY_BUDGET_S / one_s)))
+    return graph_time_us(fns, replays=replays)[0]
 
 
 def matmul_tflops() -> float:
@@ -279,6 +289,92 @@ def run_cell(arch, bs, N, prefix, g, device, quick, bw, tflops=None, graph=True)
     return row
 
 
+# ------------------------------------------------------------------------------- launch tuning
+TUNE_CELLS = {   # (bs, N, prefix): where the defaults miss the floor most (run 9, verify_attention_h200.md)
+    "gqa": [(1, 16, 32768), (32, 16, 32768), (32, 64, 32768)],
+    "mla": [(1, 16, 32768), (8, 16, 32768), (32, 16, 4096)],
+}
+
+
+def tune_configs(arch) -> list:
+    """Launch overrides tried per tune cell: the split count alone, then tiles / warps / stages
+    (each distinct set compiles once per arch: ~22 per arch keeps the tuning to a few minutes)."""
+    cfgs = [dict(num_splits=n) for n in (1, 2, 4, 8, 16, 32)]
+    if arch["arch"] == "gqa":
+        tiles = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                 for m in (64, 128) for n in (64, 128) for w in (4, 8) for st in (2, 3)]
+    else:
+        tiles = [dict(BLOCK_M=64, BLOCK_N=n, num_warps=w, num_stages=st)
+                 for n in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
+        tiles += [dict(BLOCK_M=32, BLOCK_N=n, num_warps=4, num_stages=2) for n in (32, 64)]
+    return cfgs + tiles
+
+
+def _kernel_call(arch, cell, rpi, cfg):
+    """The kernel module's entry with launch overrides (``num_splits`` and ``launch_config`` keys)."""
+    from sglang_ddtree.kernels import tree_verify_attention as tva
+    c = cell["kv"]
+    cfg = dict(cfg)
+    ns = cfg.pop("num_splits", None)
+    common = dict(num_splits=ns, max_prefix=None if ns else cell["max_prefix"], config=cfg or None)
+    args = (cell["r2t"], rpi, cell["plen"], cell["tree"].mask_words)
+    if arch["arch"] == "gqa":
+        return tva.tree_verify_attention(c["q"], c["k_cache"], c["v_cache"], *args, c["sm_scale"], **common)
+    return tva.tree_verify_attention_mla(c["q_nope_absorbed"], c["q_rope"], c["kv_cache"], *args, c["sm_scale"],
+                                         kv_lora_rank=arch["L"], **common)
+
+
+def tune_cell(arch, bs, N, prefix, g, device, quick, deadline_at=None) -> dict:
+    """Every tune config on one cell: graph-replay time, max |diff| vs the default launch, errors."""
+    import time
+    rot = 4 if 2 * make_cell_size(arch, bs, N, prefix) <= L2_BYTES else 1
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cell = make_cell(arch, bs, N, prefix, rot, g, device, dtype)
+    sets = [torch.arange(r * bs, (r + 1) * bs, device=device) for r in range(rot)]
+    want = attention(arch, cell, sets[0]).float()
+    row = dict(arch=arch["arch"], bs=bs, N=N, prefix=prefix, rotations=rot, trials=[])
+    if device.type == "cuda":
+        row["default_us"] = _bench_graph([lambda s=s: attention(arch, cell, s) for s in sets], quick)
+    for cfg in tune_configs(arch):
+        if deadline_at is not None and time.time() > deadline_at:
+            row["cut_at_deadline"] = True
+            break
+        t = dict(config=cfg)
+        try:
+            got = _kernel_call(arch, cell, sets[0], cfg)
+            t["max_abs"] = float((got.float() - want).abs().max())
+            t["ok"] = t["max_abs"] <= TOL
+            if device.type == "cuda":
+                t["us"] = _bench_graph([lambda s=s: _kernel_call(arch, cell, s, cfg) for s in sets], True)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is recorded
+            t["error"] = f"{type(e).__name__}: {e}"[:200]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        row["trials"].append(t)
+    timed = [t for t in row["trials"] if t.get("ok") and t.get("us")]
+    if timed:
+        best = min(timed, key=lambda t: t["us"])
+        row["best"] = best
+        row["best_speedup"] = row["default_us"] / best["us"] if row.get("default_us") else None
+    del cell
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def render_tune_md(rows) -> list:
+    L = ["", "## Launch tuning (`--tune`): best override per cell vs the default launch", "",
+         "| arch | bs | prefix | N | default us | best us | speedup | best config | configs ok / tried |",
+         "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        b = r.get("best") or {}
+        n_ok = sum(1 for t in r["trials"] if t.get("ok"))
+        L.append(f"| {r['arch']} | {r['bs']} | {r['prefix']} | {r['N']} | {r.get('default_us') and round(r['default_us'], 1)} "
+                 f"| {b.get('us') and round(b['us'], 1)} | {r.get('best_speedup') and round(r['best_speedup'], 2)} | "
+                 f"`{json.dumps(b.get('config'))}` | {n_ok} / {len(r['trials'])}{' (cut)' if r.get('cut_at_deadline') else ''} |")
+    return L
+
+
 def render_md(doc) -> str:
     e = doc["env"]
     L = [f"# Tree-verify attention: ours vs the floor, SGLang's triton extend, flashinfer", "",
@@ -304,6 +400,8 @@ def render_md(doc) -> str:
                  f"{f(r.get('ours_speedup_vs_flashinfer'), 2)} | {'yes' if r.get('ok') else 'NO'} |")
     if doc.get("skipped"):
         L += ["", "Skipped (KV pool over the limit): " + ", ".join(doc["skipped"])]
+    if doc.get("cut"):
+        L += ["", "Not run (the --deadline passed first): " + ", ".join(doc["cut"])]
     errs = sorted({r[k] for r in doc["rows"] for k in r if k.endswith("_error")})
     if errs:
         L += ["", "Baseline errors: " + "; ".join(errs)]
@@ -311,6 +409,8 @@ def render_md(doc) -> str:
     if ge:
         L += ["", "Timed eagerly (not capturable in a CUDA graph): " + "; ".join(ge)]
     L += ["", f"All outputs within {TOL} of the baseline / reference: {'yes' if doc['ok'] else 'NO'}"]
+    if doc.get("tune"):
+        L += render_tune_md(doc["tune"])
     return "\n".join(L) + "\n"
 
 
@@ -323,7 +423,16 @@ def main(argv=None):
     ap.add_argument("--max-pool-gb", type=float, default=48.0)
     ap.add_argument("--eager-timing", action="store_true",
                     help="time eager calls (host launch overhead included) instead of CUDA-graph replays")
+    ap.add_argument("--tune", action="store_true",
+                    help="also try launch overrides (split count, tiles, warps, stages) on the TUNE_CELLS")
+    ap.add_argument("--tune-only", action="store_true", help="only the tuning part (no grid)")
+    ap.add_argument("--prefixes", default=None, help="comma list overriding the grid's prefixes")
+    ap.add_argument("--bss", default=None, help="comma list overriding the grid's batch sizes")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds: cells not started by then are listed as cut, and the files still written")
     a = ap.parse_args(argv)
+    import time
+    deadline_at = None if a.deadline is None else time.time() + a.deadline
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.smoke:
         grid = [(1, 5, 40), (2, 9, 70)]
@@ -331,26 +440,47 @@ def main(argv=None):
     else:
         bss, prefixes, Ns = ((1, 32), (4096, 32768), (16, 64)) if a.quick else \
             ((1, 8, 32, 64), (4096, 32768, 131072), (16, 32, 64))
+        if a.prefixes:
+            prefixes = tuple(int(x) for x in a.prefixes.split(","))
+        if a.bss:
+            bss = tuple(int(x) for x in a.bss.split(","))
         grid = [(bs, N, p) for bs in bss for p in prefixes for N in Ns]
         archs = [x for x in (GQA, MLA) if x["arch"] in a.archs.split(",")]
+    if a.tune_only:
+        grid = []
     if device.type != "cuda" and not a.smoke:
         sys.exit("no CUDA device: only --smoke runs on the CPU")
     bw = copy_bandwidth_gbs() if device.type == "cuda" else None
     tflops = matmul_tflops() if device.type == "cuda" else None
     graph = device.type == "cuda" and not a.eager_timing
     g = torch.Generator().manual_seed(0)
-    rows, skipped = [], []
+    rows, skipped, cut, tune = [], [], [], []
+    if a.tune or a.tune_only:
+        for arch in archs:
+            cells = [(1, 5, 40)] if a.smoke else TUNE_CELLS[arch["arch"]]
+            for bs, N, prefix in cells:
+                if deadline_at is not None and time.time() > deadline_at:
+                    cut.append(f"tune {arch['arch']} bs{bs} P{prefix} N{N}")
+                    continue
+                r = tune_cell(arch, bs, N, prefix, g, device, a.quick, deadline_at)
+                print(json.dumps({k: v for k, v in r.items() if k != "trials"}), flush=True)
+                tune.append(r)
     for arch in archs:
         for bs, N, prefix in grid:
             if make_cell_size(arch, bs, N, prefix) * 1.0 > a.max_pool_gb * 1e9:
                 skipped.append(f"{arch['arch']} bs{bs} P{prefix} N{N}")
                 continue
+            if deadline_at is not None and time.time() > deadline_at:
+                cut.append(f"{arch['arch']} bs{bs} P{prefix} N{N}")
+                continue
             row = run_cell(arch, bs, N, prefix, g, device, a.quick, bw, tflops, graph)
             print(json.dumps(row), flush=True)
             rows.append(row)
     doc = dict(kind="verify_attention", env=env_info(sys.executable), copy_gbs=bw, matmul_tflops=tflops,
-               timing="cuda graph" if graph else "eager", rows=rows,
-               skipped=skipped, ok=all(r.get("ok") for r in rows), tolerance=TOL)
+               timing="cuda graph" if graph else "eager", rows=rows, tune=tune, cut=cut,
+               skipped=skipped, tolerance=TOL,
+               ok=all(r.get("ok") for r in rows)
+               and all(t.get("ok") is not False for r in tune for t in r["trials"]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)

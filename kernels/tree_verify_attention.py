@@ -76,7 +76,7 @@ def _partial_kernel(
     s_r2t, s_mot, s_moh, s_mos, s_mlt, s_mlh,
     N, G, NW, M, MB, D1, D2, DV,
     NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SHARED_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -120,13 +120,14 @@ def _partial_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
         slot = tl.load(r2t_row + cols, mask=col_ok, other=0).to(tl.int64)
-        kt = tl.load(k_base + slot[None, :] * s_ks + d1[:, None],
-                     mask=col_ok[None, :] & (d1[:, None] < D1), other=0.0)
-        s = _dot(q1, kt, IEEE, UPCAST)
+        # K rows as [BLOCK_N, D] (each slot's row contiguous), used transposed in the dot
+        k = tl.load(k_base + slot[:, None] * s_ks + d1[None, :],
+                    mask=col_ok[:, None] & (d1[None, :] < D1), other=0.0)
+        s = _dot(q1, tl.trans(k), IEEE, UPCAST)
         if HAS_ROPE:
-            krt = tl.load(kr_base + slot[None, :] * s_krs + d2[:, None],
-                          mask=col_ok[None, :] & (d2[:, None] < D2), other=0.0)
-            s += _dot(q2, krt, IEEE, UPCAST)
+            kr = tl.load(kr_base + slot[:, None] * s_krs + d2[None, :],
+                         mask=col_ok[:, None] & (d2[None, :] < D2), other=0.0)
+            s += _dot(q2, tl.trans(kr), IEEE, UPCAST)
         s = s * qk_scale
         vis = col_ok[None, :] & row_ok[:, None]
         if is_tail:
@@ -139,8 +140,11 @@ def _partial_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * s_vs + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        if SHARED_V:   # absorbed MLA: the values are the latent rows already loaded as K
+            v = k
+        else:
+            v = tl.load(v_base + slot[:, None] * s_vs + dv[None, :],
+                        mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
         m_i = m_new
     seen = l_i > 0
@@ -178,6 +182,38 @@ def default_num_splits(bound: int) -> int:
     return max(1, min(MAX_SPLITS, -(-int(bound) // MIN_CHUNK)))
 
 
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def launch_config(M: int, block_d1: int, block_dv: int, config: Optional[dict] = None) -> dict:
+    """The partial kernel's tile and compile options: the defaults (BLOCK_M = next_pow2(N*G) in
+    [16, 64]; BLOCK_N 64 for head dims <= 128, else 32; 4 warps, 8 above 128 value dims; Triton's
+    default stages) with ``config``'s keys (CONFIG_KEYS) on top.  Tiles must be powers of two >= 16."""
+    cfg = dict(BLOCK_M=max(16, min(64, triton.next_power_of_2(M))),
+               BLOCK_N=64 if max(block_d1, block_dv) <= 128 else 32,
+               num_warps=4 if block_dv <= 128 else 8, num_stages=None)
+    for k, v in (config or {}).items():
+        if k not in CONFIG_KEYS:
+            raise ValueError(f"unknown launch config key {k!r} (known: {', '.join(CONFIG_KEYS)})")
+        cfg[k] = v
+    for k in ("BLOCK_M", "BLOCK_N"):
+        v = cfg[k]
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{k} must be a power of two >= 16, got {v!r}")
+    if not isinstance(cfg["num_warps"], int) or cfg["num_warps"] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {cfg['num_warps']!r}")
+    if cfg["num_stages"] is not None and (not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1):
+        raise ValueError(f"num_stages must be a positive int, got {cfg['num_stages']!r}")
+    return cfg
+
+
+def _compile_opts(cfg: dict) -> dict:
+    opts = dict(num_warps=cfg["num_warps"])
+    if cfg["num_stages"] is not None:
+        opts["num_stages"] = cfg["num_stages"]
+    return opts
+
+
 def _check(name, t, ndim, dtypes=None):
     if not isinstance(t, torch.Tensor) or t.dim() != ndim:
         raise ValueError(f"{name} must be a {ndim}-d tensor")
@@ -190,7 +226,7 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask_words, sm_scale,
-            G, out, num_splits, max_prefix, workspace):
+            G, out, num_splits, max_prefix, workspace, shared_v=False, config=None):
     T, Hq, D1 = q1.shape
     bs, N, NW = mask_words.shape
     Hkv = k1.shape[1]
@@ -227,12 +263,13 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
     req_to_token = req_to_token if req_to_token.stride(1) == 1 else req_to_token.contiguous()
     mask_words = mask_words.contiguous()
     M = N * G
-    BLOCK_M = max(16, min(64, triton.next_power_of_2(M)))
-    MB = triton.cdiv(M, BLOCK_M)
     BLOCK_D1 = max(16, triton.next_power_of_2(D1))
     BLOCK_D2 = max(16, triton.next_power_of_2(max(D2, 1)))
     BLOCK_DV = max(16, triton.next_power_of_2(DV))
-    BLOCK_N = 64 if max(BLOCK_D1, BLOCK_DV) <= 128 else 32
+    cfg = launch_config(M, BLOCK_D1, BLOCK_DV, config)
+    BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    MB = triton.cdiv(M, BLOCK_M)
+    shared_v = bool(shared_v) and D1 == DV
     has_rope = q2 is not None
     qr, kr = (q2, k2) if has_rope else (q1, k1)
     grid = (bs * MB, Hkv, NS)
@@ -245,9 +282,9 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
         mid_l.stride(0), mid_l.stride(1),
         N, G, NW, M, MB, D1, D2, DV,
         NUM_SPLITS=num_splits, HAS_ROPE=has_rope, IEEE=q1.dtype == torch.float32,
-        UPCAST=_INTERPRET and q1.dtype != torch.float32,
+        UPCAST=_INTERPRET and q1.dtype != torch.float32, SHARED_V=shared_v,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, num_warps=4 if BLOCK_DV <= 128 else 8,
+        BLOCK_DV=BLOCK_DV, **_compile_opts(cfg),
     )
     _merge_kernel[(T, Hq)](
         mid_o, mid_l, out,
@@ -267,10 +304,11 @@ def _check_index_args(req_to_token, req_pool_indices, prefix_lens, mask_words):
 
 def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
                           mask_words, sm_scale, *, out=None, num_splits: Optional[int] = None,
-                          max_prefix: Optional[int] = None, workspace=None):
+                          max_prefix: Optional[int] = None, workspace=None, config: Optional[dict] = None):
     """See module docstring.  ``num_splits`` / ``max_prefix``: host ints fixing the prefix split
     count (default from the pool size); ``workspace``: optional preallocated fp32
-    ``([bs*N, Hq, num_splits+1, Dv], [bs*N, Hq, num_splits+1])``."""
+    ``([bs*N, Hq, num_splits+1, Dv], [bs*N, Hq, num_splits+1])``; ``config``: launch overrides
+    (``launch_config``; bench/verify_attention.py --tune)."""
     _check("q", q, 3, _FLOAT)
     _check("k_cache", k_cache, 3, (q.dtype,))
     _check("v_cache", v_cache, 3, (q.dtype,))
@@ -281,14 +319,16 @@ def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, p
         raise ValueError(f"bad head shapes: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, "
                          f"v {tuple(v_cache.shape)}")
     return _launch(q, None, k_cache, None, v_cache, req_to_token, req_pool_indices, prefix_lens,
-                   mask_words, sm_scale, Hq // Hkv, out, num_splits, max_prefix, workspace)
+                   mask_words, sm_scale, Hq // Hkv, out, num_splits, max_prefix, workspace,
+                   config=config)
 
 
 def tree_verify_attention_mla(q_nope_absorbed, q_rope, kv_cache, req_to_token, req_pool_indices,
                               prefix_lens, mask_words, sm_scale, *, kv_lora_rank: int, out=None,
                               num_splits: Optional[int] = None, max_prefix: Optional[int] = None,
-                              workspace=None):
-    """See module docstring.  ``kv_cache [S, 1, kv_lora_rank + rope_dim]``."""
+                              workspace=None, config: Optional[dict] = None):
+    """See module docstring.  ``kv_cache [S, 1, kv_lora_rank + rope_dim]``; the latent tile
+    loaded for the scores is the value tile too (one load per KV block)."""
     _check("q_nope_absorbed", q_nope_absorbed, 3, _FLOAT)
     _check("q_rope", q_rope, 3, (q_nope_absorbed.dtype,))
     _check("kv_cache", kv_cache, 3, (q_nope_absorbed.dtype,))
@@ -303,7 +343,8 @@ def tree_verify_attention_mla(q_nope_absorbed, q_rope, kv_cache, req_to_token, r
     lat = kv_cache[:, :, :L]
     rope = kv_cache[:, :, L:]
     return _launch(q_nope_absorbed, q_rope, lat, rope, lat, req_to_token, req_pool_indices,
-                   prefix_lens, mask_words, sm_scale, H, out, num_splits, max_prefix, workspace)
+                   prefix_lens, mask_words, sm_scale, H, out, num_splits, max_prefix, workspace,
+                   shared_v=True, config=config)
 
 
 # ----------------------------------------------------------------------------- torch reference

@@ -19,7 +19,7 @@ pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
 def test_smoke_matches_the_reference_and_sglangs_kernel(tmp_path):
     env = env_without_checkout(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "verify_attention.py"), "--smoke",
-                        "--out", str(tmp_path / "va")], cwd=str(tmp_path), env=env, capture_output=True,
+                        "--tune", "--out", str(tmp_path / "va")], cwd=str(tmp_path), env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     doc = json.loads((tmp_path / "va.json").read_text())
@@ -28,3 +28,20 @@ def test_smoke_matches_the_reference_and_sglangs_kernel(tmp_path):
         assert row["ours_vs_reference_max_abs"] < 1e-4, row          # fp32 inputs
         assert row["sglang_extend_vs_reference_max_abs"] < 1e-4, row
     assert (tmp_path / "va.md").read_text().startswith("# Tree-verify attention")
+    # --tune: every launch override (split counts, tiles, warps, stages) gives the default's output
+    assert {r["arch"] for r in doc["tune"]} == {"gqa", "mla"}
+    for r in doc["tune"]:
+        assert len(r["trials"]) >= 20
+        for t in r["trials"]:
+            assert "error" not in t and t["ok"] and t["max_abs"] < 1e-4, (r["arch"], t)
+    assert "## Launch tuning" in (tmp_path / "va.md").read_text()
+
+
+def test_launch_config_rejects_bad_overrides():
+    from sglang_ddtree.kernels.tree_verify_attention import launch_config
+    assert launch_config(16 * 4, 128, 128) == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=None)
+    assert launch_config(16 * 64, 512, 512)["BLOCK_N"] == 32
+    assert launch_config(64, 128, 128, dict(BLOCK_M=128, num_stages=2))["BLOCK_M"] == 128
+    for bad in (dict(BLOCK_M=48), dict(BLOCK_N=8), dict(num_warps=3), dict(num_stages=0), dict(tile=1)):
+        with pytest.raises(ValueError):
+            launch_config(64, 128, 128, bad)

@@ -182,8 +182,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         $files > $OUT/pytest_gpu_h200${part:+_$part}.log 2>&1; rc=$?
       grep -a -E "FAILED|ERROR|passed|failed" $OUT/pytest_gpu_h200${part:+_$part}.log | tail -25 | cut -c1-300 > $LOG/$st.res ;;
     verify_attn|verify_attn_quick)  # bench/verify_attention.py: ours vs floor / SGLang extend / flashinfer
+      # VA_EXTRA: more flags, e.g. "--tune --deadline 300" or "--archs mla --bss 1,8"
       local q=(); [ "$st" = verify_attn_quick ] && q=(--quick)
-      timeout -k 10 $lim python3 -P $REPO/bench/verify_attention.py --out $OUT/verify_attention_h200 "${q[@]}" > $LOG/$st.log 2>&1; rc=$?
+      timeout -k 10 $lim python3 -P $REPO/bench/verify_attention.py --out $OUT/verify_attention_h200 "${q[@]}" ${VA_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tail -12 $LOG/$st.log | cut -c1-300 > $LOG/$st.res ;;
     sampledmem)  # bench/sampled_memory.py: the sampled accept's peak memory and time, SGLang's recipe vs ours
       timeout -k 10 $lim python3 -P $REPO/bench/sampled_memory.py --out $OUT/sampled_memory_h200 > $LOG/$st.log 2>&1; rc=$?
@@ -266,6 +267,10 @@ tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
 # flashinfer's custom-mask prefill is the verify_attn baseline only and is 4 MB: left out.
 # the Marlin MoE module (bench/device/marlin_prebuild.sh) travels on its own: it may be large
 if [ -f /tmp/marlin_build.log ]; then
+  # MARLIN_WAIT=1: a build started by marlin_prebuild.sh is waited for (until the deadline), so its
+  # module comes back even when the stages ended first
+  while [ "${MARLIN_WAIT:-0}" = 1 ] && ! grep -q "marlin built" /tmp/marlin_build.log \
+        && pgrep -f moe_wna16_marlin > /dev/null && [ $(el) -lt $((DEADLINE - 30)) ]; do sleep 5; done
   echo "marlin build: $(tail -2 /tmp/marlin_build.log | tr '\n' ' ' | cut -c1-300)" | tee -a $S
   M=$(cd / && find tmp/tvmcache -path '*moe_wna16_marlin*' -name '*.so' | head -1)
   [ -n "$M" ] && (cd / && tar -cf - $M | xz -T8 -6 > $OUT/marlin_moe.tar.xz) \
