@@ -31,9 +31,10 @@ grid ``(bs*N, Hq)``: LSE-weighted merge of the ``num_splits + 1`` partials into 
 Every shape and the grid depend only on (bs, N, heads, dims, num_splits): no host sync,
 CUDA-graph capturable (the fp32 workspace is allocated per call unless ``workspace`` is given).
 
-Launch rules (host): ``num_splits`` if given, else ``clamp(cdiv(bound, 256), 1, 32)`` with
-``bound = max_prefix`` if given, else the KV pool size ``S`` (an upper bound of every prefix).
-BLOCK_M = min(next_pow2(N*G), 64) (>= 16); BLOCK_N = 64 for head dims <= 128, 32 above.
+Launch rules (host): ``num_splits`` if given, else ``occupancy_num_splits``: ~2 programs per SM
+(``bs * cdiv(N*G, BLOCK_M) * Hkv`` programs per split), at most ``clamp(cdiv(bound, 256), 1, 32)``
+with ``bound = max_prefix`` if given, else the KV pool size ``S`` (an upper bound of every prefix).
+Tiles and compile options: ``launch_config`` (overridable with ``config``).
 
 Reference: ``tree_verify_attention_torch`` / ``tree_verify_attention_mla_torch`` (dense gather and
 dense mask from the words, fp32 softmax).
@@ -182,16 +183,49 @@ def default_num_splits(bound: int) -> int:
     return max(1, min(MAX_SPLITS, -(-int(bound) // MIN_CHUNK)))
 
 
+WAVES = 2            # target programs per SM of the partial kernel (H200 tuning, see occupancy_num_splits)
+_NUM_SMS = {}
+
+
+def num_sms(device=None) -> int:
+    """The device's SM count (cached); 132 (an H100 / H200) without CUDA (the interpreter)."""
+    if not torch.cuda.is_available():
+        return 132
+    idx = torch.cuda.current_device() if device is None else torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def occupancy_num_splits(bs: int, M: int, Hkv: int, bound: int, *, block_d1: int = 128,
+                         block_dv: int = 128, config: Optional[dict] = None, sms: Optional[int] = None,
+                         cap: Optional[int] = None) -> int:
+    """Prefix splits for a launch of ``bs`` requests, ``M = N * G`` query rows per kv head: enough
+    splits that the partial kernel has ~WAVES programs per SM, never more than the prefix bound
+    allows (``default_num_splits(bound)``, chunks >= MIN_CHUNK) or ``cap``.  Host ints only, so a
+    CUDA graph captured at one batch size keeps its grid.  Why (H200, bench/results/
+    verify_attention_h200.md, tuning table): each split adds a partial write and a merge read of
+    ``[bs*N, Hq, Dv]`` fp32; at bs 32 one split was 1.17-1.43x faster than 32, while bs 1 needs
+    them (GQA 32k: 820 us with 1 split, 56 with 32)."""
+    tiles = -(-M // launch_config(M, block_d1, block_dv, config)["BLOCK_M"])
+    programs = max(1, bs * tiles * Hkv)
+    want = -(-WAVES * (sms or num_sms()) // programs)
+    n = min(default_num_splits(bound), max(1, want))
+    return max(1, n if cap is None else min(n, int(cap)))
+
+
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
 def launch_config(M: int, block_d1: int, block_dv: int, config: Optional[dict] = None) -> dict:
     """The partial kernel's tile and compile options: the defaults (BLOCK_M = next_pow2(N*G) in
-    [16, 64]; BLOCK_N 64 for head dims <= 128, else 32; 4 warps, 8 above 128 value dims; Triton's
-    default stages) with ``config``'s keys (CONFIG_KEYS) on top.  Tiles must be powers of two >= 16."""
-    cfg = dict(BLOCK_M=max(16, min(64, triton.next_power_of_2(M))),
-               BLOCK_N=64 if max(block_d1, block_dv) <= 128 else 32,
-               num_warps=4 if block_dv <= 128 else 8, num_stages=None)
+    [16, 64]; BLOCK_N 64; head dims <= 128: 4 warps, Triton's default stages; wider (absorbed MLA's
+    512 + 64): 8 warps, 2 stages, 1.2-1.3x faster than BLOCK_N 32 on the H200 tuning cells) with
+    ``config``'s keys (CONFIG_KEYS) on top.  Tiles must be powers of two >= 16."""
+    wide = max(block_d1, block_dv) > 128
+    cfg = dict(BLOCK_M=max(16, min(64, triton.next_power_of_2(M))), BLOCK_N=64,
+               num_warps=8 if wide else 4, num_stages=2 if wide else None)
     for k, v in (config or {}).items():
         if k not in CONFIG_KEYS:
             raise ValueError(f"unknown launch config key {k!r} (known: {', '.join(CONFIG_KEYS)})")
@@ -244,8 +278,12 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
         raise ValueError(f"out must be [{T}, {Hq}, {DV}] with unit last stride")
     if T == 0:
         return out
+    BLOCK_D1 = max(16, triton.next_power_of_2(D1))
+    BLOCK_DV = max(16, triton.next_power_of_2(DV))
     if num_splits is None:
-        num_splits = default_num_splits(k1.shape[0] if max_prefix is None else max_prefix)
+        num_splits = occupancy_num_splits(bs, N * G, Hkv, k1.shape[0] if max_prefix is None else max_prefix,
+                                          block_d1=BLOCK_D1, block_dv=BLOCK_DV, config=config,
+                                          sms=num_sms(q1.device) if q1.is_cuda else None)
     num_splits = int(num_splits)
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
@@ -263,9 +301,7 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
     req_to_token = req_to_token if req_to_token.stride(1) == 1 else req_to_token.contiguous()
     mask_words = mask_words.contiguous()
     M = N * G
-    BLOCK_D1 = max(16, triton.next_power_of_2(D1))
     BLOCK_D2 = max(16, triton.next_power_of_2(max(D2, 1)))
-    BLOCK_DV = max(16, triton.next_power_of_2(DV))
     cfg = launch_config(M, BLOCK_D1, BLOCK_DV, config)
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     MB = triton.cdiv(M, BLOCK_M)

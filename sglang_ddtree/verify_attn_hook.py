@@ -60,6 +60,18 @@ class VerifyAttnState:
     num_splits: int
     use_mla: bool
     calls: int = 0           # hooked layer calls (host counter; tests and logs)
+    splits_fixed: bool = False   # SGLANG_DDTREE_VERIFY_ATTN_SPLITS set: every batch uses num_splits
+
+    def splits_for(self, bs: int, M: int, Hkv: int, block_d1: int, block_dv: int) -> int:
+        """The split count of a verify of ``bs`` requests (host ints: a graph captured at one batch
+        size keeps its grid): ``num_splits`` is the cap, the kernel's occupancy rule picks below it
+        (large batches need no split: each split costs a partial write + merge read)."""
+        if self.splits_fixed:
+            return self.num_splits
+        from sglang_ddtree.kernels.tree_verify_attention import occupancy_num_splits
+        return occupancy_num_splits(bs, M, Hkv, 1 << 30, block_d1=block_d1, block_dv=block_dv,
+                                    cap=self.num_splits, sms=None if not self.mask_words.is_cuda
+                                    else _sms(self.mask_words.device))
 
     @property
     def max_bs(self) -> int:
@@ -146,6 +158,11 @@ def backend_problems(backend, model) -> List[str]:
     return why + _layer_problems(model)
 
 
+def _sms(device) -> int:
+    from sglang_ddtree.kernels.tree_verify_attention import num_sms
+    return num_sms(device)
+
+
 def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
     """Prefix splits: the kernel's rule on the context length, capped so the workspace fits the
     backend's own decode buffers (``max_kv_splits`` per head); ``SGLANG_DDTREE_VERIFY_ATTN_SPLITS``
@@ -177,8 +194,10 @@ def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]
     N = int(backend.num_draft_tokens)
     max_bs = int(backend.req_to_token_pool.size)
     words = torch.zeros((max_bs, N, (N + 31) // 32), dtype=torch.int32, device=backend.device)
+    env_ = os.environ if env is None else env
     state = VerifyAttnState(num_verify=N, mask_words=words, num_splits=default_splits(backend, env),
-                            use_mla=bool(backend.use_mla))
+                            use_mla=bool(backend.use_mla),
+                            splits_fixed=bool((env_.get(ENV_SPLITS) or "").strip()))
     setattr(backend, STATE_ATTR, state)
     return state
 
@@ -243,10 +262,13 @@ def forward_tree_verify(state: VerifyAttnState, backend, q, k, v, layer, forward
                            "the tree-verify kernel reads the tree's K/V from the cache")
 
     pool = backend.token_to_kv_pool
+    Hkv = 1 if state.use_mla else layer.tp_k_head_num
+    p2 = lambda x: 1 << max(4, (int(x) - 1).bit_length())   # noqa: E731 - the kernel's BLOCK_D rule
+    splits = state.splits_for(bs, N * (Hq // Hkv), Hkv, p2(DV if state.use_mla else D), p2(DV))
     common = dict(req_to_token=backend.req_to_token, req_pool_indices=forward_batch.req_pool_indices[:bs],
                   prefix_lens=forward_batch.seq_lens[:bs], mask_words=state.mask_words[:bs],
-                  sm_scale=layer.scaling, num_splits=state.num_splits)
-    NS = state.num_splits + 1
+                  sm_scale=layer.scaling, num_splits=splits)
+    NS = splits + 1
     q3 = q.view(T, Hq, D)
     out3 = o.view(T, Hq, DV)
     if state.use_mla:

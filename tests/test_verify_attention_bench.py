@@ -40,8 +40,24 @@ def test_smoke_matches_the_reference_and_sglangs_kernel(tmp_path):
 def test_launch_config_rejects_bad_overrides():
     from sglang_ddtree.kernels.tree_verify_attention import launch_config
     assert launch_config(16 * 4, 128, 128) == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=None)
-    assert launch_config(16 * 64, 512, 512)["BLOCK_N"] == 32
+    assert launch_config(16 * 64, 512, 512) == dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
     assert launch_config(64, 128, 128, dict(BLOCK_M=128, num_stages=2))["BLOCK_M"] == 128
     for bad in (dict(BLOCK_M=48), dict(BLOCK_N=8), dict(num_warps=3), dict(num_stages=0), dict(tile=1)):
         with pytest.raises(ValueError):
             launch_config(64, 128, 128, bad)
+
+
+def test_occupancy_split_rule():
+    """~2 programs per SM, never above the prefix bound's splits or the cap (H200 tuning: bs 32
+    wants 1 split, bs 1 wants the most the prefix allows)."""
+    from sglang_ddtree.kernels.tree_verify_attention import default_num_splits, occupancy_num_splits
+    # GQA Qwen3-8B (G 4), N 16: M 64 -> 1 tile per kv head; 8 kv heads
+    assert occupancy_num_splits(1, 64, 8, 32768, sms=132) == 32       # 8 programs -> capped at 32
+    assert occupancy_num_splits(32, 64, 8, 32768, sms=132) == 2       # 256 programs -> ceil(264/256)
+    assert occupancy_num_splits(64, 64, 8, 32768, sms=132) == 1
+    # MLA K2 (64 heads), N 16: M 1024 -> 16 tiles (BLOCK_M 64)
+    assert occupancy_num_splits(1, 1024, 1, 32768, block_d1=512, block_dv=512, sms=132) == 17
+    assert occupancy_num_splits(32, 1024, 1, 4096, block_d1=512, block_dv=512, sms=132) == 1
+    # short prefixes keep chunks >= 256 tokens; the cap wins
+    assert occupancy_num_splits(1, 64, 8, 600, sms=132) == default_num_splits(600) == 3
+    assert occupancy_num_splits(1, 64, 8, 32768, sms=132, cap=7) == 7
