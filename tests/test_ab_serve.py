@@ -92,6 +92,9 @@ class FakeSGLang:
                 req = json.loads(self.rfile.read(n) or b"{}")
                 if self.path == "/flush_cache":
                     return self._send(200, b"Cache flushed.")
+                if self.path == "/start_profile":   # SGLang's: blocks until num_steps ran, writes a trace
+                    fake.write_trace(req)
+                    return self._send(200, b"Start profiling.\n")
                 if self.path != "/generate":
                     return self._send(404)
                 fake.generate(self, req)
@@ -149,6 +152,23 @@ class FakeSGLang:
                 with open(self.profile, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 self.rounds = 0
+
+    def write_trace(self, req):
+        """A Chrome trace as torch.profiler exports it: ``num_steps`` steps of a 'verify' kernel
+        (DDTREE arms 1.2 ms, others 1.0) then a 0.1 ms 'topk_logprobs' kernel, 0.3 ms idle between steps."""
+        import gzip
+        time.sleep(0.2)
+        ev, t = [], 1000.0
+        ver = 1200.0 if (self.algo or "").startswith("DDTREE") else 1000.0
+        for _ in range(req["num_steps"]):
+            ev.append(dict(ph="X", cat="kernel", name="_fwd_kernel_extend", ts=t, dur=ver))
+            ev.append(dict(ph="X", cat="kernel", name="topk_logprobs_kernel", ts=t + ver, dur=100.0))
+            ev.append(dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", ts=t, dur=20.0))
+            t += ver + 100.0 + 300.0
+        os.makedirs(req["output_dir"], exist_ok=True)
+        with gzip.open(os.path.join(req["output_dir"], f"{time.time()}-TP-0.trace.json.gz"), "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+        time.sleep(1.2)   # the runner waits for a file that stopped changing
 
     def poll(self):
         return None
@@ -779,3 +799,33 @@ def test_rounds_per_verify_width_recorded_aggregated_and_rendered(tmp_path, monk
     tail = md.split("Rounds per verify width")[1]
     assert "| ddtree_auto_vattn | 16 | no spec | 1 (10 %) |" in tail
     assert "| ddtree_auto_vattn | 16 | 8 | 8 (80 %) |" in tail and "| dflash |" not in tail.split("##")[0]
+
+
+def test_torch_profile_pass_is_uncounted_summarized_and_rendered(tmp_path):
+    """--torch-profile 4:5: after level 4's repeats, one extra pass with /start_profile; its trace's
+    summary is in the level (per-step busy / idle / categories), the measured numbers are the
+    repeats', and the report has the trace table."""
+    started = []
+    args = _args(tmp_path, "--arms", "base,ddtree_b16", "--repeats", "1", "--torch-profile", "4:5")
+    doc = ab.run(args, launcher=make_launcher(started))
+    arms = {a["name"]: a for a in doc["arms"]}
+    for name, ver in (("base", 1.0), ("ddtree_b16", 1.2)):
+        lvs = {lv["concurrency"]: lv for lv in arms[name]["levels"]}
+        assert "torch_profile" not in lvs[1] and "torch_profile" not in lvs[8]
+        t = lvs[4]["torch_profile"]
+        assert "error" not in t, t
+        assert t["steps"] == 5 and t["pass"]["concurrency"] == 4 and t["pass"]["failed"] == 0
+        assert t["per_step"]["busy_ms"] == pytest.approx(ver + 0.1, abs=1e-6)
+        assert t["per_step"]["idle_ms"] == pytest.approx(0.3 * 4 / 5, abs=1e-6)
+        assert t["kernel_ms_per_step_by_category"]["attention"] == pytest.approx(ver)
+        assert t["kernel_ms_per_step_by_category"]["ddtree"] == pytest.approx(0.1)
+        assert t["host_calls_per_step"]["cudaGraphLaunch"]["calls"] == 1
+    assert doc["settings"]["torch_profile"] == "4:5"
+    md = open(str(tmp_path / "res" / "ab") + ".md").read()
+    assert "GPU trace of one uncounted pass" in md and "| ddtree_b16 | 4 | 5 |" in md
+
+
+@pytest.mark.parametrize("bad", ["0", "4:0", "x", "4:5:6", "-1"])
+def test_torch_profile_spec_is_checked(bad):
+    with pytest.raises(SystemExit, match="torch-profile"):
+        ab.main(["--torch-profile", bad, "--dry-run"])

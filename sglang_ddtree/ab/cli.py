@@ -19,6 +19,7 @@ from .report import render_markdown, render_summary, write_outputs
 from .runner import run
 from .sweep import SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS, kernel_sweep_child, run_kernel_sweep
 from .servers import DEFAULT_ARMS
+from .trace import parse_spec as parse_trace_spec
 
 DEFAULT_OUT = "ab_serve"  # OUT.json / OUT.md / OUT.png in the current folder (bench/ab_serve.py: bench/results/ab_h200)
 
@@ -67,6 +68,9 @@ def build_parser(default_out: str = DEFAULT_OUT):
                                                           "max-concurrency batch (0: no warm-up)")
     ap.add_argument("--profile-every", type=int, default=16, help="SGLANG_DDTREE_PROFILE_EVERY for DDTREE arms")
     ap.add_argument("--no-stage-profile", action="store_true")
+    ap.add_argument("--torch-profile", default=None, metavar="C[:STEPS]",
+                    help="after level C's repeats, one uncounted pass with SGLang's torch profiler on for STEPS "
+                         "scheduler steps (default 30); the trace's summary goes into the level and the report")
     ap.add_argument("--reference-arm", default="base")
     ap.add_argument("--kernel-sweep", action="store_true", help="also time GPU build_tree vs the CPU heap (bs 1..256)")
     ap.add_argument("--sweep-s", type=float, default=120.0, help="time reserved for --kernel-sweep under --deadline")
@@ -89,6 +93,10 @@ def build_parser(default_out: str = DEFAULT_OUT):
 
 def main(argv=None, default_out: str = DEFAULT_OUT):
     args = build_parser(default_out).parse_args(argv)
+    try:
+        parse_trace_spec(args.torch_profile)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.kernel_sweep_child:
         return kernel_sweep_child(args.kernel_sweep_child, SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS)
     if args.report_only:

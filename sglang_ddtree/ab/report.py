@@ -363,6 +363,7 @@ def _render_run(doc, top=True):
               "size and the rounds-weighted medians of the verify stage and of the whole round (GPU ms).", "",
               "| arm | c | width | rounds | bs mean | verify | round | verify/slot |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"] + wrows
+    L += _render_traces(arms, h)
     bad = [a for a in arms if a.get("status") != "ok"]
     if bad:
         L += ["", f"{h} Arms not fully measured", ""]
@@ -380,6 +381,43 @@ def _render_run(doc, top=True):
         L += _render_sweep(doc["kernel_sweep"], h)
     L += ["", f"{h} Definitions", ""] + [f"- {k}: {v}" for k, v in (doc.get("definitions") or {}).items()]
     return L + [""]
+
+
+TRACE_CATS = ("attention", "moe", "gemm", "ddtree", "sampling", "norm_act", "elementwise", "copy", "comm", "other")
+
+
+def _render_traces(arms, h) -> List[str]:
+    """--torch-profile: each arm's GPU trace of one uncounted pass (sglang_ddtree.ab.trace)."""
+    rows, tops = [], []
+    for a in arms:
+        for lv in a.get("levels") or []:
+            t = lv.get("torch_profile")
+            if not t:
+                continue
+            if t.get("error"):
+                rows.append(f"| {a['name']} | {lv['concurrency']} | error: {t['error'][:120]} |" + " |" * (len(TRACE_CATS) + 5))
+                continue
+            ps, cat = t["per_step"], t.get("kernel_ms_per_step_by_category") or {}
+            syncs = sum(v["calls"] for n, v in (t.get("host_calls_per_step") or {}).items()
+                        if "Synchronize" in n or n == "cudaMemcpy")
+            rows.append(f"| {a['name']} | {lv['concurrency']} | {t['steps']}{' (stopped early)' if t.get('stopped_early') else ''} | "
+                        f"{_f(ps['window_ms'], 3)} | {_f(ps['busy_ms'], 3)} | {_f(ps['idle_ms'], 3)} | "
+                        + " | ".join(_f(cat.get(k), 3) for k in TRACE_CATS) + f" | {_f(syncs, 2)} |")
+            tops.append(f"- `{a['name']}` c={lv['concurrency']}: "
+                        + "; ".join(f"{k['name'][:60]} ({k['category']}) {_f(k['ms_per_step'], 3)} ms, "
+                                    f"{_f(k['calls_per_step'], 1)} calls" for k in (t.get("top_kernels") or [])[:6])
+                        + ". Longest idle gaps (us, after -> before): "
+                        + "; ".join(f"{g['us']} ({g['after'][:40]} -> {g['before'][:40]})"
+                                    for g in (t.get("longest_gaps") or [])[:3]))
+    if not rows:
+        return []
+    return ["", f"{h} GPU trace of one uncounted pass (--torch-profile)", "",
+            "SGLang's /start_profile (torch.profiler, CUDA activities) over the steps shown; per scheduler step: "
+            "window = first kernel start to last kernel end, busy = union of GPU kernel / copy intervals, idle = "
+            "window - busy; kernel ms per step by category (sglang_ddtree.ab.trace.CATEGORIES, by kernel name); "
+            "syncs = blocking host calls per step.", "",
+            "| arm | c | steps | step | busy | idle | " + " | ".join(TRACE_CATS) + " | syncs |",
+            "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(TRACE_CATS) + 1)] + rows + ["", "Top kernels per step:", ""] + tops
 
 
 def _render_classification(cls, h):

@@ -21,6 +21,8 @@ from .servers import (CONFIG_DROP, build_server_cmd, load_yaml_config, log_tail,
                       wait_healthy)
 from .stats import aggregate_level, aggregate_profile, identity_check, mean, pick_repeat, read_profile
 from .sweep import run_kernel_sweep
+from .trace import LevelProfiler
+from .trace import parse_spec as parse_trace_spec
 
 
 # ------------------------------------------------------------------------------------------ main loop
@@ -108,6 +110,7 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             client.run_level(base_url, prompts[:args.warmup], 1, args.max_new_tokens, None, progress=False)
         rec["warmup_s"] = round(time.time() - tw, 1)
         prof_mark = len(read_profile(profile_path))
+        prof_spec = parse_trace_spec(getattr(args, "torch_profile", None))
         for c in levels:
             if deadline_at is not None and time.time() > deadline_at - 1:
                 rec.setdefault("skipped_levels", []).append(c)
@@ -137,6 +140,9 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                 if partial:
                     break
             lv, outputs[c] = pick_repeat(reps)
+            if prof_spec and c == prof_spec[0] and not (deadline_at is not None and time.time() > deadline_at - 30):
+                lv["torch_profile"] = _traced_pass(arm, base_url, prompts[:n], c, args, tmpdir, prof_spec[1],
+                                                   deadline_at)
             rec["levels"].append(lv)
             print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s (repeats "
                   f"{lv['output_throughput_repeats']}), TTFT med {lv['median_ttft_ms']} ms, ITL med "
@@ -169,6 +175,26 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
     if rec.pop("_interrupted", False):
         raise _ArmInterrupted(rec, outputs)
     return rec, outputs
+
+
+def _traced_pass(arm, base_url, prompts, c, args, tmpdir, steps, deadline_at) -> dict:
+    """One extra, uncounted pass of level ``c`` with SGLang's profiler on for ``steps`` scheduler
+    steps (CUPTI slows the GPU's host side: the measured repeats never carry a trace)."""
+    prof = LevelProfiler(base_url, os.path.join(tmpdir, f"trace_{arm['name']}_c{c}"), steps).start()
+    try:
+        http_json(base_url, "POST", "/flush_cache", timeout=30)
+    except Exception:  # noqa: BLE001
+        pass
+    tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
+    res, dur, partial = client.run_level(base_url, prompts, c, args.max_new_tokens, deadline_at,
+                                         progress=False, timeout=tmo)
+    summary = prof.finish()
+    summary["pass"] = dict(concurrency=c, requests=len(prompts), seconds=round(dur, 2), partial=bool(partial),
+                           failed=sum(1 for r in res if not (r and r.get("ok"))))
+    ps = summary.get("per_step") or {}
+    print(f"[{arm['name']}] c={c} GPU trace: {summary.get('error') or ''}step {ps.get('window_ms')} ms, busy "
+          f"{ps.get('busy_ms')}, idle {ps.get('idle_ms')}", flush=True)
+    return summary
 
 
 class _ArmInterrupted(KeyboardInterrupt):
@@ -266,7 +292,7 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
                       requests_per_level={str(c): per_level(c) for c in levels}, num_prompts=N,
                       greedy="temperature 0, ignore_eos, stream", token_ids=token_ids, server_args=args.server_args,
                       profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm,
-                      repeats=args.repeats),
+                      repeats=args.repeats, torch_profile=getattr(args, "torch_profile", None)),
         prompts=dict(source=source, count=N, kind="input_ids" if token_ids else "text", tokenized_with=how,
                      sha256_16=prompt_digest(prompts),
                      mean_input_len=round(mean([len(p["input_ids"]) if token_ids else len(p["text"])
