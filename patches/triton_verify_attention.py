@@ -70,6 +70,6 @@ def install() -> None:
 
     from sglang_ddtree.verify_attn_hook import ENV
 
-    if (os.environ.get(ENV) or "").strip().lower() != "ddtree":
-        return      # default: SGLang's forward_extend, unwrapped (a bad value is refused by the worker)
+    if (os.environ.get(ENV) or "").strip().lower() == "sglang":
+        return      # SGLang's forward_extend, unwrapped (auto / ddtree install it; a bad value is refused by the worker)
     HookRegistry.register(TARGET, tree_verify_forward_extend, HookType.AROUND)

@@ -10,9 +10,10 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
    ``[bs, D, K]``;
 2. tree: ``build_tree`` (best-first, ``b`` nodes + root = bonus) -> tokens / depth / parent / mask;
 3. verify input: ids = tree tokens, positions = ``prefix + depth``, KV slots ``prefix + 0..N-1``
-   (pre-reserved rows of ``req_to_token``), the ancestor-only mask in SGLang's FULL_MASK layout
-   written straight into the target backend's CUDA-graph mask buffer (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``:
-   only the bitmask, into the hook's buffer: ``verify_attn_hook.py``);
+   (pre-reserved rows of ``req_to_token``), the ancestor-only mask: with our verify attention (the
+   default where it covers the target, ``verify_attn_hook.py``) only the bitmask, into the hook's
+   buffer; else (``SGLANG_DDTREE_VERIFY_ATTN=sglang`` or not covered) in SGLang's FULL_MASK layout
+   written straight into the target backend's CUDA-graph mask buffer;
 4. the target's TARGET_VERIFY forward over ``bs * N`` tokens (its CUDA graph, captured with a mask:
    ``patches/decode_graph_spec_info.py``);
 5. accept: greedy -> ``accept_greedy`` on the target argmax; sampled batches -> SGLang's target-only
@@ -150,16 +151,32 @@ def disable_causal_verify_shortcut(attn_backend, algo: str) -> bool:
 
 
 def enable_tree_verify_attention(attn_backend, model_runner, algo: str, drafter_backend=None):
-    """``SGLANG_DDTREE_VERIFY_ATTN=ddtree``: our tree-verify attention on the target's verify backend
-    (``verify_attn_hook.enable``; ValueError when not covered, or when the drafter would verify on
-    the same backend object), its state; unset: None, nothing done."""
+    """Our tree-verify attention on the target's verify backend (``verify_attn_hook.enable``), its
+    state; None when ``SGLANG_DDTREE_VERIFY_ATTN=sglang``, or under ``auto`` (the default) when it
+    does not cover this verify (the reason logged; SGLang's masked kernel then verifies).  With
+    ``=ddtree`` what is not covered, or a drafter verifying on the same backend object, is a
+    ValueError."""
     if not verify_attn_hook.enabled(os.environ, algo):
         return None
+    must = verify_attn_hook.required(os.environ, algo)
     target = verify_attention_backend(attn_backend)
-    if drafter_backend is not None and verify_attention_backend(drafter_backend) is target:
-        raise ValueError(f"{algo}: {verify_attn_hook.ENV}=ddtree: the drafter's attention backend is "
-                         "the target's; the hook would also take the drafter's (unmasked) verify")
-    state = verify_attn_hook.enable(target, model_runner.model, algo)
+    try:
+        if drafter_backend is not None and verify_attention_backend(drafter_backend) is target:
+            raise ValueError(f"{algo}: {verify_attn_hook.ENV}: the drafter's attention backend is "
+                             "the target's; the hook would also take the drafter's (unmasked) verify")
+        state = verify_attn_hook.enable(target, model_runner.model, algo)
+    except ValueError as e:
+        if must:
+            raise
+        logger.info("%s: target verify attention = SGLang's masked extend kernel (%s=auto: %s)",
+                    algo, verify_attn_hook.ENV, e)
+        return None
+    except Exception as e:  # noqa: BLE001 - auto: an optimisation; =ddtree surfaces it
+        if must:
+            raise
+        logger.warning("%s: target verify attention = SGLang's masked extend kernel (%s=auto; enabling "
+                       "ours failed: %s: %s)", algo, verify_attn_hook.ENV, type(e).__name__, e)
+        return None
     logger.info("%s: target verify attention = sglang_ddtree tree_verify_attention%s (bitmask "
                 "%s, %d prefix splits)", algo, "_mla" if state.use_mla else "",
                 tuple(state.mask_words.shape), state.num_splits)
@@ -361,7 +378,8 @@ class DDTreeWorker(DFlashWorkerV2):
                     vocab_size=mr.model_config.vocab_size,
                     max_bs=max(1, min(1024, int(mr.req_to_token_pool.size))),   # the most requests a batch holds
                     tree_backend=self.tree_backend,
-                    full_mask=not verify_attn_hook.enabled(os.environ, self.algo_name),
+                    full_mask=verify_attn_hook.state_of(
+                        verify_attention_backend(mr.attn_backend)) is None,
                     device=self.device, req_to_token=mr.req_to_token_pool.req_to_token,
                     assign_locs=assign_extend_cache_locs_func)
             except Exception as e:  # noqa: BLE001
@@ -685,7 +703,8 @@ class DDTreeWorker(DFlashWorkerV2):
         attn_state = verify_attn_hook.state_of(
             verify_attention_backend(self._target_worker.model_runner.attn_backend))
         if attn_state is not None:
-            # SGLANG_DDTREE_VERIFY_ATTN=ddtree: the hooked verify reads the bitmask; no FULL_MASK
+            # our verify attention (SGLANG_DDTREE_VERIFY_ATTN auto / ddtree): the hooked verify reads
+            # the bitmask; no FULL_MASK
             attn_state.write_mask(tree.mask_words)
             mask, eager_verify = None, False
         else:

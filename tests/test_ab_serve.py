@@ -242,6 +242,12 @@ def test_parse_arms_and_commands():
     assert v["ddtree_b16_vattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree"}
     assert v["ddtree_b16_vattn"]["num_draft_tokens"] == 17 and not v["ddtree_b16"].get("env")
     assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
+    s = {a["name"]: a for a in ab.parse_arms("ddtree_b7_sglattn,ddtree_auto_sglattn")}
+    assert s["ddtree_b7_sglattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "sglang"}
+    assert s["ddtree_auto_sglattn"]["auto"] and s["ddtree_auto_sglattn"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "sglang"
+    for bad in ("dflash_sglattn", "ddtree_b7_vattn_sglattn"):
+        with pytest.raises(ValueError, match="only DDTREE-GPU arms"):
+            ab.parse_arms(bad)
     assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,31" and v["ddtree_auto_vattn"]["auto"]
     opts = dict(python="py", model_path="T", draft_model_path="D", maxc=64, token_ids=True,
                 server_args="--mem-fraction-static 0.5 --tp-size 1")

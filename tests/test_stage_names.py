@@ -12,8 +12,11 @@ KEYS = ("SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_NO_SPEC", "SGLANG_DDTREE_TEST_BU
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
+    """Absent during the test and restored after it: parse_name sets os.environ directly, and a
+    delenv of an absent key records nothing to undo (the switches leaked into later test files)."""
     for k in KEYS:
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "x")
+        monkeypatch.delenv(k)
 
 
 def test_plain_name_sets_no_switch():
@@ -38,3 +41,8 @@ def test_auto_has_no_forced_cycle():
 def test_bad_names(bad):
     with pytest.raises(ValueError):
         ST.parse_name(bad)
+
+
+def test_sglattn_suffix_selects_sglangs_verify_kernel():
+    ST.parse_name("mla_ddtree_graph_b16_sglattn")
+    assert os.environ["SGLANG_DDTREE_VERIFY_ATTN"] == "sglang"

@@ -317,8 +317,10 @@ def test_drafter_backend_and_other_modes_are_untouched(hooked, rng, monkeypatch)
 
 
 def test_mode_switch_values():
-    assert VA.mode({}) == "sglang" and not VA.enabled({})
-    assert VA.mode({VA.ENV: "sglang"}) == "sglang" and VA.enabled({VA.ENV: " DDTree "})
+    assert VA.mode({}) == "auto" and VA.enabled({}) and not VA.required({})      # the default
+    assert VA.mode({VA.ENV: ""}) == "auto" and VA.mode({VA.ENV: " AUTO "}) == "auto"
+    assert VA.mode({VA.ENV: "sglang"}) == "sglang" and not VA.enabled({VA.ENV: "sglang"})
+    assert VA.enabled({VA.ENV: " DDTree "}) and VA.required({VA.ENV: "ddtree"})
     with pytest.raises(ValueError, match="SGLANG_DDTREE_VERIFY_ATTN must be one of"):
         VA.mode({VA.ENV: "flashinfer"}, "DDTREE-GPU")
     with pytest.raises(ValueError, match="VERIFY_ATTN_SPLITS"):

@@ -85,7 +85,7 @@ def test_verify_writes_only_the_bitmask_and_matches_the_default(hooked, rng, mon
             monkeypatch.setenv(VA.ENV, "ddtree")
             state = W.enable_tree_verify_attention(be, types.SimpleNamespace(model=world.model), "DDTREE-GPU")
         else:
-            monkeypatch.delenv(VA.ENV, raising=False)
+            monkeypatch.setenv(VA.ENV, "sglang")
             assert W.enable_tree_verify_attention(be, None, "DDTREE-GPU") is None
         w = make_worker(world, be)
         outs = w._verify(batch, world.tree, world.seq, world.seq.to(torch.int32), int(world.seq.sum()), bs, N)
@@ -114,14 +114,19 @@ def test_startup_enables_the_targets_verify_backend_only(hooked, rng, monkeypatc
     hybrid.spec_attn_is_decode = True
     w = make_worker(world, hybrid)
     w.draft_model_runner = types.SimpleNamespace(attn_backend=drafter_be)
-    monkeypatch.delenv(VA.ENV, raising=False)
+    monkeypatch.setenv(VA.ENV, "sglang")
     w.init_attention_backends()
-    assert VA.state_of(target_be) is None                            # default: nothing attached
-    monkeypatch.setenv(VA.ENV, "ddtree")
-    w.init_attention_backends()
-    st = VA.state_of(target_be)
-    assert st is not None and st.num_verify == 4 and not st.use_mla
-    assert VA.state_of(drafter_be) is None and VA.state_of(hybrid) is None
+    assert VA.state_of(target_be) is None                            # =sglang: nothing attached
+    for value in ("ddtree", None):                                   # None: unset, the default (auto)
+        if value is None:
+            monkeypatch.delenv(VA.ENV, raising=False)
+            target_be.__dict__.pop(VA.STATE_ATTR, None)
+        else:
+            monkeypatch.setenv(VA.ENV, value)
+        w.init_attention_backends()
+        st = VA.state_of(target_be)
+        assert st is not None and st.num_verify == 4 and not st.use_mla
+        assert VA.state_of(drafter_be) is None and VA.state_of(hybrid) is None
     monkeypatch.setenv(VA.ENV, "on")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_VERIFY_ATTN must be one of"):
         w.init_attention_backends()
@@ -133,6 +138,16 @@ def test_startup_enables_the_targets_verify_backend_only(hooked, rng, monkeypatc
     target_be.page_size = 64
     with pytest.raises(ValueError, match="page size 64"):
         w.init_attention_backends()
+    # auto (the default): what the hook does not cover falls back to SGLang's masked kernel, no error
+    monkeypatch.delenv(VA.ENV, raising=False)
+    for be in (target_be, drafter_be):
+        be.__dict__.pop(VA.STATE_ATTR, None)
+    w.init_attention_backends()                                      # page size 64: not covered
+    assert VA.state_of(target_be) is None
+    target_be.page_size = 1
+    w.draft_model_runner = types.SimpleNamespace(attn_backend=hybrid)  # the drafter on the target's backend
+    w.init_attention_backends()
+    assert VA.state_of(target_be) is None
 
 
 def test_each_adaptive_width_backend_gets_its_own_state(hooked, rng, monkeypatch):
@@ -183,6 +198,7 @@ print("RESULT" + json.dumps({"patched": P.TARGET in HookRegistry._patched, "inst
 '''
 
 
-def test_plugin_registers_the_hook_only_with_the_switch_on():
-    assert _fresh(PROBE, {VA.ENV: ""}) == dict(patched=False, installed=False, wrapped=False)
-    assert _fresh(PROBE, {VA.ENV: "ddtree"}) == dict(patched=True, installed=True, wrapped=True)
+def test_plugin_registers_the_hook_unless_switched_to_sglang():
+    assert _fresh(PROBE, {VA.ENV: "sglang"}) == dict(patched=False, installed=False, wrapped=False)
+    for value in ("", "auto", "ddtree"):            # "": unset, the default (auto)
+        assert _fresh(PROBE, {VA.ENV: value}) == dict(patched=True, installed=True, wrapped=True), value

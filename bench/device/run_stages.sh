@@ -9,7 +9,8 @@
 #   <gqa|mla>_<base|dflash>_<eager|graph>   stage.py (offline Engine, token check vs target greedy)
 #                                           suffixes (stage.py parse_name): _b<N> _synccheck _nomaskpatch _moetriton
 #                                           _cycle (adaptive budget, forced widths incl. no-spec) _auto (its policy)
-#                                           _vattn (SGLANG_DDTREE_VERIFY_ATTN=ddtree: our verify attention)
+#                                           _vattn (SGLANG_DDTREE_VERIFY_ATTN=ddtree: our verify attention required)
+#                                           _sglattn (=sglang: SGLang's masked verify kernel; default auto: ours where covered)
 #   <mlaint4|mlaint4ref>_<algo>_<mode>[_moetriton]  the INT4-expert MLA target (mk_int4.py) / its dequantized bf16 twin
 #   kimicost_<algo>_<mode>[_b<N>]           the production-cost INT4 MLA pair (mk_kimi_cost.py: Kimi K2 widths, ~32 GB,
 #                                           written only when a kimicost stage is named; KIMICOST_ARGS e.g. "--layers 6")

@@ -81,8 +81,10 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         elif p in ("cycle", "auto"):  # the adaptive budget (issue 17) over budgets 3, 7 and the stage's
             adaptive.append(p)        # (set below, once the budget is known)
-        elif p == "vattn":  # the target verify through our tree_verify_attention (issue 13 item 2)
+        elif p == "vattn":  # the target verify must run our tree_verify_attention (issue 13 item 2)
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "ddtree"
+        elif p == "sglattn":  # the target verify through SGLang's masked extend kernel (the default
+            os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "sglang"   # is auto: ours where covered)
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:

@@ -37,8 +37,8 @@ def build_parser(default_out: str = DEFAULT_OUT):
     ap.add_argument("--config", help="an SGLang YAML config (configs/*.yaml): its speculative/host/port keys are dropped")
     ap.add_argument("--arms", default=DEFAULT_ARMS,
                     help="comma list of base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto[_b<B1>-<B2>-...] "
-                         "(the adaptive budget: experimental), a DDTree arm + _vattn (our verify attention, "
-                         "e.g. ddtree_b16_vattn)")
+                         "(the adaptive budget: experimental), a DDTree arm + _vattn (our verify attention required, "
+                         "e.g. ddtree_b16_vattn) or + _sglattn (SGLang's masked verify kernel; default: auto)")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--prompts", help="JSON list / JSON lines: strings, {text|prompt} or {input_ids}")
     ap.add_argument("--num-prompts", type=int, default=256)

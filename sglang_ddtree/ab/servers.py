@@ -25,20 +25,25 @@ def parse_arm(name: str) -> dict:
     {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree_auto``: the adaptive budget
     (sglang_ddtree/adaptive.py) over the budgets given (default 7, 15, 31) plus "no speculation",
     served at the widest budget; its ``env`` goes to the server's environment.  A DDTree arm may end
-    in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify runs our tree-verify attention
-    (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``), everything else as without the suffix."""
+    in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify must run our tree-verify attention
+    (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``; the server refuses to start where it does not cover), or
+    in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
+    default (``auto``: ours where it covers the verify)."""
     name = name.strip()
-    if name.endswith("_vattn"):
-        arm = parse_arm(name[:-len("_vattn")])
-        if arm["kind"] != "ddtree":
-            raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take _vattn (ddtree_b<B>_vattn, ddtree_auto_vattn)")
+    for suffix, value in (("_vattn", "ddtree"), ("_sglattn", "sglang")):
+        if not name.endswith(suffix):
+            continue
+        arm = parse_arm(name[:-len(suffix)])
+        if arm["kind"] != "ddtree" or "SGLANG_DDTREE_VERIFY_ATTN" in (arm.get("env") or {}):
+            raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once "
+                             f"(ddtree_b<B>{suffix}, ddtree_auto{suffix})")
         arm["name"] = name
-        arm["env"] = dict(arm.get("env") or {}, SGLANG_DDTREE_VERIFY_ATTN="ddtree")
+        arm["env"] = dict(arm.get("env") or {}, SGLANG_DDTREE_VERIFY_ATTN=value)
         return arm
     kind, _, rest = name.partition("_")
     if kind not in ALGO:
         raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto, "
-                         "ddtree_b<B>_vattn)")
+                         "ddtree_b<B>_vattn, ddtree_b<B>_sglattn)")
     if kind == "ddtree" and (rest == "auto" or rest.startswith("auto_")):
         spec = rest[len("auto_"):] if rest.startswith("auto_") else ""
         if spec and not (spec.startswith("b") and all(x.isdigit() for x in spec[1:].split("-"))):
