@@ -60,8 +60,9 @@ def test_categories():
 
 def test_parse_spec():
     assert T.parse_spec(None) is None and T.parse_spec("") is None
-    assert T.parse_spec("16") == (16, 30) and T.parse_spec("16:40") == (16, 40)
-    for bad in ("0", "16:0", "a", "1:2:3", "-4"):
+    assert T.parse_spec("16") == (16, 30, False) and T.parse_spec("16:40") == (16, 40, False)
+    assert T.parse_spec("16:40:cpu") == (16, 40, True) and T.parse_spec("16:cpu") == (16, 30, True)
+    for bad in ("0", "16:0", "a", "1:2:3", "-4", "16:4:gpu", "cpu"):
         with pytest.raises(ValueError):
             T.parse_spec(bad)
 
@@ -102,3 +103,17 @@ def test_level_profiler_stops_a_profile_the_level_did_not_finish(tmp_path):
     s = lp.start().finish(wait_s=5)
     assert calls == ["/start_profile", "/stop_profile"]
     assert s.get("stopped_early") and s["busy_ms"] == pytest.approx(0.01)
+
+
+def test_host_ops_count_top_level_ops_only():
+    """Nested ops (aten::to -> aten::_to_copy -> aten::copy_) count once, by the outermost."""
+    ev = [dict(ph="X", cat="cpu_op", name="aten::to", ts=0, dur=10, pid=1, tid=1),
+          dict(ph="X", cat="cpu_op", name="aten::_to_copy", ts=1, dur=8, pid=1, tid=1),
+          dict(ph="X", cat="cpu_op", name="aten::copy_", ts=2, dur=5, pid=1, tid=1),
+          dict(ph="X", cat="cpu_op", name="aten::add", ts=12, dur=4, pid=1, tid=1),
+          dict(ph="X", cat="cpu_op", name="aten::to", ts=3, dur=2, pid=1, tid=2),   # another thread
+          dict(ph="X", cat="kernel", name="k", ts=0, dur=1)]
+    h = T.host_ops(ev, steps=2)
+    assert h["ops_per_step"] == 1.5 and h["ms_per_step"] == pytest.approx(16 / 1e3 / 2)
+    assert {o["name"]: o["calls_per_step"] for o in h["top"]} == {"aten::to": 1.0, "aten::add": 0.5}
+    assert T.host_ops([dict(ph="X", cat="kernel", name="k", ts=0, dur=1)], 1) is None

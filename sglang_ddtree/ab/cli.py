@@ -68,9 +68,10 @@ def build_parser(default_out: str = DEFAULT_OUT):
                                                           "max-concurrency batch (0: no warm-up)")
     ap.add_argument("--profile-every", type=int, default=16, help="SGLANG_DDTREE_PROFILE_EVERY for DDTREE arms")
     ap.add_argument("--no-stage-profile", action="store_true")
-    ap.add_argument("--torch-profile", default=None, metavar="C[:STEPS]",
+    ap.add_argument("--torch-profile", default=None, metavar="C[:STEPS][:cpu]",
                     help="after level C's repeats, one uncounted pass with SGLang's torch profiler on for STEPS "
-                         "scheduler steps (default 30); the trace's summary goes into the level and the report")
+                         "scheduler steps (default 30; :cpu also records the host's torch ops); the trace's "
+                         "summary goes into the level and the report")
     ap.add_argument("--reference-arm", default="base")
     ap.add_argument("--kernel-sweep", action="store_true", help="also time GPU build_tree vs the CPU heap (bs 1..256)")
     ap.add_argument("--sweep-s", type=float, default=120.0, help="time reserved for --kernel-sweep under --deadline")

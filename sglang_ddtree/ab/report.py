@@ -409,6 +409,11 @@ def _render_traces(arms, h) -> List[str]:
                         + ". Longest idle gaps (us, after -> before): "
                         + "; ".join(f"{g['us']} ({g['after'][:40]} -> {g['before'][:40]})"
                                     for g in (t.get("longest_gaps") or [])[:3]))
+            ho = t.get("host_ops")
+            if ho:
+                tops.append(f"  - host: {_f(ho['ops_per_step'], 1)} top-level torch ops, {_f(ho['ms_per_step'], 3)} ms "
+                            "per step; " + "; ".join(f"{o['name'][:40]} {_f(o['ms_per_step'], 3)} ms ({_f(o['calls_per_step'], 1)})"
+                                                     for o in ho["top"][:8]))
     if not rows:
         return []
     return ["", f"{h} GPU trace of one uncounted pass (--torch-profile)", "",

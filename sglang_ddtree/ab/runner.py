@@ -142,7 +142,7 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             lv, outputs[c] = pick_repeat(reps)
             if prof_spec and c == prof_spec[0] and not (deadline_at is not None and time.time() > deadline_at - 30):
                 lv["torch_profile"] = _traced_pass(arm, base_url, prompts[:n], c, args, tmpdir, prof_spec[1],
-                                                   deadline_at)
+                                                   deadline_at, cpu=prof_spec[2])
             rec["levels"].append(lv)
             print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s (repeats "
                   f"{lv['output_throughput_repeats']}), TTFT med {lv['median_ttft_ms']} ms, ITL med "
@@ -177,10 +177,11 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
     return rec, outputs
 
 
-def _traced_pass(arm, base_url, prompts, c, args, tmpdir, steps, deadline_at) -> dict:
+def _traced_pass(arm, base_url, prompts, c, args, tmpdir, steps, deadline_at, cpu=False) -> dict:
     """One extra, uncounted pass of level ``c`` with SGLang's profiler on for ``steps`` scheduler
-    steps (CUPTI slows the GPU's host side: the measured repeats never carry a trace)."""
-    prof = LevelProfiler(base_url, os.path.join(tmpdir, f"trace_{arm['name']}_c{c}"), steps).start()
+    steps (CUPTI slows the GPU's host side: the measured repeats never carry a trace); ``cpu``: the
+    host's torch ops too."""
+    prof = LevelProfiler(base_url, os.path.join(tmpdir, f"trace_{arm['name']}_c{c}"), steps, cpu=cpu).start()
     try:
         http_json(base_url, "POST", "/flush_cache", timeout=30)
     except Exception:  # noqa: BLE001

@@ -9,8 +9,9 @@ busy time (union of kernel / memcpy / memset intervals) and idle time, both per 
 per category (attention, moe, gemm, ddtree, sampling, comm, copy, other) and per kernel name (top
 ``top``); the host calls that block (``cudaStreamSynchronize``, ``cudaEventSynchronize``,
 ``cudaDeviceSynchronize``, synchronous ``cudaMemcpy``) and graph launches, counts and time; the
-longest GPU idle gaps with the kernels on either side.  Kernels replayed inside CUDA graphs are
-traced by CUPTI like any other (their names are the captured kernels')."""
+longest GPU idle gaps with the kernels on either side; with ``:cpu`` the host's top-level torch ops
+per step (``host_ops``).  Kernels replayed inside CUDA graphs are traced by CUPTI like any other
+(their names are the captured kernels')."""
 from __future__ import annotations
 
 import gzip
@@ -107,6 +108,9 @@ def summarize_trace(path: str, steps: int, top: int = 25, gaps: int = 8) -> dict
             x[1] += 1
     out["host_calls_per_step"] = {n: dict(calls=round(v[1] / steps, 2), ms=round(v[0] / 1e3 / steps, 4))
                                   for n, v in sorted(hs.items(), key=lambda kv: -kv[1][0])}
+    ho = host_ops(ev, steps)
+    if ho is not None:
+        out["host_ops"] = ho
     # the longest idle gaps, with the kernels that end before and start after them
     starts = sorted(gpu, key=lambda e: float(e["ts"]))
     gap_list = []
@@ -133,23 +137,58 @@ def find_trace(trace_dir: str, since: float) -> Optional[str]:
     return max(files, key=os.path.getmtime) if files else None
 
 
-def parse_spec(spec: Optional[str]) -> Optional[Tuple[int, int]]:
-    """``C[:STEPS]`` -> (concurrency, steps); STEPS defaults to 30.  ValueError on anything else."""
+def parse_spec(spec: Optional[str]) -> Optional[Tuple[int, int, bool]]:
+    """``C[:STEPS][:cpu]`` (``C:cpu`` too) -> (concurrency, steps, cpu); STEPS defaults to 30; ``cpu`` also records
+    the host's torch ops (CPU activity: the host time per step by op).  ValueError otherwise."""
     if spec in (None, ""):
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(spec))
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?(?::\s*(cpu)\s*)?", str(spec))
     if not m or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
-        raise ValueError(f"--torch-profile wants C or C:STEPS (positive ints), got {spec!r}")
-    return int(m.group(1)), int(m.group(2) or 30)
+        raise ValueError(f"--torch-profile wants C, C:STEPS or C:STEPS:cpu (positive ints), got {spec!r}")
+    return int(m.group(1)), int(m.group(2) or 30), m.group(3) is not None
+
+
+def _top_level(ops: List[dict]) -> List[dict]:
+    """The host ops not nested in another op of the same thread (their durations add up)."""
+    out = []
+    by_tid: Dict[object, List[dict]] = {}
+    for e in ops:
+        by_tid.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        end = float("-inf")
+        for e in evs:
+            if float(e["ts"]) >= end - 1e-3:
+                out.append(e)
+                end = float(e["ts"]) + float(e["dur"])
+    return out
+
+
+def host_ops(ev: List[dict], steps: int, top: int = 20) -> Optional[dict]:
+    """Top-level ``cpu_op`` events (torch ops on the host) per step: count, ms, and the top names."""
+    ops = [e for e in ev if e.get("cat") == "cpu_op" and "dur" in e]
+    if not ops:
+        return None
+    tl = _top_level(ops)
+    by: Dict[str, List[float]] = {}
+    for e in tl:
+        x = by.setdefault(str(e.get("name", "?")), [0.0, 0])
+        x[0] += float(e["dur"])
+        x[1] += 1
+    return dict(ops_per_step=round(len(tl) / steps, 2), ms_per_step=round(sum(v[0] for v in by.values()) / 1e3 / steps, 4),
+                top=[dict(name=n[:100], ms_per_step=round(v[0] / 1e3 / steps, 4), calls_per_step=round(v[1] / steps, 2))
+                     for n, v in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]])
 
 
 class LevelProfiler:
     """Starts SGLang's profiler ``delay_s`` into a level (the batch full by then) from a thread, for
     ``steps`` scheduler steps; ``finish()`` waits for the trace and summarizes it."""
 
-    def __init__(self, base_url: str, trace_dir: str, steps: int, delay_s: float = 1.5, http=None):
+    def __init__(self, base_url: str, trace_dir: str, steps: int, delay_s: float = 1.5, http=None,
+                 cpu: bool = False):
         from .client import http_json
         self.base_url, self.trace_dir, self.steps, self.delay_s = base_url, trace_dir, steps, delay_s
+        self.activities = ["CPU", "GPU"] if cpu else ["GPU"]
         self._http = http or http_json
         self.t_start = time.time()
         self.error: Optional[str] = None
@@ -164,7 +203,7 @@ class LevelProfiler:
         time.sleep(self.delay_s)
         try:
             st, body = self._http(self.base_url, "POST", "/start_profile",
-                                  dict(output_dir=self.trace_dir, num_steps=self.steps, activities=["GPU"],
+                                  dict(output_dir=self.trace_dir, num_steps=self.steps, activities=self.activities,
                                        with_stack=False, record_shapes=False), timeout=300)
             if st != 200:
                 self.error = f"/start_profile answered {st}: {body[:200]!r}"
