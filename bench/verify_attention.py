@@ -375,6 +375,17 @@ def render_tune_md(rows) -> list:
     return L
 
 
+def achieved(doc, r) -> str:
+    """'B % / F %': the cell's bytes and FLOPs over our time, against the measured copy bandwidth
+    and matmul throughput ('-' without a GPU time)."""
+    us, bw, tf = r.get("ours_us"), doc.get("copy_gbs"), doc.get("matmul_tflops")
+    if not us or not bw or not tf or not r.get("flops"):
+        return "-"
+    b = r["floor_bytes"] / (us * 1e-6) / (bw * 1e9) * 100
+    fl = r["flops"] / (us * 1e-6) / (tf * 1e12) * 100
+    return f"{b:.0f} % / {fl:.0f} %"
+
+
 def render_md(doc) -> str:
     e = doc["env"]
     L = [f"# Tree-verify attention: ours vs the floor, SGLang's triton extend, flashinfer", "",
@@ -386,14 +397,18 @@ def render_md(doc) -> str:
          f"timed {doc.get('timing', 'eager')} (graph: the calls captured and replayed as the server's verify "
          f"is; no host launch overhead). Floor: max(bytes / copy bandwidth, FLOPs / matmul throughput); "
          f"bound says which.", "",
-         "| arch | bs | prefix | N | ours | floor | bound | ours / floor | SGLang extend | x | flashinfer | x | ok |",
-         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+         "achieved: ours' bytes (prefix + tree KV, q, out) / time as a % of the copy bandwidth, and its FLOPs / "
+         "time as a % of the matmul throughput: which of the two a cell that misses the floor is short of.", "",
+         "| arch | bs | prefix | N | ours | floor | bound | ours / floor | achieved BW / FLOPs | SGLang extend | x | "
+         "flashinfer | x | ok |",
+         "|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---|"]
 
     def f(v, nd=1):
         return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
     for r in doc["rows"]:
         L.append(f"| {r['arch']} | {r['bs']} | {r['prefix']} | {r['N']} | {f(r.get('ours_us'))} | "
                  f"{f(r.get('floor_us'))} | {r.get('bound', '-')} | {f(r.get('ours_x_floor'), 2)} | "
+                 f"{achieved(doc, r)} | "
                  f"{f(r.get('sglang_extend_us')) if 'sglang_extend_error' not in r else 'error'} | "
                  f"{f(r.get('ours_speedup_vs_sglang_extend'), 2)} | "
                  f"{f(r.get('flashinfer_us')) if 'flashinfer_error' not in r else 'n/a'} | "
@@ -423,6 +438,7 @@ def main(argv=None):
     ap.add_argument("--max-pool-gb", type=float, default=48.0)
     ap.add_argument("--eager-timing", action="store_true",
                     help="time eager calls (host launch overhead included) instead of CUDA-graph replays")
+    ap.add_argument("--render", metavar="JSON", help="rewrite JSON's markdown from it (nothing is measured)")
     ap.add_argument("--tune", action="store_true",
                     help="also try launch overrides (split count, tiles, warps, stages) on the TUNE_CELLS")
     ap.add_argument("--tune-only", action="store_true", help="only the tuning part (no grid)")
@@ -431,6 +447,14 @@ def main(argv=None):
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds: cells not started by then are listed as cut, and the files still written")
     a = ap.parse_args(argv)
+    if a.render:
+        with open(a.render) as f:
+            doc = json.load(f)
+        out = a.render[:-5] if a.render.endswith(".json") else a.render
+        with open(out + ".md", "w") as f:
+            f.write(render_md(doc))
+        print(f"wrote {out}.md")
+        return 0
     import time
     deadline_at = None if a.deadline is None else time.time() + a.deadline
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

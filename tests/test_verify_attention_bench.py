@@ -61,3 +61,18 @@ def test_occupancy_split_rule():
     # short prefixes keep chunks >= 256 tokens; the cap wins
     assert occupancy_num_splits(1, 64, 8, 600, sms=132) == default_num_splits(600) == 3
     assert occupancy_num_splits(1, 64, 8, 32768, sms=132, cap=7) == 7
+
+
+def test_committed_results_render_from_their_json(tmp_path):
+    """bench/results/verify_attention_h200.md is what --render makes of its JSON (the achieved
+    bandwidth / FLOP columns included), so the table and the numbers cannot drift apart."""
+    import shutil
+    src = os.path.join(REPO, "bench", "results", "verify_attention_h200")
+    shutil.copy(src + ".json", tmp_path / "va.json")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "verify_attention.py"), "--render",
+                        str(tmp_path / "va.json")], cwd=str(tmp_path), env=env_without_checkout(CUDA_VISIBLE_DEVICES=""),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = (tmp_path / "va.md").read_text()
+    assert got == open(src + ".md").read()
+    assert "| mla | 32 | 32768 | 64 | 56382.8 |" in got and "1 % / 24 %" in got
