@@ -14,7 +14,9 @@ graph batch); a backend
 without the state (the drafter's) and non-verify modes go to SGLang unchanged; start-up refusals.
 """
 import collections
+import contextlib
 import dataclasses
+import inspect
 import math
 import types
 
@@ -46,21 +48,40 @@ def randint(lo, hi, rng):
     return int(torch.randint(lo, hi + 1, (1,), generator=rng))
 
 
-@pytest.fixture
-def hooked():
-    """Our AROUND hook applied to TritonAttnBackend.forward_extend through HookRegistry; yields
-    SGLang's unhooked function; restores the class and the registry after."""
-    orig = TritonAttnBackend.__dict__["forward_extend"]
+@contextlib.contextmanager
+def _sglangs_own_forward_extend():
+    """TritonAttnBackend.forward_extend as SGLang ships it and an empty HookRegistry for the block;
+    the class and the registry as they were after.  An earlier test file's in-process load_plugins()
+    leaves our hook applied (it is installed by default), and SGLang's wrappers keep the wrapped
+    function as ``__wrapped__``: unwrapped here, so 'SGLang's path' is never ours."""
+    before = TritonAttnBackend.__dict__["forward_extend"]
     saved = (HookRegistry._hooks, HookRegistry._patched)
+    TritonAttnBackend.forward_extend = inspect.unwrap(before)
     HookRegistry._hooks, HookRegistry._patched = collections.defaultdict(list), set()
     try:
+        yield inspect.unwrap(before)
+    finally:
+        TritonAttnBackend.forward_extend = before
+        HookRegistry._hooks, HookRegistry._patched = saved
+
+
+@pytest.fixture
+def hooked():
+    """Our AROUND hook applied to SGLang's own TritonAttnBackend.forward_extend through
+    HookRegistry; yields SGLang's unhooked function; restores the class and the registry after."""
+    with _sglangs_own_forward_extend() as orig:
+        assert not VA.hook_installed()
         HookRegistry.register(P.TARGET, P.tree_verify_forward_extend, HookType.AROUND)
         HookRegistry.apply_hooks()
         assert TritonAttnBackend.forward_extend is not orig and VA.hook_installed()
+        assert inspect.unwrap(TritonAttnBackend.forward_extend) is orig
         yield orig
-    finally:
-        TritonAttnBackend.forward_extend = orig
-        HookRegistry._hooks, HookRegistry._patched = saved
+
+
+@pytest.fixture
+def unhooked():
+    with _sglangs_own_forward_extend() as orig:
+        yield orig
 
 
 class Model(torch.nn.Module):
@@ -363,7 +384,7 @@ def test_refusals_at_startup(hooked, rng):
     assert state.mask_words.shape == (MAX_BS, 3, 1) and state.mask_words.dtype == torch.int32
 
 
-def test_refused_without_the_hook_installed(rng):
+def test_refused_without_the_hook_installed(unhooked, rng):
     world = World(rng, arch="gqa", bs=1, N=3)
     with pytest.raises(ValueError, match="hook is not installed"):
         VA.enable(world.backend(), world.model, "DDTREE-GPU", env={})
