@@ -157,6 +157,8 @@ def enable_tree_verify_attention(attn_backend, model_runner, algo: str, drafter_
     ``=ddtree`` what is not covered, or a drafter verifying on the same backend object, is a
     ValueError."""
     if not verify_attn_hook.enabled(os.environ, algo):
+        logger.info("%s: target verify attention = SGLang's masked extend kernel (%s=sglang)",
+                    algo, verify_attn_hook.ENV)
         return None
     must = verify_attn_hook.required(os.environ, algo)
     target = verify_attention_backend(attn_backend)

@@ -201,6 +201,12 @@ def make_launcher(started, broken=(), mismatch=(), incremental=()):
             ("ddtree" if algo == "DDTREE-GPU" else "ddtreecpu") + f"_b{int(nd) - 1}")
         if name in broken:
             return DeadServer(log_path)
+        if algo and algo.startswith("DDTREE"):   # the worker's start-up line (verify_attn_hook / worker.py)
+            with open(log_path, "a") as f:
+                f.write("[2026-12-02 06:28:52] DDTREE-GPU: target verify attention = "
+                        + ("SGLang's masked extend kernel (SGLANG_DDTREE_VERIFY_ATTN=sglang)\n"
+                           if env.get("SGLANG_DDTREE_VERIFY_ATTN") == "sglang" else
+                           "sglang_ddtree tree_verify_attention (bitmask (64, 9, 1), 7 prefix splits)\n"))
         return FakeSGLang(int(flag("--port")), algo, nd, mismatch=name in mismatch, incremental=name in incremental,
                           profile=env.get("SGLANG_DDTREE_PROFILE_FILE"))
     return launcher
@@ -835,3 +841,17 @@ def test_torch_profile_pass_is_uncounted_summarized_and_rendered(tmp_path):
 def test_torch_profile_spec_is_checked(bad):
     with pytest.raises(SystemExit, match="torch-profile"):
         ab.main(["--torch-profile", bad, "--dry-run"])
+
+
+def test_each_arm_records_its_verify_attention(tmp_path):
+    """SGLANG_DDTREE_VERIFY_ATTN=auto decides per server: the A/B keeps what each DDTREE server logged
+    (ours, or SGLang's kernel and why) and the report says it beside the command line."""
+    args = _args(tmp_path, "--arms", "base,ddtree_b8,ddtree_b8_sglattn", "--repeats", "1", "--concurrency", "1")
+    doc = ab.run(args, launcher=make_launcher([]))
+    arms = {a["name"]: a for a in doc["arms"]}
+    assert "verify_attention" not in arms["base"]
+    assert arms["ddtree_b8"]["verify_attention"].startswith("sglang_ddtree tree_verify_attention (bitmask")
+    assert arms["ddtree_b8_sglattn"]["verify_attention"].startswith("SGLang's masked extend kernel")
+    md = open(str(tmp_path / "res" / "ab") + ".md").read()
+    assert "; target verify attention: sglang_ddtree tree_verify_attention" in md
+    assert ab.verify_attention_of(str(tmp_path / "nothing.log")) is None

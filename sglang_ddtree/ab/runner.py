@@ -51,6 +51,23 @@ def _profiles_by_window(levels, profile_path, base_url, prompts, deadline_at) ->
         _set_stage_profile(lv, [r for r in recs if w[0] - 0.05 <= r["t_first"] and r["t_last"] <= w[1] + 0.05])
 
 
+VERIFY_ATTN_LINE = "target verify attention = "
+
+
+def verify_attention_of(log_path: str) -> Optional[str]:
+    """What the DDTREE worker logged at start-up as its target verify attention (ours, or SGLang's
+    masked kernel and why: ``SGLANG_DDTREE_VERIFY_ATTN=auto`` decides per server), else None."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                i = line.find(VERIFY_ATTN_LINE)
+                if i >= 0:
+                    return line[i + len(VERIFY_ATTN_LINE):].strip()[:300]
+    except OSError:
+        return None
+    return None
+
+
 def _set_stage_profile(lv: dict, recs: List[dict]) -> None:
     """A level's stage split from its profile records, with the client time outside the GPU round."""
     sp = lv["stage_profile"] = aggregate_profile(recs)
@@ -101,7 +118,10 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             rec["log_tail"] = log_tail(log_path)
             print(f"[{arm['name']}] FAILED to start: {why}", flush=True)
             return rec, outputs
-        print(f"[{arm['name']}] up after {rec['start_s']} s", flush=True)
+        va = verify_attention_of(log_path)
+        if va:
+            rec["verify_attention"] = va
+        print(f"[{arm['name']}] up after {rec['start_s']} s{f'; verify attention: {va}' if va else ''}", flush=True)
         # warm-up: the widest batch once (short), then one full-length request
         tw = time.time()
         wn = min(len(prompts), max(levels))
