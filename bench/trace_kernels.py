@@ -16,12 +16,12 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sglang_ddtree.ab.trace import _load, category  # noqa: E402
+from sglang_ddtree.ab.trace import load_events, category  # noqa: E402
 
 
 def variants(path: str, match: str = None, top: int = 12) -> list:
     groups = {}
-    for e in _load(path):
+    for e in load_events(path):
         if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") != "kernel" or "dur" not in e:
             continue
         name = str(e.get("name", "?"))

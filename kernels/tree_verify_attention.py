@@ -187,6 +187,11 @@ def default_num_splits(bound: int) -> int:
     return max(1, min(MAX_SPLITS, -(-int(bound) // MIN_CHUNK)))
 
 
+def block_dim(d: int) -> int:
+    """The tile width of a head dimension ``d``: next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(int(d)))
+
+
 WAVES = 2            # target programs per SM of the partial kernel (H200 tuning, see occupancy_num_splits)
 _NUM_SMS = {}
 
@@ -282,8 +287,7 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
         raise ValueError(f"out must be [{T}, {Hq}, {DV}] with unit last stride")
     if T == 0:
         return out
-    BLOCK_D1 = max(16, triton.next_power_of_2(D1))
-    BLOCK_DV = max(16, triton.next_power_of_2(DV))
+    BLOCK_D1, BLOCK_DV = block_dim(D1), block_dim(DV)
     if num_splits is None:
         num_splits = occupancy_num_splits(bs, N * G, Hkv, k1.shape[0] if max_prefix is None else max_prefix,
                                           block_d1=BLOCK_D1, block_dv=BLOCK_DV, config=config,
@@ -305,7 +309,7 @@ def _launch(q1, q2, k1, k2, v, req_to_token, req_pool_indices, prefix_lens, mask
     req_to_token = req_to_token if req_to_token.stride(1) == 1 else req_to_token.contiguous()
     mask_words = mask_words.contiguous()
     M = N * G
-    BLOCK_D2 = max(16, triton.next_power_of_2(max(D2, 1)))
+    BLOCK_D2 = block_dim(max(D2, 1))
     cfg = launch_config(M, BLOCK_D1, BLOCK_DV, config)
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     MB = triton.cdiv(M, BLOCK_M)

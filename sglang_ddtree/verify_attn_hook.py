@@ -76,16 +76,17 @@ class VerifyAttnState:
     calls: int = 0           # hooked layer calls (host counter; tests and logs)
     splits_fixed: bool = False   # SGLANG_DDTREE_VERIFY_ATTN_SPLITS set: every batch uses num_splits
 
-    def splits_for(self, bs: int, M: int, Hkv: int, block_d1: int, block_dv: int) -> int:
-        """The split count of a verify of ``bs`` requests (host ints: a graph captured at one batch
-        size keeps its grid): ``num_splits`` is the cap, the kernel's occupancy rule picks below it
-        (large batches need no split: each split costs a partial write + merge read)."""
+    def splits_for(self, bs: int, M: int, Hkv: int, d1: int, dv: int) -> int:
+        """The split count of a verify of ``bs`` requests with head dims ``d1`` (scores) / ``dv``
+        (values) (host ints: a graph captured at one batch size keeps its grid): ``num_splits`` is
+        the cap (it already holds the context-length bound), the kernel's occupancy rule picks
+        below it (large batches need no split: each split costs a partial write + merge read)."""
         if self.splits_fixed:
             return self.num_splits
-        from sglang_ddtree.kernels.tree_verify_attention import occupancy_num_splits
-        return occupancy_num_splits(bs, M, Hkv, 1 << 30, block_d1=block_d1, block_dv=block_dv,
-                                    cap=self.num_splits, sms=None if not self.mask_words.is_cuda
-                                    else _sms(self.mask_words.device))
+        from sglang_ddtree.kernels.tree_verify_attention import block_dim, num_sms, occupancy_num_splits
+        dev = self.mask_words.device
+        return occupancy_num_splits(bs, M, Hkv, 1 << 30, block_d1=block_dim(d1), block_dv=block_dim(dv),
+                                    cap=self.num_splits, sms=num_sms(dev) if self.mask_words.is_cuda else None)
 
     @property
     def max_bs(self) -> int:
@@ -170,11 +171,6 @@ def backend_problems(backend, model) -> List[str]:
     if pool_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         why.append(f"KV cache dtype {pool_dtype}")
     return why + _layer_problems(model)
-
-
-def _sms(device) -> int:
-    from sglang_ddtree.kernels.tree_verify_attention import num_sms
-    return num_sms(device)
 
 
 def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
@@ -277,8 +273,7 @@ def forward_tree_verify(state: VerifyAttnState, backend, q, k, v, layer, forward
 
     pool = backend.token_to_kv_pool
     Hkv = 1 if state.use_mla else layer.tp_k_head_num
-    p2 = lambda x: 1 << max(4, (int(x) - 1).bit_length())   # noqa: E731 - the kernel's BLOCK_D rule
-    splits = state.splits_for(bs, N * (Hq // Hkv), Hkv, p2(DV if state.use_mla else D), p2(DV))
+    splits = state.splits_for(bs, N * (Hq // Hkv), Hkv, DV if state.use_mla else D, DV)
     common = dict(req_to_token=backend.req_to_token, req_pool_indices=forward_batch.req_pool_indices[:bs],
                   prefix_lens=forward_batch.seq_lens[:bs], mask_words=state.mask_words[:bs],
                   sm_scale=layer.scaling, num_splits=splits)

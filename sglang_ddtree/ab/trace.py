@@ -48,7 +48,8 @@ def category(name: str) -> str:
     return "other"
 
 
-def _load(path: str) -> List[dict]:
+def load_events(path: str) -> List[dict]:
+    """The events of a Chrome trace (``.json`` or ``.json.gz``; a bare list or ``traceEvents``)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         doc = json.load(f)
@@ -68,7 +69,7 @@ def _union(intervals: List[Tuple[float, float]]) -> Tuple[float, List[Tuple[floa
 
 def summarize_trace(path: str, steps: int, top: int = 25, gaps: int = 8) -> dict:
     """See the module docstring.  Times in ms; ``per_step`` values divide by ``steps``."""
-    ev = [e for e in _load(path) if isinstance(e, dict) and e.get("ph") == "X"]
+    ev = [e for e in load_events(path) if isinstance(e, dict) and e.get("ph") == "X"]
     gpu = [e for e in ev if e.get("cat") in GPU_CATS and "dur" in e]
     host = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
     steps = max(1, int(steps))
