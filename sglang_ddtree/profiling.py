@@ -6,6 +6,7 @@ completed rounds, append one JSON line::
 
   {"pid", "algo", "budget", "block_size", "topk", "rounds", "bs_mean",
    "stage_ms": {stage: {"median", "mean"}}, "round_ms": {...}, "host_ms": {...},
+   "host_stage_ms": {stage: {"median", "mean"}},
    "by_width": {width: {"rounds", "bs_mean", "verify_ms", "round_ms"}},   (DDTree rounds only)
    "t_first", "t_last"}   (wall clock, time.time(), at the end of the record's first and last round)
 
@@ -21,13 +22,15 @@ in DDTREE-CPU's heap, counts in the stage that waited):
   verify       the target's TARGET_VERIFY forward
   accept       argmax + accept walk (or the sampled accept)
   commit       output tokens, target KV move, drafter context K/V
-``host_ms`` is the host wall time of the worker call.  Events are read only once ``query()``
+``host_ms`` is the host wall time of the worker call; ``host_stage_ms`` splits it at the same marks
+(host wall time from one mark to the next: where the host's share of a round goes, e.g. a round
+whose GPU waits for a slow host launch path).  Events are read only once ``query()``
 reports them complete, so timing never blocks the round; read events go back to a pool and are
 recorded again (no event created per round once warm).
 
 With ``--enable-metrics`` the worker passes a ``sink`` (``round_stats.AcceptanceStats.stage_sink``):
 the profiler is then on without a file, and every ``every`` completed rounds the sink receives them,
-``[(stage ms list, round ms, host ms, bs, verify width or None)]`` (the Prometheus histograms
+``[(stage ms list, round ms, host ms, bs, verify width or None, host stage ms list)]`` (the Prometheus histograms
 ``sglang:ddtree_stage_ms`` etc., ``docs/metrics.md``).  Stock DFLASH servers write the same
 records (``patches/dflash_round_profile.py``: draft = the drafter block, tree = 0, verify_prep,
 verify, accept = verify end to the drafter's context append, commit = that append to the end).
@@ -99,12 +102,13 @@ class RoundProfiler:
     def begin(self) -> None:
         if not self.enabled:
             return
-        self._cur = ([self._event()], time.perf_counter())
+        self._cur = ([self._event()], [time.perf_counter()])
 
     def mark(self) -> None:
         if self._cur is None:
             return
         self._cur[0].append(self._event())
+        self._cur[1].append(time.perf_counter())
 
     def cancel(self) -> None:
         """Drop the current round (a round whose stage marks did not all come)."""
@@ -119,8 +123,9 @@ class RoundProfiler:
         """Close the round (``bs`` requests, verify width ``width``); read every finished round."""
         if self._cur is None:
             return
-        events, t0 = self._cur
+        events, ticks = self._cur
         self._cur = None
+        t_end = time.perf_counter()
         now = time.time()
         if self._last_end is not None and now - self._last_end > IDLE_GAP_S and (self._pending or self._done):
             # the server was idle (between benchmark levels, between bursts): the rounds before the
@@ -129,7 +134,8 @@ class RoundProfiler:
             if self._done:
                 self._flush()
         self._last_end = now
-        self._pending.append((events, (time.perf_counter() - t0) * 1e3, bs, width))
+        host_stages = [(ticks[i + 1] - ticks[i]) * 1e3 for i in range(len(ticks) - 1)]
+        self._pending.append((events, (t_end - ticks[0]) * 1e3, bs, width, host_stages))
         self._wall.append(now)
         self._collect()
         if len(self._done) >= self.every:
@@ -137,9 +143,9 @@ class RoundProfiler:
 
     def _collect(self) -> None:
         while self._pending and self._pending[0][0][-1].query():
-            ev, host_ms, b, w = self._pending.pop(0)
+            ev, host_ms, b, w, host_stages = self._pending.pop(0)
             self._done.append(([ev[i].elapsed_time(ev[i + 1]) for i in range(len(ev) - 1)],
-                               ev[0].elapsed_time(ev[-1]), host_ms, b, w))
+                               ev[0].elapsed_time(ev[-1]), host_ms, b, w, host_stages))
             self._pool.extend(ev)
 
     def _flush(self) -> None:
@@ -152,7 +158,9 @@ class RoundProfiler:
         rec = dict(self.meta, rounds=len(done), bs_mean=round(sum(d[3] for d in done) / len(done), 3),
                    stage_ms={s: _stats([d[0][i] for d in done]) for i, s in enumerate(STAGES)
                              if all(len(d[0]) > i for d in done)},
-                   round_ms=_stats([d[1] for d in done]), host_ms=_stats([d[2] for d in done]))
+                   round_ms=_stats([d[1] for d in done]), host_ms=_stats([d[2] for d in done]),
+                   host_stage_ms={s: _stats([d[5][i] for d in done]) for i, s in enumerate(STAGES)
+                                  if all(len(d) > 5 and len(d[5]) > i for d in done)})
         if len(wall) == len(done):
             rec.update(t_first=round(wall[0], 3), t_last=round(wall[-1], 3))
         by_width = _by_width(done)

@@ -146,8 +146,8 @@ class _Prometheus:
                 chosen.observe(int(b))
 
     def add_round_times(self, done: Sequence[tuple]) -> None:
-        """done: profiler rounds ``(stage ms list, round ms, host ms, bs, width or None)``."""
-        for stages, round_ms, host_ms, _bs, width in done:
+        """done: profiler rounds ``(stage ms list, round ms, host ms, bs, width or None[, host stage ms])``."""
+        for stages, round_ms, host_ms, _bs, width, *_ in done:
             hs = self._round_children(self.labels["budget"] if width is None else str(int(width) - 1))
             for h, ms in zip(hs[:len(STAGES)], stages):
                 h.observe(ms)

@@ -813,6 +813,66 @@ def test_rounds_per_verify_width_recorded_aggregated_and_rendered(tmp_path, monk
     assert "| ddtree_auto_vattn | 16 | 8 | 8 (80 %) |" in tail and "| dflash |" not in tail.split("##")[0]
 
 
+def test_host_time_per_stage_recorded_aggregated_and_rendered(tmp_path, monkeypatch):
+    """The profiler splits the worker call's host time at the stage marks (host_stage_ms: wall time
+    from one mark to the next), the A/B aggregates it like stage_ms, and the report renders the
+    host table; older records without it render no such table."""
+    import copy
+    import os
+
+    from sglang_ddtree import profiling
+    from sglang_ddtree.ab import report
+
+    path = tmp_path / "p.jsonl"
+    monkeypatch.setenv(profiling.ENV_FILE, str(path))
+    prof = profiling.RoundProfiler({"algo": "DDTREE-GPU"})
+    ticks = iter([10.0, 10.002, 10.0025, 10.004, 10.009, 10.0092, 10.010, 10.0105])
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: next(ticks))
+
+    class Ev:                                  # a finished CUDA event 1 ms after the previous one
+        n = 0
+
+        def __init__(self):
+            Ev.n += 1
+            self.t = Ev.n
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, other):
+            return float(other.t - self.t)
+
+    monkeypatch.setattr(prof, "_event", Ev)
+    prof.begin()
+    for _ in profiling.STAGES:
+        prof.mark()
+    prof.end(3, 8)
+    prof._flush()
+    rec = json.loads(path.read_text().splitlines()[-1])
+    want = {"draft": 2.0, "tree": 0.5, "verify_prep": 1.5, "verify": 5.0, "accept": 0.2, "commit": 0.8}
+    assert {k: v["median"] for k, v in rec["host_stage_ms"].items()} == pytest.approx(want, abs=1e-6)
+    assert rec["host_ms"]["median"] == pytest.approx(10.5, abs=1e-6)
+    assert rec["stage_ms"]["verify"]["median"] == 1.0
+    rec2 = dict(rec, rounds=3, host_stage_ms={k: {"median": 2 * v} for k, v in want.items()})
+    agg = ab.aggregate_profile([rec, rec2])
+    assert agg["host_stage_ms"]["verify"] == pytest.approx((5.0 + 3 * 10.0) / 4, abs=1e-4)
+    old = {k: v for k, v in rec.items() if k != "host_stage_ms"}
+    assert "host_stage_ms" not in ab.aggregate_profile([old])
+
+    base_doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                                           "ab_h200_kimicost_chain.json")))
+    assert "Host time per stage" not in report.render_markdown(base_doc)
+    doc = copy.deepcopy(base_doc)
+    lv = next(lv for a in doc["arms"] if a["name"] == "dflash" for lv in a["levels"] if lv["concurrency"] == 1)
+    lv["stage_profile"]["host_stage_ms"] = agg["host_stage_ms"]
+    lv["stage_profile"]["host_ms"] = 20.0
+    tail = report.render_markdown(doc).split("Host time per stage")[1].split("##")[0]
+    row = next(r for r in tail.splitlines() if r.startswith("| dflash | 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[3 + profiling.STAGES.index("verify")]) == pytest.approx(agg["host_stage_ms"]["verify"], abs=1e-3)
+    assert float(cells[-2]) == pytest.approx(20.0 - sum(agg["host_stage_ms"].values()), abs=2e-3)   # rest
+
+
 def test_torch_profile_pass_is_uncounted_summarized_and_rendered(tmp_path):
     """--torch-profile 4:5: after level 4's repeats, one extra pass with /start_profile; its trace's
     summary is in the level (per-step busy / idle / categories), the measured numbers are the

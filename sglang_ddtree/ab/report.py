@@ -345,6 +345,25 @@ def _render_run(doc, top=True):
               "|---|---:|---:|---:|" + "---:|" * (len(STAGES) + 6)] + rows
     else:
         L += ["No stage records (no DDTREE arm measured, or --no-stage-profile)."]
+    hrows = []
+    for a in arms:
+        for lv in a.get("levels") or []:
+            sp = lv.get("stage_profile") or {}
+            hst = sp.get("host_stage_ms")
+            if hst:
+                rest = (sp["host_ms"] - sum(hst.values())) if sp.get("host_ms") is not None else None
+                hrows.append(f"| {a['name']} | {lv['concurrency']} | {_f(sp.get('bs_mean'))} | "
+                             + " | ".join(_f(hst.get(k), 3) for k in STAGES)
+                             + f" | {_f(sp.get('host_ms'), 3)} | {_f(rest, 3)} | {_f(sp.get('round_ms'), 3)} |")
+    if hrows:
+        L += ["", f"{h} Host time per stage (ms, host wall time between the same marks, per-record medians "
+                  "weighted by rounds)", "",
+              "Where the worker call's host time goes: each column is the host's time from one stage mark to the "
+              "next (draft: from the call's start to the drafter forward's return, launch and its graph-replay "
+              "preparation included); host = the whole call; rest = host - the stages' sum (medians do not add "
+              "exactly); round = the GPU round. A host at or above the GPU round means the GPU waits for launches.", "",
+              "| arm | c | bs mean | " + " | ".join(STAGES) + " | host | rest | round |",
+              "|---|---:|---:|" + "---:|" * (len(STAGES) + 3)] + hrows
     wrows = []
     for a in arms:
         for lv in a.get("levels") or []:

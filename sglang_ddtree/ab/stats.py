@@ -107,8 +107,13 @@ def aggregate_profile(recs: List[dict]) -> Optional[dict]:
                round_ms=wavg(lambda r: (r.get("round_ms") or {}).get("median")),
                host_ms=wavg(lambda r: (r.get("host_ms") or {}).get("median")),
                stage_ms={s: wavg(lambda r, s=s: ((r.get("stage_ms") or {}).get(s) or {}).get("median"))
-                         for s in STAGES})
+                         for s in STAGES},
+               host_stage_ms={s: wavg(lambda r, s=s: ((r.get("host_stage_ms") or {}).get(s) or {}).get("median"))
+                              for s in STAGES})
     out["stage_ms"] = {k: v for k, v in out["stage_ms"].items() if v is not None}
+    out["host_stage_ms"] = {k: v for k, v in out["host_stage_ms"].items() if v is not None}
+    if not out["host_stage_ms"]:
+        del out["host_stage_ms"]
     widths = sorted({int(k) for r in recs for k in (r.get("by_width") or {})})
     if widths:   # per verify width (adaptive arms): rounds summed, medians weighted by their rounds
         bw = {}
