@@ -155,12 +155,13 @@ class RoundProfiler:
             self.sink(done)
         if not self.path:
             return
+        def per_stage(j):   # {stage: stats} over the rounds' stage lists at tuple index j
+            return {s: _stats([d[j][i] for d in done]) for i, s in enumerate(STAGES)
+                    if all(len(d) > j and len(d[j]) > i for d in done)}
+
         rec = dict(self.meta, rounds=len(done), bs_mean=round(sum(d[3] for d in done) / len(done), 3),
-                   stage_ms={s: _stats([d[0][i] for d in done]) for i, s in enumerate(STAGES)
-                             if all(len(d[0]) > i for d in done)},
-                   round_ms=_stats([d[1] for d in done]), host_ms=_stats([d[2] for d in done]),
-                   host_stage_ms={s: _stats([d[5][i] for d in done]) for i, s in enumerate(STAGES)
-                                  if all(len(d) > 5 and len(d[5]) > i for d in done)})
+                   stage_ms=per_stage(0), round_ms=_stats([d[1] for d in done]),
+                   host_ms=_stats([d[2] for d in done]), host_stage_ms=per_stage(5))
         if len(wall) == len(done):
             rec.update(t_first=round(wall[0], 3), t_last=round(wall[-1], 3))
         by_width = _by_width(done)

@@ -102,18 +102,18 @@ def aggregate_profile(recs: List[dict]) -> Optional[dict]:
         ww = sum(k for _, k in vals)
         return round(sum(v * k for v, k in vals) / ww, 4) if ww else None
 
+    def per_stage(key):   # {stage: weighted median} of the stages the records have
+        vals = {s: wavg(lambda r, s=s: ((r.get(key) or {}).get(s) or {}).get("median")) for s in STAGES}
+        return {k: v for k, v in vals.items() if v is not None}
+
     out = dict(rounds=w, records=len(recs), pids=len({r.get("pid") for r in recs}),
                bs_mean=wavg(lambda r: r.get("bs_mean")),
                round_ms=wavg(lambda r: (r.get("round_ms") or {}).get("median")),
                host_ms=wavg(lambda r: (r.get("host_ms") or {}).get("median")),
-               stage_ms={s: wavg(lambda r, s=s: ((r.get("stage_ms") or {}).get(s) or {}).get("median"))
-                         for s in STAGES},
-               host_stage_ms={s: wavg(lambda r, s=s: ((r.get("host_stage_ms") or {}).get(s) or {}).get("median"))
-                              for s in STAGES})
-    out["stage_ms"] = {k: v for k, v in out["stage_ms"].items() if v is not None}
-    out["host_stage_ms"] = {k: v for k, v in out["host_stage_ms"].items() if v is not None}
-    if not out["host_stage_ms"]:
-        del out["host_stage_ms"]
+               stage_ms=per_stage("stage_ms"))
+    host_stages = per_stage("host_stage_ms")
+    if host_stages:
+        out["host_stage_ms"] = host_stages
     widths = sorted({int(k) for r in recs for k in (r.get("by_width") or {})})
     if widths:   # per verify width (adaptive arms): rounds summed, medians weighted by their rounds
         bw = {}
