@@ -255,6 +255,13 @@ def test_parse_arms_and_commands():
         with pytest.raises(ValueError, match="only DDTREE-GPU arms"):
             ab.parse_arms(bad)
     assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,31" and v["ddtree_auto_vattn"]["auto"]
+    t = {a["name"]: a for a in ab.parse_arms("ddtree_b7_torchcommit,ddtree_auto_vattn_torchcommit")}
+    assert t["ddtree_b7_torchcommit"]["env"] == {"SGLANG_DDTREE_COMMIT_OPS": "torch"}
+    assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
+    assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_COMMIT_OPS"] == "torch"
+    for bad in ("dflash_torchcommit", "ddtree_b7_torchcommit_torchcommit"):
+        with pytest.raises(ValueError):
+            ab.parse_arms(bad)
     opts = dict(python="py", model_path="T", draft_model_path="D", maxc=64, token_ids=True,
                 server_args="--mem-fraction-static 0.5 --tp-size 1")
     cmd = ab.build_server_cmd(d["ddtree_b8"], opts, 31000)

@@ -18,6 +18,10 @@ ALGO = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "
 
 # ------------------------------------------------------------------------------------------ arms
 AUTO_BUDGETS = (7, 15, 31)
+# DDTree arm suffix -> (server environment variable, value); at most one per variable
+ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree"),
+                ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang"),
+                ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch"))
 
 
 def parse_arm(name: str) -> dict:
@@ -28,22 +32,24 @@ def parse_arm(name: str) -> dict:
     in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify must run our tree-verify attention
     (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``; the server refuses to start where it does not cover), or
     in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
-    default (``auto``: ours where it covers the verify)."""
+    default (``auto``: ours where it covers the verify).  ``_torchcommit`` (e.g.
+    ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
+    (``SGLANG_DDTREE_COMMIT_OPS=torch``), to measure the fused commit kernel in the same run."""
     name = name.strip()
-    for suffix, value in (("_vattn", "ddtree"), ("_sglattn", "sglang")):
+    for suffix, var, value in ARM_SUFFIXES:
         if not name.endswith(suffix):
             continue
         arm = parse_arm(name[:-len(suffix)])
-        if arm["kind"] != "ddtree" or "SGLANG_DDTREE_VERIFY_ATTN" in (arm.get("env") or {}):
+        if arm["kind"] != "ddtree" or var in (arm.get("env") or {}):
             raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once "
                              f"(ddtree_b<B>{suffix}, ddtree_auto{suffix})")
         arm["name"] = name
-        arm["env"] = dict(arm.get("env") or {}, SGLANG_DDTREE_VERIFY_ATTN=value)
+        arm["env"] = dict(arm.get("env") or {}, **{var: value})
         return arm
     kind, _, rest = name.partition("_")
     if kind not in ALGO:
         raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto, "
-                         "ddtree_b<B>_vattn, ddtree_b<B>_sglattn)")
+                         "ddtree_b<B>_vattn, ddtree_b<B>_sglattn, ddtree_b<B>_torchcommit)")
     if kind == "ddtree" and (rest == "auto" or rest.startswith("auto_")):
         spec = rest[len("auto_"):] if rest.startswith("auto_") else ""
         if spec and not (spec.startswith("b") and all(x.isdigit() for x in spec[1:].split("-"))):
