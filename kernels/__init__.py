@@ -5,6 +5,7 @@ _interpreter_compat.apply()  # before any kernel runs under TRITON_INTERPRET (se
 
 from .accept_greedy import accept_greedy_triton
 from .accept_sampled import accept_sampled_ref, accept_sampled_triton
+from .commit_round import commit_round_reference, commit_round_triton
 from .topk_logprobs import (topk_logprobs_torch, topk_logprobs_triton, topk_merge_triton,
                             topk_partial_triton)
 from .tree_build import build_tree_triton, key_layout
@@ -16,6 +17,8 @@ __all__ = [
     "accept_sampled_ref",
     "accept_sampled_triton",
     "build_tree_triton",
+    "commit_round_reference",
+    "commit_round_triton",
     "key_layout",
     "topk_logprobs_torch",
     "topk_logprobs_triton",

@@ -25,7 +25,8 @@ import torch
 from . import reference as _ref
 
 __all__ = ["Tree", "Accept", "topk_logprobs", "build_tree", "tree_mask", "verify_mask",
-           "accept_greedy", "accept_sampled", "tree_verify_attention", "tree_verify_attention_mla"]
+           "accept_greedy", "accept_sampled", "RoundCommit", "commit_round", "tree_verify_attention",
+           "tree_verify_attention_mla"]
 
 _BACKENDS = ("triton", "reference")
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -379,6 +380,82 @@ def accept_sampled(tree: Tree, target_probs: torch.Tensor, uniforms: torch.Tenso
     res = accept_sampled_triton(tree.tokens, tree.parent, target_probs, uniforms, D,
                                 out=None if out is None else (out.accept_len, out.path, out.bonus))
     return Accept(*res)
+
+
+@dataclasses.dataclass
+class RoundCommit:
+    """What a round commits (``commit_round``), per request b, ``W = D + 1``, ``B`` drafter block:
+    out_tokens [bs, W] int64 (the accepted path's tokens, the bonus at column accept_len, then 0);
+    commit_lens [bs] int32 (= accept_len + 1); new_seq_lens [bs] (prefix's dtype, = prefix +
+    commit_lens); hidden_rows [bs * W] int64 (verify row ``b * N + path[b, i]`` per path position,
+    the root's for padding: ``hidden.index_select(0, hidden_rows)``); block_loc [bs, B] or None
+    (``req_to_token[r, prefix + j]`` after the commit: the drafter's context K/V slots)."""
+
+    out_tokens: Optional[torch.Tensor] = None
+    commit_lens: Optional[torch.Tensor] = None
+    new_seq_lens: Optional[torch.Tensor] = None
+    hidden_rows: Optional[torch.Tensor] = None
+    block_loc: Optional[torch.Tensor] = None
+
+
+def commit_round(tree: Tree, accept: Accept, prefix: torch.Tensor, req_pool_indices: torch.Tensor,
+                 req_to_token: torch.Tensor, *, remap: bool = True, block_size: Optional[int] = None,
+                 out: Optional[RoundCommit] = None, backend: str = "triton") -> RoundCommit:
+    """Commit one round in one launch (``kernels/commit_round.py`` states it exactly).
+
+    prefix [bs] int32/int64 (the committed length before the round: ``seq_lens``);
+    req_to_token [R, L] (page size 1, the verify wrote slot i's K/V at ``req_to_token[r, prefix + i]``).
+    ``remap``: permute ``req_to_token[r, prefix : prefix + N]`` so the accepted path's locations come
+    first (``tree_ops.commit_path_slots``); ``block_size`` B: also return ``block_loc [bs, B]`` (after
+    the remap).  ``out``: a RoundCommit whose non-None tensors are written (block_loc there asks for
+    it with its width); the rest are allocated.  No host sync.
+    """
+    if not isinstance(tree, Tree) or not isinstance(accept, Accept):
+        raise ValueError("commit_round needs a Tree and an Accept")
+    bs, N = tree.tokens.shape
+    W = accept.path.shape[1]
+    for name, t, dt in (("prefix", prefix, (torch.int32, torch.int64)),
+                        ("req_pool_indices", req_pool_indices, (torch.int32, torch.int64))):
+        _check_tensor(name, t, 1, dt)
+        if t.shape[0] != bs:
+            raise ValueError(f"{name} must have shape [{bs}], got {tuple(t.shape)}")
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32, torch.int64))
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    if (accept.accept_len.shape != (bs,) or accept.path.dim() != 2 or accept.path.shape[0] != bs
+            or accept.accept_len.dtype != torch.int32 or accept.path.dtype != torch.int32):
+        raise ValueError(f"accept must hold accept_len [{bs}] int32 and path [{bs}, W] int32")
+    if accept.bonus.shape != (bs,) or accept.bonus.dtype != torch.int64:
+        raise ValueError(f"accept.bonus must be [{bs}] int64")
+    if any(t.device != prefix.device for t in (tree.tokens, accept.path, accept.accept_len, accept.bonus,
+                                                req_pool_indices, req_to_token)):
+        raise ValueError("commit_round's tensors must all be on prefix's device")
+    out = RoundCommit() if out is None else out
+    if out.block_loc is not None:
+        if block_size is not None and out.block_loc.shape[1] != block_size:
+            raise ValueError(f"out.block_loc has width {out.block_loc.shape[1]}, block_size is {block_size}")
+        block_size = out.block_loc.shape[1]
+    want = {"out_tokens": ((bs, W), torch.int64), "commit_lens": ((bs,), torch.int32),
+            "new_seq_lens": ((bs,), prefix.dtype), "hidden_rows": ((bs * W,), torch.int64),
+            "block_loc": (None if block_size is None else (bs, block_size), None)}
+    bufs = []
+    for name, (shape, dtype) in want.items():
+        t = getattr(out, name)
+        if t is None and shape is not None:
+            t = torch.empty(shape, dtype=dtype or torch.int64, device=prefix.device)
+        elif t is not None and (tuple(t.shape) != shape or not t.is_contiguous() or t.device != prefix.device
+                                or dtype not in (None, t.dtype)):
+            raise ValueError(f"out.{name} must be a contiguous {dtype or 'int'} tensor of shape {shape} "
+                             f"on {prefix.device}")
+        bufs.append(t)
+    _check_backend(backend, prefix)
+    from .kernels import commit_round as _cr
+
+    fn = _cr.commit_round_reference if backend == "reference" else _cr.commit_round_triton
+    res = fn(*(t.contiguous() for t in (tree.tokens, accept.path, accept.accept_len, accept.bonus, prefix,
+                                        req_pool_indices)),
+             req_to_token, remap=remap, block_size=block_size, out=tuple(bufs))
+    return RoundCommit(*res)
 
 
 # ------------------------------------------------------------------ tree-verify attention

@@ -18,7 +18,8 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
    ``patches/decode_graph_spec_info.py``);
 5. accept: greedy -> ``accept_greedy`` on the target argmax; sampled batches -> SGLang's target-only
    tree sampling kernel over the tree's first-child / next-sibling links (lossless);
-6. commit: the accepted slots' target KV moves to ``prefix + 0..a`` (SGLang's
+6. commit (``ddtree.commit_round``, one launch): the accepted slots' target KV locations move to
+   ``prefix + 0..a`` in ``req_to_token`` (``SGLANG_DDTREE_KV_COMMIT=move``: the K/V itself, SGLang's
    ``move_accept_tokens_to_target_kvcache``), the drafter's context K/V for those positions is
    materialised from the accepted slots' target hidden states, and the bonus token is relayed.
 
@@ -69,10 +70,24 @@ _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
 KV_COMMIT_ENV = "SGLANG_DDTREE_KV_COMMIT"
 
 
+COMMIT_OPS_ENV = "SGLANG_DDTREE_COMMIT_OPS"
+
+
+def commit_ops_backend(env, algo: str, tree_backend: str) -> str:
+    """The backend of a round's ``ddtree.commit_round``: ``fused`` (default) = the one Triton launch
+    (``tree_backend``), ``torch`` = the torch-op composition it replaced (``backend="reference"``, on
+    the same device; same outputs): kept so an A/B can measure the fused kernel in the same run
+    (arm suffix ``_torchcommit``)."""
+    mode = (env.get(COMMIT_OPS_ENV) or "fused").strip().lower()
+    if mode not in ("fused", "torch"):
+        raise ValueError(f"{algo}: {COMMIT_OPS_ENV} must be 'fused' or 'torch', got {env.get(COMMIT_OPS_ENV)!r}")
+    return tree_backend if mode == "fused" else "reference"
+
+
 def kv_commit_mode(env, algo: str) -> str:
     """How a round commits the accepted path's target K/V: ``remap`` (default) permutes the request's
-    ``req_to_token`` row over the verify slots (``tree_ops.commit_path_slots``: a few small ops,
-    whatever the layer count); ``move`` copies each layer's K/V rows into place with SGLang's
+    ``req_to_token`` row over the verify slots (in ``ddtree.commit_round``, the round's one commit
+    launch, whatever the layer count); ``move`` copies each layer's K/V rows into place with SGLang's
     ``move_accept_tokens_to_target_kvcache`` (two indexing ops per layer: 122 launches on a 61-layer
     target).  Both need page size 1, which the plugin requires (``spec_algo``)."""
     mode = (env.get(KV_COMMIT_ENV) or "remap").strip().lower()
@@ -251,48 +266,58 @@ def warm_batch_sizes(max_bs: int):
 
 def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, max_bs: int,
                        tree_backend: str, full_mask: bool, device, req_to_token=None,
-                       assign_locs=None) -> dict:
+                       assign_locs=None, kv_commit: str = "remap") -> dict:
     """Run every per-round kernel once per (verify width, batch-size bucket), and SGLang's
     ``assign_extend_cache_locs`` once per bucket, on throwaway inputs at start-up.
 
     A Triton kernel's first launch with a new set of constexpr / specialisation values compiles it
     (or loads it from the disk cache) inside the scheduler process: tens of ms to a second during
     which no request advances.  Ours take N-dependent constexprs (``build_tree`` / ``tree_mask`` /
-    ``accept_greedy``: the next power of two of N; N itself specialised when divisible by 16) and
-    ``verify_mask`` a batch-size one; SGLang's ``assign_extend_cache_locs`` specialises on
-    ``next_power_of_2(bs)`` and the row length of ``req_to_token`` (hence its zero copy here).  With
-    the adaptive budget every width first used mid-serving would stall the batch.  widths: verify
-    widths (1 = no speculation: nothing of ours runs).  Returns {"widths", "batch_sizes", "s"}."""
+    ``accept_greedy`` / ``commit_round``: the next power of two of N; N itself specialised when 1 or
+    divisible by 16) and ``verify_mask`` a batch-size one; ``commit_round`` also specialises on the
+    row length of ``req_to_token`` (its stride) and on ``kv_commit`` / whether it writes the drafter's
+    slots (N > 1 under remap), as the round calls it; SGLang's ``assign_extend_cache_locs``
+    specialises on ``next_power_of_2(bs)`` and the row length of ``req_to_token`` (hence the zero
+    row here).  With the adaptive budget every width first used mid-serving would stall the batch.
+    widths: verify widths (1 = no speculation: only the accept and the commit run).
+    Returns {"widths", "batch_sizes", "s"}."""
     import time as _time
 
     t0 = _time.perf_counter()
     D, dev = block_size - 1, device
     sizes = warm_batch_sizes(int(max_bs))
     K = max(1, min(int(topk), int(vocab_size)))
-    done = []
-    for N in sorted({int(w) for w in widths}):
-        if N <= 1:
-            continue
-        for b in sizes:
-            lp = torch.randn(b, D, K, device=dev).log_softmax(-1).sort(-1, descending=True).values
-            ids = torch.randint(0, int(vocab_size), (b, D, K), device=dev, dtype=torch.int64)
-            roots = torch.zeros(b, dtype=torch.int64, device=dev)
-            tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=roots, backend=tree_backend, validate=False)
-            if full_mask:
-                ddtree.verify_mask(tree, torch.ones(b, dtype=torch.int64, device=dev),
-                                   backend=tree_backend, validate=False)
-            ddtree.accept_greedy(tree, torch.zeros(b, N, dtype=torch.int64, device=dev),
-                                 backend=tree_backend, validate=False)
-        done.append(N)
-    if assign_locs is not None and req_to_token is not None:
-        rows = torch.zeros(1, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
+    widths = sorted({int(w) for w in widths if int(w) >= 1})
+    row = (torch.zeros(1, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
+           if req_to_token is not None else
+           torch.zeros(1, max([block_size, *widths]), dtype=torch.int32, device=dev))
+    remap = kv_commit == "remap"
+    for N in widths:
         for b in sizes:
             zeros = torch.zeros(b, dtype=torch.int64, device=dev)
-            assign_locs(req_pool_indices=zeros, req_to_token=rows, start_offset=zeros,
+            if N > 1:
+                lp = torch.randn(b, D, K, device=dev).log_softmax(-1).sort(-1, descending=True).values
+                ids = torch.randint(0, int(vocab_size), (b, D, K), device=dev, dtype=torch.int64)
+                tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=zeros, backend=tree_backend,
+                                         validate=False)
+                if full_mask:
+                    ddtree.verify_mask(tree, torch.ones(b, dtype=torch.int64, device=dev),
+                                       backend=tree_backend, validate=False)
+            else:
+                tree = adaptive.root_only_tree(zeros, D)
+            acc = ddtree.accept_greedy(tree, torch.zeros(b, N, dtype=torch.int64, device=dev),
+                                       backend=tree_backend, validate=False)
+            # every request on the one zero row: the (throwaway) permutation moves zeros
+            ddtree.commit_round(tree, acc, zeros, zeros, row, remap=remap,
+                                block_size=block_size if remap and N > 1 else None, backend=tree_backend)
+    if assign_locs is not None and req_to_token is not None:
+        for b in sizes:
+            zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+            assign_locs(req_pool_indices=zeros, req_to_token=row, start_offset=zeros,
                         end_offset=zeros + 1, batch_size=b, draft_token_num=1, device=dev)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
-    return {"widths": done, "batch_sizes": sizes, "s": round(_time.perf_counter() - t0, 3)}
+    return {"widths": widths, "batch_sizes": sizes, "s": round(_time.perf_counter() - t0, 3)}
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -318,6 +343,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self.num_verify = self.settings.num_verify_tokens
         self.topk = self.settings.topk
         self._kv_commit = kv_commit_mode(os.environ, self.algo_name)
+        self._commit_backend = commit_ops_backend(os.environ, self.algo_name, self.tree_backend)
         # adaptive budget (issue 17): None unless SGLANG_DDTREE_BUDGETS / _NO_SPEC ask for it; the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
         self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
@@ -383,7 +409,7 @@ class DDTreeWorker(DFlashWorkerV2):
                     full_mask=verify_attn_hook.state_of(
                         verify_attention_backend(mr.attn_backend)) is None,
                     device=self.device, req_to_token=mr.req_to_token_pool.req_to_token,
-                    assign_locs=assign_extend_cache_locs_func)
+                    assign_locs=assign_extend_cache_locs_func, kv_commit=self._kv_commit)
             except Exception as e:  # noqa: BLE001
                 logger.warning("%s: warming the per-round kernels failed (%s: %s); their first uses "
                                "will compile them while serving", self.algo_name, type(e).__name__, e)
@@ -756,23 +782,21 @@ class DDTreeWorker(DFlashWorkerV2):
             self._adaptive.record(path, N)
         prof.mark()
 
-        # 6) commit --------------------------------------------------------------------------------
-        commit_lens = (accept_len + 1).to(torch.int32)
-        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
-        # accepted path tokens, then the bonus; the scheduler reads the first accept_len + 1
-        out_tokens = ddtree.Accept(accept_len, path, bonus).new_tokens(tree).clamp_(min=0)
+        # 6) commit: one launch (ddtree.commit_round): the emitted tokens (accepted path tokens, then the
+        # bonus; the scheduler reads the first accept_len + 1), the lengths, the verify rows of the
+        # path's hidden states; under "remap" also the accepted slots' locations moved to positions
+        # prefix + 0..a (K/V stays where the verify wrote it) and, for N > 1, the drafter's context
+        # K/V slots read from the remapped row (its K/V then goes to the same locations)
+        remap = getattr(self, "_kv_commit", "remap") == "remap"
+        com = ddtree.commit_round(
+            tree, ddtree.Accept(accept_len, path, bonus), prefix, batch.req_pool_indices,
+            self.model_runner.req_to_token_pool.req_to_token, remap=remap,
+            out=ddtree.RoundCommit(block_loc=block_loc) if remap and N > 1 else None,
+            backend=getattr(self, "_commit_backend", self.tree_backend))
+        out_tokens, commit_lens, new_seq_lens = com.out_tokens, com.commit_lens, com.new_seq_lens
         if getattr(batch, "return_logprob", False):
             logprobs.fill_round_logprobs(batch, logits_output, path, out_tokens, N)
-        if getattr(self, "_kv_commit", "remap") == "remap":
-            # the accepted slots' locations move to positions prefix + 0..a (K/V stays where the
-            # verify wrote it); the drafter's context K/V then goes to the same locations
-            req_to_token = self.model_runner.req_to_token_pool.req_to_token
-            tree_ops.commit_path_slots(req_to_token, batch.req_pool_indices, prefix, path, N)
-            if N > 1:
-                cols = prefix.to(torch.int64).view(bs, 1) + torch.arange(
-                    self.block_size, device=prefix.device, dtype=torch.int64)
-                block_loc.copy_(req_to_token[batch.req_pool_indices.to(torch.int64).view(bs, 1), cols])
-        else:
+        if not remap:
             move_accept_tokens_to_target_kvcache(
                 batch, tree_ops.accept_index_from_path(path, N), accept_len.to(torch.int64),
                 batch.token_to_kv_pool_allocator)
@@ -782,7 +806,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if hidden is None:
             raise RuntimeError(f"{self.algo_name}: the target verify returned no hidden states")
         self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=tree_ops.gather_path_rows(hidden, path), cache_loc=block_loc.reshape(-1),
+            target_hidden=hidden.index_select(0, com.hidden_rows), cache_loc=block_loc.reshape(-1),
             cache_loc_2d=block_loc, positions=block_pos.reshape(-1), commit_lens=commit_lens)
         logits_output.hidden_states = None
         self._rounds += 1

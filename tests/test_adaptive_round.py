@@ -322,6 +322,41 @@ def test_policy_switches_widths_and_learns_from_wide_rounds(world):
     assert_lossless(wd)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fake world is on the CPU: its Triton path needs "
+                    "the interpreter (on a GPU host the kernel's own tests run on CUDA)")
+def test_rounds_commit_through_the_triton_kernel_losslessly(world, monkeypatch):
+    """The round with every kernel on the Triton path (the interpreter on the CPU), the fused commit
+    included: the fake target checks each committed position's K/V location before every verify and
+    run_round the drafter's slots and positions; widths 16, 4 and 1 (no speculation) in a cycle."""
+    from sglang_ddtree.kernels import commit_round as CR
+
+    launched = []
+    real = CR.commit_round_triton
+    monkeypatch.setattr(CR, "commit_round_triton", lambda *a, **kw: launched.append(kw["out"][4] is not None)
+                        or real(*a, **kw))
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1",
+           "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "15,3,0,15,0,3"}
+    wd = make_worker(world, env)
+    wd.w.tree_backend = "triton"
+    plain_head = wd.w._eager_topk
+
+    def head(positions, bs):
+        """The fake drafter with T's token always at rank 0 (flat log-probs: siblings take the low
+        slots first, so an accepted path of depth >= 2 is not slots 0, 1, 2, ...)."""
+        h = plain_head(positions, bs)
+        ids = h.ids.view(bs, B - 1, K)
+        truth = wd.T.gather(1, positions.view(bs, B)[:, 1:])
+        ids.masked_fill_(ids == truth.unsqueeze(-1), (V - 2))
+        ids[..., 0] = truth
+        return h
+    wd.w._eager_topk = head
+    widths = [run_round(wd)["N"] for _ in range(6)]
+    assert widths == [16, 4, 1, 16, 1, 4]
+    assert launched == [N > 1 for N in widths]          # one launch a round; drafter slots for N > 1
+    assert_lossless(wd)
+    assert all(int(c.max()) >= 3 for c, N in zip((r["commit"] for r in wd.log), widths) if N == 16)
+
+
 def test_kv_commit_mode_env():
     assert W.kv_commit_mode({}, "DDTREE-GPU") == "remap"
     assert W.kv_commit_mode({W.KV_COMMIT_ENV: " Move "}, "DDTREE-GPU") == "move"
@@ -344,18 +379,26 @@ def test_warm_batch_sizes_reach_every_bucket_and_specialisation():
 
 
 def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
-    calls = {"build": [], "mask": [], "accept": [], "assign": []}
-    real_build, real_mask, real_acc = ddtree.build_tree, ddtree.verify_mask, ddtree.accept_greedy
+    calls = {"build": [], "mask": [], "accept": [], "commit": [], "assign": []}
+    real = {n: getattr(ddtree, f) for n, f in (("build", "build_tree"), ("mask", "verify_mask"),
+                                                ("accept", "accept_greedy"), ("commit", "commit_round"))}
 
-    def spy(name, fn):
+    def spy(name):
         def f(*a, **kw):
-            out = fn(*a, **kw)
-            calls[name].append((a[0].shape[0] if name == "build" else a[0].tokens.shape, ))
+            out = real[name](*a, **kw)
+            if name == "build":
+                calls[name].append(a[0].shape[0])
+            elif name == "commit":   # (N, bs, remap, block_loc width, req_to_token row shape / dtype)
+                calls[name].append((a[0].tokens.shape[1], a[0].tokens.shape[0], kw["remap"],
+                                    None if out.block_loc is None else out.block_loc.shape[1],
+                                    tuple(a[4].shape), a[4].dtype))
+            else:
+                calls[name].append(a[0].tokens.shape)
             return out
         return f
-    monkeypatch.setattr(ddtree, "build_tree", spy("build", real_build))
-    monkeypatch.setattr(ddtree, "verify_mask", spy("mask", real_mask))
-    monkeypatch.setattr(ddtree, "accept_greedy", spy("accept", real_acc))
+    for name, fn in (("build", "build_tree"), ("mask", "verify_mask"), ("accept", "accept_greedy"),
+                     ("commit", "commit_round")):
+        monkeypatch.setattr(ddtree, fn, spy(name))
     r2t = torch.zeros(3, 40, dtype=torch.int32)
 
     def assign(**kw):
@@ -365,13 +408,27 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
                                 tree_backend="reference", full_mask=True, device="cpu",
                                 req_to_token=r2t, assign_locs=assign)
     sizes = W.warm_batch_sizes(8)
-    assert info["widths"] == [8, 16] and info["batch_sizes"] == sizes
-    assert len(calls["build"]) == len(calls["mask"]) == len(calls["accept"]) == 2 * len(sizes)
+    assert info["widths"] == [1, 8, 16] and info["batch_sizes"] == sizes
+    assert len(calls["build"]) == len(calls["mask"]) == 2 * len(sizes)
+    assert len(calls["accept"]) == 3 * len(sizes)            # width 1 (no speculation) accepts too
+    # the commit as the round calls it: every width and bucket, the drafter's slots for N > 1 (remap)
+    assert sorted(calls["commit"]) == sorted((N, b, True, 6 if N > 1 else None, (1, 40), torch.int32)
+                                             for N in (1, 8, 16) for b in sizes)
     assert [c[0] for c in calls["assign"]] == sizes
     assert all(c[1] == (1, 40) and c[2] == torch.int32 for c in calls["assign"])   # the real row length
+    calls["commit"].clear()
     W.warm_round_kernels(widths=(8,), block_size=6, topk=5, vocab_size=50, max_bs=2, tree_backend="reference",
-                         full_mask=False, device="cpu")
+                         full_mask=False, device="cpu", kv_commit="move")
     assert len(calls["mask"]) == 2 * len(sizes)   # our verify attention: no FULL mask to warm
+    assert {c[2:4] for c in calls["commit"]} == {(False, None)}   # move: no remap, no drafter slots
+
+
+def test_warm_round_kernels_launch_the_triton_kernels(device):
+    """The warm-up's own inputs run through the Triton path (the interpreter on the CPU)."""
+    info = W.warm_round_kernels(widths=(1, 4), block_size=4, topk=3, vocab_size=20, max_bs=2,
+                                tree_backend="triton", full_mask=True, device=device,
+                                req_to_token=torch.zeros(2, 24, dtype=torch.int32, device=device))
+    assert info["widths"] == [1, 4] and info["batch_sizes"] == [1, 2]
 
 
 def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatch):

@@ -183,3 +183,14 @@ def test_draft_head_ports_recipe_values(rng, device):
 
 
 # The vocabulary-parallel head (tp > 1) runs over a real gloo group in tests/test_tp_gloo.py.
+
+
+def test_commit_ops_switch():
+    """SGLANG_DDTREE_COMMIT_OPS picks the commit's backend: fused (default) = the tree backend's one
+    launch, torch = the reference composition; anything else is refused at start-up."""
+    from sglang_ddtree.worker import commit_ops_backend
+    assert commit_ops_backend({}, "DDTREE-GPU", "triton") == "triton"
+    assert commit_ops_backend({"SGLANG_DDTREE_COMMIT_OPS": " Fused "}, "DDTREE-GPU", "triton") == "triton"
+    assert commit_ops_backend({"SGLANG_DDTREE_COMMIT_OPS": "torch"}, "DDTREE-GPU", "triton") == "reference"
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_COMMIT_OPS"):
+        commit_ops_backend({"SGLANG_DDTREE_COMMIT_OPS": "kernel"}, "DDTREE-GPU", "triton")
