@@ -417,14 +417,17 @@ def cost_layer(c, i):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def junk_row(n_seq=128, length=40, seed=SEED + 7):
-    """The lm_head row [256] of every id >= 1024 (read from copy 1 of the stream), "learned-negative":
-    -JUNK_SCALE x the unit mean of the toy drafter's final normed hidden state on chain contexts (the
-    toy GQA target's features, as train_drafter.py trains it; the MLA target's give the same
-    direction: tests/test_kimi_cost.py measures the junk share of the drafter's probability there)."""
+def drafter_normed_hidden(n_seq=128, length=40, seed=SEED + 7, drafter_path=None, block_size=None):
+    """The toy drafter's final normed hidden states [positions, 256] (block positions 1..B-1) on chain
+    contexts of the toy GQA target (as train_drafter.py trains it), roots at positions 2, 5, 8, ...
+    ``drafter_path`` / ``block_size``: another toy drafter (default the committed block-8 one;
+    bench/scale/chain_pair.py passes its block-16 drafter)."""
     from safetensors.torch import load_file
     RM = _reference_model()
+    dcfg, B = M.DRAFTER, M.BLOCK_SIZE
+    if block_size is not None and block_size != B:
+        B = block_size
+        dcfg = dict(dcfg, block_size=B, dflash_config=dict(dcfg["dflash_config"], block_size=B))
     tsd, perm = M.qwen3_target_state()
     g = torch.Generator().manual_seed(seed)
     seqs = torch.empty(n_seq, length, dtype=torch.long)
@@ -434,11 +437,20 @@ def junk_row(n_seq=128, length=40, seed=SEED + 7):
     with torch.no_grad():
         f = RM.target_features(tsd, M.QWEN3, seqs, M.TARGET_LAYER_IDS)
         feats = torch.cat([f[i] for i in M.TARGET_LAYER_IDS], -1)
-        P = {k: v.float() for k, v in load_file(M.DEFAULT_DRAFTER).items()}
+        P = {k: v.float() for k, v in load_file(drafter_path or M.DEFAULT_DRAFTER).items()}
         eye = torch.eye(M.HIDDEN)  # lm_head = identity: the drafter's normed hidden states
-        hs = [RM.drafter_forward(P, M.DRAFTER, M.BLOCK_SIZE, M.MASK_ID, tsd["model.embed_tokens.weight"], eye,
+        hs = [RM.drafter_forward(P, dcfg, B, M.MASK_ID, tsd["model.embed_tokens.weight"], eye,
                                  feats[:, :n], seqs[:, n], n).reshape(-1, M.HIDDEN) for n in range(2, length - 1, 3)]
-    mu = torch.cat(hs).mean(0)
+    return torch.cat(hs)
+
+
+@functools.lru_cache(maxsize=None)
+def junk_row(n_seq=128, length=40, seed=SEED + 7):
+    """The lm_head row [256] of every id >= 1024 (read from copy 1 of the stream), "learned-negative":
+    -JUNK_SCALE x the unit mean of the toy drafter's final normed hidden state on chain contexts
+    (:func:`drafter_normed_hidden`; the MLA target's features give the same direction:
+    tests/test_kimi_cost.py measures the junk share of the drafter's probability there)."""
+    mu = drafter_normed_hidden(n_seq, length, seed).mean(0)
     return (-JUNK_SCALE * mu / mu.norm()).clone()
 
 

@@ -28,6 +28,8 @@
 #   int4logits                              bench/int4_logits_check.py: INT4 (Marlin) log-probs vs the dequantized twin in fp32
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
+#   scalechain_<qwen3-8b|qwen3-30b-a3b>     bench/scale/chain_pair.py: the chain GQA pair (block-16 drafter) at that shape,
+#                                           A/B on chain prompts, base outputs checked against the chain
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
@@ -149,6 +151,23 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
+    scalechain_*)  # bench/scale/chain_pair.py: the chain GQA pair (block-16 toy drafter) at a production shape
+                   # (scalechain_qwen3-8b, scalechain_qwen3-30b-a3b; SCALE_LAYERS: fewer layers, e.g. 24 for the MoE
+                   # shape's disk), the A/B on chain prompts (token ids), then check-outputs: base = the chain
+      local shape=${st#scalechain_}; local sd=/tmp/models
+      { timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
+        && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}chain_target | cut -f1)" \
+        && python3 $DEV/mk_chain_prompts.py /tmp/chain_prompts.jsonl --n ${AB_PROMPTS:-128} \
+        && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab \
+             --model-path $sd/${shape}chain_target --draft-model-path $sd/${shape}chain_drafter --token-ids \
+             --prompts /tmp/chain_prompts.jsonl --arms ${AB_ARMS:-base,dflash,ddtree_b7,ddtree_b15} \
+             --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-64} \
+             --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port --workdir /tmp/abw_${shape}chain \
+             --out $OUT/scalechain_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-} \
+        && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/scalechain_ab_${shape}_h200.json \
+             $sd/${shape}chain_target/perm.json; } > $LOG/$st.log 2>&1; rc=$?
+      tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
+      grep -a -E "^\{|^written|^chain|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):
               # transform.py writes it, exactness.py checks its greedy tokens, then the A/B on it through
               # python -m sglang_ddtree.ab (the installed sglang-ddtree-ab command's code path)

@@ -103,6 +103,15 @@ def evaluate(P, E, W, perm, seqs, plen, feats, ns=(2, 8, 16, 30), bf16=True):
             "sim_accept_len": round(float(torch.cat(al).mean()), 3)}
 
 
+def set_block_size(B: int) -> None:
+    """Repoint mk_models' drafter shape at block size B (its DRAFTER config and BLOCK_SIZE, which the
+    forward and the chain targets read)."""
+    if not 2 <= B <= 64:
+        raise SystemExit(f"--block-size must be in [2, 64], got {B}")
+    M.BLOCK_SIZE = B
+    M.DRAFTER = dict(M.DRAFTER, block_size=B, dflash_config=dict(M.DRAFTER["dflash_config"], block_size=B))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=3600, help="safety cap on wall time")
@@ -117,7 +126,11 @@ def main():
     ap.add_argument("--ckpt-every", type=int, default=5)
     ap.add_argument("--norm-init", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=M.BLOCK_SIZE,
+                    help="drafter block B (depth B - 1); default the test bed's 8 (16: z-lab's b16 recipe)")
     a = ap.parse_args()
+    if a.block_size != M.BLOCK_SIZE:
+        set_block_size(a.block_size)
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(M.SEED + 10)
@@ -172,7 +185,8 @@ def save(P, path, step, t0, ev):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     from safetensors.torch import save_file
     meta = {"format": "pt", "steps": str(step), "seconds": f"{time.time()-t0:.0f}",
-            "eval": str(ev), "script": "bench/device/train_drafter.py", "seed": str(M.SEED)}
+            "eval": str(ev), "script": "bench/device/train_drafter.py", "seed": str(M.SEED),
+            "block_size": str(M.BLOCK_SIZE)}
     save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in P.items()}, path, metadata=meta)
     print("saved", path, os.path.getsize(path), "bytes", flush=True)
 

@@ -1,0 +1,126 @@
+"""bench/scale/chain_pair.py: the chain GQA pair at a production Qwen3 shape (here reduced widths, the
+same construction) keeps the chain with its margin, its drafter proposes what the toy drafter proposes,
+and the extra vocabulary stays out of the drafter's top-K.  fp32 reference forwards on the CPU."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("_chain_pair_test", os.path.join(REPO, "bench", "scale", "chain_pair.py"))
+CP = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(CP)
+from sglang_ddtree import reference_model as RM  # noqa: E402
+
+# the reduced shapes: production construction (duplicated stream, wider heads, identity layers, the
+# chain head over an extended vocabulary; MoE: every expert the toy MLP, random router, top-2 of 8)
+DENSE = dict(kind="dense", layers=6, hidden=512, heads=8, kv_heads=4, head_dim=128, intermediate=1024,
+             vocab=4096, drafter_layers=3, drafter_intermediate=2048)
+MOE = dict(kind="moe", layers=6, hidden=512, heads=8, kv_heads=4, head_dim=128, experts=8, top_k=2,
+           moe_intermediate=512, vocab=4096, drafter_layers=3, drafter_intermediate=2048)
+MARGIN_FLOOR = 120.0  # mk_kimi_cost.py's floor for the same chain
+
+
+def _f32(sd):
+    return {k: v.float() for k, v in sd.items()}
+
+
+def _prompts(gen, n, vocab):
+    return [torch.randint(3, 1000, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    if not os.path.exists(CP.DEFAULT_DRAFTER):
+        pytest.fail(f"{CP.DEFAULT_DRAFTER} (the committed block-16 toy drafter) is missing")
+    return CP.small_pair()
+
+
+@pytest.mark.parametrize("shape", [DENSE, MOE], ids=["dense", "moe"])
+def test_scaled_chain_target_and_drafter(shape, small, rng):
+    tsd, tcfg, P, dcfg, perm = small
+    big, cfg, dsd, dcfg_big, perm2 = CP.build_state(shape)
+    assert torch.equal(perm, perm2) and cfg["vocab_size"] == shape["vocab"]
+    assert dcfg_big["block_size"] == dcfg_big["dflash_config"]["block_size"] == CP.DEFAULT_BLOCK
+    big, dsd = _f32(big), _f32(dsd)
+    gen = rng
+    # target: greedy over 12 steps from random chain prompts (some holding ids >= 1024: id % 1024)
+    margins = []
+    for ids in _prompts(gen, 6, shape["vocab"]):
+        if len(margins) % 2:
+            ids[0] += 1024  # an extended id embeds as its chain token
+        seq = list(ids)
+        for _ in range(12):
+            with torch.no_grad():
+                lg = RM.target_logits(big, cfg, torch.tensor([seq]))[0, -1]
+            top2 = lg.topk(2)
+            assert int(top2.indices[0]) == int(perm[seq[-1] % 1024]), (ids, seq)
+            margins.append(float(top2.values[0] - top2.values[1]))
+            seq.append(int(top2.indices[0]))
+    assert min(margins) >= MARGIN_FLOOR, min(margins)
+    # drafter: the big drafter on the big target's features = the toy drafter on the toy's (real ids),
+    # and the extra ids hold a tiny share of its probability and almost never a top-16 slot
+    n, B = 10, CP.DEFAULT_BLOCK
+    seqs = torch.empty(8, n + 1, dtype=torch.long)
+    seqs[:, 0] = torch.randint(3, 1000, (8,), generator=gen)
+    for j in range(1, n + 1):
+        seqs[:, j] = perm[seqs[:, j - 1]]
+    ids_small = CP.M.TARGET_LAYER_IDS
+    with torch.no_grad():
+        fs = RM.target_features(tsd, tcfg, seqs[:, :n], ids_small)
+        fb = RM.target_features(big, cfg, seqs[:, :n], dcfg_big["dflash_config"]["target_layer_ids"])
+        small_lg = RM.drafter_forward(P, dcfg, B, CP.M.MASK_ID, tsd["model.embed_tokens.weight"],
+                                      tsd["lm_head.weight"], torch.cat([fs[i] for i in ids_small], -1),
+                                      seqs[:, n], n)
+        big_lg = RM.drafter_forward(dsd, dcfg_big, B, CP.M.MASK_ID, big["model.embed_tokens.weight"],
+                                    big["lm_head.weight"],
+                                    torch.cat([fb[i] for i in dcfg_big["dflash_config"]["target_layer_ids"]], -1),
+                                    seqs[:, n], n)
+    assert big_lg.shape[-1] == shape["vocab"] and big_lg.shape[1] == B - 1
+    scale = small_lg.abs().max()
+    assert (big_lg[..., :1024] - small_lg).abs().max() <= 1e-3 * scale
+    p = big_lg.softmax(-1)
+    assert float(p[..., 1024:].sum(-1).mean()) < 0.005
+    top16 = big_lg.topk(16, -1).indices
+    assert float((top16 >= 1024).float().mean()) < 0.002
+
+
+def test_learned_junk_row_keeps_the_real_vocabulary_out_of_the_trees():
+    """At Qwen3's 151,936 ids the 150,912 junk ids (one shared logit) hold a negligible share of the
+    block-16 drafter's probability on held-out chain contexts and never beat its 16th real logit
+    (mk_kimi_cost's mean-direction row: ~2.4 % of positions, up to 99 % of the mass there)."""
+    w, st = CP.junk_row(vocab=151936)
+    assert w.shape == (CP.M.HIDDEN,) and st["positions"] > 10000
+    assert st["junk_share_mean"] < 0.005 and st["junk_share_p99"] < 0.02, st
+    assert st["junk_above_16th_real"] == 0.0, st
+
+
+def test_write_and_reuse(tmp_path, monkeypatch):
+    """write() makes loadable folders (config, shards, perm, tokenizer, chain.json) and reuses them."""
+    monkeypatch.setitem(CP.T.SHAPES, "tiny", dict(DENSE, layers=5))
+    r = CP.write(str(tmp_path), "tiny", log=lambda *a, **k: None)
+    assert not r["reused"] and r["target_layer_ids"]
+    cfg = json.load(open(os.path.join(r["target"], "config.json")))
+    dcfg = json.load(open(os.path.join(r["drafter"], "config.json")))
+    assert cfg["num_hidden_layers"] == 5 and cfg["vocab_size"] == 4096
+    assert dcfg["dflash_config"]["block_size"] == 16 and dcfg["dflash_config"]["mask_token_id"] == 1023
+    assert dcfg["dflash_config"]["target_layer_ids"] == r["target_layer_ids"]
+    assert len(json.load(open(os.path.join(r["target"], "perm.json")))) == 1024
+    idx = json.load(open(os.path.join(r["target"], "model.safetensors.index.json")))
+    assert "lm_head.weight" in idx["weight_map"] and "model.layers.4.mlp.down_proj.weight" in idx["weight_map"]
+    assert CP.write(str(tmp_path), "tiny", log=lambda *a, **k: None)["reused"]
+
+
+def test_check_outputs(tmp_path):
+    perm = list(range(1, 1024)) + [0]
+    doc = {"prompt_ids": [[1, 5], [1, 1030]],
+           "output_ids": {"base": {"1": [[6, 7, 8], [7, 8]], "16": [[6, 7, 9], None]}}}
+    (tmp_path / "ab.json").write_text(json.dumps(doc))
+    (tmp_path / "perm.json").write_text(json.dumps(perm))
+    r = CP.check_outputs(str(tmp_path / "ab.json"), str(tmp_path / "perm.json"))
+    assert r["checked"] == 3 and r["wrong"] == [("16", 0, 2)]
+    with pytest.raises(SystemExit):
+        CP.check_outputs(str(tmp_path / "ab.json"), str(tmp_path / "perm.json"), arm="dflash")
