@@ -519,6 +519,16 @@ def _write_common(d, cfg):
         json.dump({"bos_token_id": M.BOS, "eos_token_id": M.EOS, "do_sample": False}, f)
 
 
+def built_before(marker, build):
+    """The build record in ``marker`` (a JSON file a writer leaves beside its model) when it holds
+    every key of ``build`` with the same value, else None: a warm machine reuses the model."""
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        old = json.load(f)
+    return old if {k: old.get(k) for k in build} == build else None
+
+
 def make(out, s=None, device="cpu", configs_only=False, force=False, log=print):
     """Write OUT/kimicost_target and OUT/kimicost_drafter for shape s (default K2).  Returns a summary."""
     s = dict(K2 if s is None else s)
@@ -528,11 +538,9 @@ def make(out, s=None, device="cpu", configs_only=False, force=False, log=print):
     build = {"shape": s, "seed": SEED, "alpha": ALPHA, "device_type": torch.device(device).type,
              "target_bytes": size["target"], "drafter_bytes": size["drafter"], "configs_only": configs_only}
     marker = os.path.join(tgt, "kimicost.json")
-    if not force and os.path.exists(marker):
-        with open(marker) as f:
-            old = json.load(f)
-        if {k: old.get(k) for k in build} == build:
-            return dict(old, reused=True, target=tgt, drafter=dr)
+    old = None if force else built_before(marker, build)
+    if old is not None:
+        return dict(old, reused=True, target=tgt, drafter=dr)
     log(f"kimicost: target {size['target'] / 1e9:.2f} GB ({s['layers']} layers x {s['experts']} experts), "
         f"drafter {size['drafter'] / 1e9:.2f} GB ({s['drafter_layers']} layers)", flush=True)
     for d in (tgt, dr):

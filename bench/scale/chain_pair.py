@@ -168,11 +168,9 @@ def write(out_dir, shape_name, layers=None, drafter_path=DEFAULT_DRAFTER, block_
     tgt, dr = (os.path.join(out_dir, f"{shape_name}chain_{w}") for w in ("target", "drafter"))
     build = {"shape": shape, "drafter": os.path.basename(drafter_path), "block_size": block_size, "seed": seed}
     marker = os.path.join(tgt, "chain.json")
-    if not force and os.path.exists(marker):
-        with open(marker) as f:
-            old = json.load(f)
-        if {k: old.get(k) for k in build} == build:
-            return dict(old, reused=True, target=tgt, drafter=dr)
+    old = None if force else K.built_before(marker, build)
+    if old is not None:
+        return dict(old, reused=True, target=tgt, drafter=dr)
     for d in (tgt, dr):
         if os.path.exists(d):
             shutil.rmtree(d)
