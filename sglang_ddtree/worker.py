@@ -73,15 +73,22 @@ KV_COMMIT_ENV = "SGLANG_DDTREE_KV_COMMIT"
 COMMIT_OPS_ENV = "SGLANG_DDTREE_COMMIT_OPS"
 
 
+def _env_choice(env, var: str, choices, algo: str) -> str:
+    """``env[var]`` (trimmed, lower case) if it is one of ``choices``, ``choices[0]`` when unset or
+    empty; anything else is a start-up ValueError naming the variable."""
+    mode = (env.get(var) or choices[0]).strip().lower()
+    if mode not in choices:
+        raise ValueError(f"{algo}: {var} must be " + " or ".join(f"'{c}'" for c in choices)
+                         + f", got {env.get(var)!r}")
+    return mode
+
+
 def commit_ops_backend(env, algo: str, tree_backend: str) -> str:
     """The backend of a round's ``ddtree.commit_round``: ``fused`` (default) = the one Triton launch
     (``tree_backend``), ``torch`` = the torch-op composition it replaced (``backend="reference"``, on
     the same device; same outputs): kept so an A/B can measure the fused kernel in the same run
     (arm suffix ``_torchcommit``)."""
-    mode = (env.get(COMMIT_OPS_ENV) or "fused").strip().lower()
-    if mode not in ("fused", "torch"):
-        raise ValueError(f"{algo}: {COMMIT_OPS_ENV} must be 'fused' or 'torch', got {env.get(COMMIT_OPS_ENV)!r}")
-    return tree_backend if mode == "fused" else "reference"
+    return tree_backend if _env_choice(env, COMMIT_OPS_ENV, ("fused", "torch"), algo) == "fused" else "reference"
 
 
 def kv_commit_mode(env, algo: str) -> str:
@@ -90,10 +97,7 @@ def kv_commit_mode(env, algo: str) -> str:
     launch, whatever the layer count); ``move`` copies each layer's K/V rows into place with SGLang's
     ``move_accept_tokens_to_target_kvcache`` (two indexing ops per layer: 122 launches on a 61-layer
     target).  Both need page size 1, which the plugin requires (``spec_algo``)."""
-    mode = (env.get(KV_COMMIT_ENV) or "remap").strip().lower()
-    if mode not in ("remap", "move"):
-        raise ValueError(f"{algo}: {KV_COMMIT_ENV} must be 'remap' or 'move', got {env.get(KV_COMMIT_ENV)!r}")
-    return mode
+    return _env_choice(env, KV_COMMIT_ENV, ("remap", "move"), algo)
 
 
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:

@@ -424,10 +424,8 @@ def drafter_normed_hidden(n_seq=128, length=40, seed=SEED + 7, drafter_path=None
     bench/scale/chain_pair.py passes its block-16 drafter)."""
     from safetensors.torch import load_file
     RM = _reference_model()
-    dcfg, B = M.DRAFTER, M.BLOCK_SIZE
-    if block_size is not None and block_size != B:
-        B = block_size
-        dcfg = dict(dcfg, block_size=B, dflash_config=dict(dcfg["dflash_config"], block_size=B))
+    B = M.BLOCK_SIZE if block_size is None else block_size
+    dcfg = M.drafter_config(B)
     tsd, perm = M.qwen3_target_state()
     g = torch.Generator().manual_seed(seed)
     seqs = torch.empty(n_seq, length, dtype=torch.long)

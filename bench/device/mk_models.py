@@ -73,6 +73,11 @@ DRAFTER = dict(
 )
 
 
+def drafter_config(block_size=BLOCK_SIZE):
+    """The toy drafter's config at block size B (DRAFTER is B = BLOCK_SIZE)."""
+    return dict(DRAFTER, block_size=block_size, dflash_config=dict(DRAFTER["dflash_config"], block_size=block_size))
+
+
 def shared_head():
     """Embeddings, lm_head and the permutation shared by both targets (seeded)."""
     g = torch.Generator().manual_seed(SEED)

@@ -108,8 +108,8 @@ def set_block_size(B: int) -> None:
     forward and the chain targets read)."""
     if not 2 <= B <= 64:
         raise SystemExit(f"--block-size must be in [2, 64], got {B}")
+    M.DRAFTER = M.drafter_config(B)
     M.BLOCK_SIZE = B
-    M.DRAFTER = dict(M.DRAFTER, block_size=B, dflash_config=dict(M.DRAFTER["dflash_config"], block_size=B))
 
 
 def main():

@@ -57,18 +57,12 @@ K = _load("_mk_kimi_cost_for_chain", os.path.join(DEVICE_DIR, "mk_kimi_cost.py")
 M = K.M  # mk_kimi_cost's private mk_models (junk_row reads its constants)
 
 
-def drafter_config(block_size: int) -> dict:
-    """mk_models' toy drafter config at block size B."""
-    d = M.DRAFTER
-    return dict(d, block_size=block_size, dflash_config=dict(d["dflash_config"], block_size=block_size))
-
-
 def small_pair(drafter_path=DEFAULT_DRAFTER, block_size=DEFAULT_BLOCK):
     """(toy target state dict fp32, its config, drafter state dict fp32, drafter config, perm)."""
     from safetensors.torch import load_file
     tsd, perm = M.qwen3_target_state()
     P = {k: v.float() for k, v in load_file(drafter_path).items()}
-    return tsd, M.QWEN3, P, drafter_config(block_size), perm
+    return tsd, M.QWEN3, P, M.drafter_config(block_size), perm
 
 
 JUNK_MARGIN = 12.0   # learned junk row: log(#junk ids) + junk logit <= log-sum-exp of the real ids - this
@@ -143,10 +137,6 @@ def target_parts(tsd, tcfg, shape, junk, parts, seed=0, head_dtype=torch.bfloat1
     return out
 
 
-def target_config(tcfg, shape):
-    return T.scaled_target_config(tcfg, shape)
-
-
 def build_state(shape, drafter_path=DEFAULT_DRAFTER, block_size=DEFAULT_BLOCK, seed=0):
     """The whole pair in memory, fp32 (small shapes: tests) -> (target sd, target cfg, drafter sd,
     drafter cfg, perm)."""
@@ -155,7 +145,7 @@ def build_state(shape, drafter_path=DEFAULT_DRAFTER, block_size=DEFAULT_BLOCK, s
     big = target_parts(tsd, tcfg, shape, junk, list(range(shape["layers"])) + ["head"], seed=seed,
                        head_dtype=torch.float32)
     dsd, dcfg_big = T.scale_drafter(P, dcfg, tcfg, shape)
-    return big, target_config(tcfg, shape), dsd, dcfg_big, perm
+    return big, T.scaled_target_config(tcfg, shape), dsd, dcfg_big, perm
 
 
 def write(out_dir, shape_name, layers=None, drafter_path=DEFAULT_DRAFTER, block_size=DEFAULT_BLOCK, seed=0,
@@ -184,7 +174,7 @@ def write(out_dir, shape_name, layers=None, drafter_path=DEFAULT_DRAFTER, block_
     for g in groups:
         n_params += wt.shard(target_parts(tsd, tcfg, shape, junk, g, seed=seed))
         log(f"chain {shape_name}: shard {wt.i}/{len(groups)} at {time.time() - t0:.0f}s", flush=True)
-    wt.close(target_config(tcfg, shape), generation_config={"bos_token_id": M.BOS, "eos_token_id": M.EOS,
+    wt.close(T.scaled_target_config(tcfg, shape), generation_config={"bos_token_id": M.BOS, "eos_token_id": M.EOS,
                                                              "do_sample": False})
     M.write_tokenizer(tgt)
     with open(os.path.join(tgt, "perm.json"), "w") as f:
