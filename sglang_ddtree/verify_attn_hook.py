@@ -262,14 +262,17 @@ def forward_tree_verify(state: VerifyAttnState, backend, q, k, v, layer, forward
         pass                                      # already in the cache (cross-layer KV sharing)
     elif k is None or v is None:
         raise ValueError("Both k and v should be None or not None")
-    elif save_kv_cache:
+    else:
+        # save_kv_cache=False is SGLang's "the caller wrote the K/V already": Qwen3-MoE's attention
+        # (SGLang 0.5.16, `enable_fused_set_kv_buffer`: bf16 cache on CUDA) stores k / v inside its
+        # fused RoPE kernel.  SGLang's extend kernel reads the new tokens from k / v, ours reads them
+        # from the cache, so the tree's K/V is written here in both cases: the same rows, the same
+        # values (k after RoPE), T x Hkv x (D + Dv) elements a layer.  Without the write a caller
+        # that did not store them would leave ours reading stale slots.
         md = backend.forward_metadata
         loc_info = KVWriteLoc(forward_batch.out_cache_loc, md.swa_out_cache_loc,
                               full_loc=md.out_cache_loc_full_physical)
         backend._set_kv_buffer(forward_batch, layer, loc_info, k, v)
-    else:
-        raise RuntimeError(f"{ENV}=ddtree: layer {layer.layer_id} verifies with save_kv_cache=False; "
-                           "the tree-verify kernel reads the tree's K/V from the cache")
 
     pool = backend.token_to_kv_pool
     Hkv = 1 if state.use_mla else layer.tp_k_head_num

@@ -398,13 +398,43 @@ def test_per_call_refusals(hooked, rng):
     be.init_forward_metadata(fb)
     with pytest.raises(RuntimeError, match="sinks"):
         be.forward_extend(world.q, world.k, world.v, world.layers[0], fb, sinks=torch.zeros(4))
-    with pytest.raises(RuntimeError, match="save_kv_cache=False"):
-        be.forward_extend(world.q, world.k, world.v, world.layers[0], fb, save_kv_cache=False)
     with pytest.raises(RuntimeError, match="not bs x 3"):
         be.forward_extend(world.q[:5], world.k[:5], world.v[:5], world.layers[0], fb)
     with pytest.raises(ValueError, match="do not fit"):
         state.write_mask(torch.zeros(2, 4, 1, dtype=torch.int32))
     assert state.calls == 0
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+@pytest.mark.parametrize("caller_wrote", [True, False])
+def test_save_kv_cache_false_still_verifies_from_the_tree_kv(hooked, rng, arch, caller_wrote):
+    """``save_kv_cache=False`` (Qwen3-MoE's fused RoPE + KV store in SGLang 0.5.16 passes it): the
+    output is SGLang's masked path's and the cache holds the tree's K/V afterwards, whether the caller
+    stored them (as the fused kernel does) or left the slots stale (poisoned here)."""
+    bs, N = randint(1, 3, rng), randint(2, 9, rng)
+    world = World(rng, arch=arch, bs=bs, N=N, **(dict(G=2) if arch == "gqa" else dict(H=2)))
+    layer = world.layers[randint(0, LAYERS - 1, rng)]
+    want, want_cache = sglang_path(world, hooked, layer)
+    if caller_wrote:
+        bufs = world.pool.kv_buffer if arch == "mla" else world.pool.k_buffer + world.pool.v_buffer
+        for b, w in zip(bufs, want_cache):
+            b.copy_(w)
+    else:
+        world.restore_cache()
+        bufs = [world.pool.kv_buffer[layer.layer_id]] if arch == "mla" else \
+            [world.pool.k_buffer[layer.layer_id], world.pool.v_buffer[layer.layer_id]]
+        for b in bufs:
+            b[world.loc] = float("nan")                                  # the tree's slots: stale
+    be = world.backend()
+    state = VA.enable(be, world.model, "DDTREE-GPU", env={})
+    state.write_mask(world.tree.mask_words)
+    fb = world.forward_batch(full_mask=False)
+    be.init_forward_metadata(fb)
+    got = be.forward_extend(world.q, world.k, world.v, layer, fb, save_kv_cache=False)
+    assert state.calls == 1 and torch.isfinite(got).all()
+    assert (got - want).abs().max() <= TOL * (1 + want.abs().max()), (world.prefixes, N)
+    for a, b in zip(world.cache_snapshot(), want_cache):
+        assert torch.equal(a, b)
 
 
 def test_padded_graph_batch(hooked, rng):
