@@ -274,7 +274,8 @@ class WidthController:
     while the widest width is the choice.
 
     The round overhead (``BudgetPolicy.observe_interval``): the host clock between consecutive
-    ``next_width`` calls.  Each rank measures its own, so ``share`` (the worker: TP rank 0's object
+    ``next_width`` calls with no other batch between them (:meth:`interrupt`: the worker calls it
+    for every prefill / extend / idle batch).  Each rank measures its own, so ``share`` (the worker: TP rank 0's object
     broadcast to every rank) is applied when a window of counts arrives, at the same round on every
     rank; until then the policy keeps the last shared values.  Every rank thus sees the same rounds,
     counts and overheads (``CounterfactualWindow`` applies a window at a fixed round), so TP ranks
@@ -317,6 +318,17 @@ class WidthController:
             lbs, lw, t = self._last
             self.policy.observe_interval(lbs, self._choice(lw), (now - t) * 1e3, into=self._local_overhead)
         return now
+
+    def interrupt(self) -> None:
+        """A batch other than a decode round ran (a prefill, a mixed extend, an idle batch): the
+        interval from the last round's start to the next round's spans it, so it is not a round's
+        overhead and is not observed.  Measured on the H200 (Qwen3-8B-shaped chain pair, c = 64,
+        ``bench/results/raw/scalechain_ab_qwen3-8b_h200_run1_logs.tgz``, profile records): groups of
+        rounds at a constant batch of 63-64 took 0-2 ms a round over their GPU time, groups with
+        admissions in them 10-20 ms; folded in as a per-round cost, the admissions made every round
+        look expensive, which favours the widest trees and never plain decoding (a prefill stalls
+        the batch once per admitted request, whatever the width)."""
+        self._last = None
 
     def _first_width(self, bs: int) -> int:
         if self.policy is None:

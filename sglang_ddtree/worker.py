@@ -329,6 +329,7 @@ class DDTreeWorker(DFlashWorkerV2):
     ``(server_args, gpu_id, ps, nccl_port, target_worker)``."""
 
     _profiles_its_rounds = True   # its own RoundProfiler (patches/dflash_round_profile.py skips it)
+    _adaptive = None              # the adaptive budget's WidthController (set in __init__ when on)
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -530,6 +531,10 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # ------------------------------------------------------------------ the decode round
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
+        is_decode_round = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch
+                               or batch.forward_mode.is_idle())
+        if self._adaptive is not None and not is_decode_round:
+            self._adaptive.interrupt()         # the next round's interval spans this batch
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             if getattr(batch, "return_logprob", False):
                 # DFLASH refuses the flag up front although its prefill is the target's own extend

@@ -431,6 +431,31 @@ def test_warm_round_kernels_launch_the_triton_kernels(device):
     assert info["widths"] == [1, 4] and info["batch_sizes"] == [1, 2]
 
 
+def test_worker_interrupts_the_width_controller_on_every_batch_but_a_decode_round(monkeypatch):
+    """Prefill, mixed extend and idle batches call ``interrupt`` (their time is no round's overhead);
+    a decode round does not."""
+    seen = []
+    w = object.__new__(W.DDTreeWorker)
+    w.__dict__.update(_adaptive=types.SimpleNamespace(interrupt=lambda: seen.append("interrupt")))
+    monkeypatch.setattr(W.DDTreeWorker, "_prefill", lambda self, b, p: seen.append("prefill"))
+    monkeypatch.setattr(W.DDTreeWorker, "_forward_tree_round", lambda self, b, p: seen.append("round"))
+    monkeypatch.setattr(W, "_SYNC_CHECK_FILE", None)
+    monkeypatch.setattr(W.DFlashWorkerV2, "forward_batch_generation",
+                        lambda self, b, on_publish=None: seen.append("idle"))
+
+    def batch(extend=False, mixed=False, idle=False):
+        return types.SimpleNamespace(
+            forward_mode=types.SimpleNamespace(is_extend=lambda: extend, is_idle=lambda: idle),
+            is_extend_in_batch=mixed, return_logprob=False)
+
+    for b, want in ((batch(), ["round"]), (batch(extend=True), ["interrupt", "prefill"]),
+                    (batch(mixed=True), ["interrupt", "prefill"]), (batch(idle=True), ["interrupt", "idle"]),
+                    (batch(), ["round"])):
+        seen.clear()
+        w.forward_batch_generation(b)
+        assert seen == want, (seen, want)
+
+
 def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatch):
     """DDTreeWorker._prefill == DFlashWorkerV2.forward_batch_generation's extend branch (SGLang
     0.5.16) call for call, on fakes: same target call, same drafter K/V append (positions, slots,

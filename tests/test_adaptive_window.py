@@ -185,6 +185,31 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == {}
 
 
+def test_controller_interrupt_drops_the_interval_that_spans_another_batch():
+    """A prefill between two rounds (the worker calls ``interrupt``) is not a round's overhead: the
+    interval spanning it is not observed; the intervals between rounds with nothing between are."""
+    t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
+    clock = _Clock()
+    pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                               SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol, device="cpu",
+                          window_every=1000, window_lag=0, clock=clock)
+    assert c.next_width(1) == 16
+    clock.ms += 45.0 + 2.0                      # a round with 2 ms of overhead
+    assert c.next_width(1) == 16 and c._local_overhead == {1: pytest.approx(2.0)}
+    clock.ms += 45.0 + 30.0                     # the round, then a 30 ms prefill
+    c.interrupt()
+    assert c.next_width(1) == 16 and c._local_overhead == {1: pytest.approx(2.0)}   # not observed
+    clock.ms += 45.0 + 4.0
+    c.next_width(1)
+    assert c._local_overhead == {1: pytest.approx(0.8 * 2.0 + 0.2 * 4.0)}
+    c.interrupt()
+    c.interrupt()                               # twice (two prefills): still one dropped interval
+    clock.ms += 500.0
+    c.next_width(1)
+    assert c._local_overhead == {1: pytest.approx(0.8 * 2.0 + 0.2 * 4.0)}
+
+
 def test_policy_observe_interval_filters_and_averages():
     t = CostTable(verify_ms={4: {1: 4.0, 8: 8.0}}, base_ms={1: 1.0, 8: 2.0})
     pol = BudgetPolicy(t)
