@@ -94,7 +94,8 @@ def recommendations(run: dict) -> List[dict]:
         best = max(t, key=t.get)
         dd = [n for n in t if n.startswith("ddtree_b")]
         best_dd = max(dd, key=t.get) if dd else None
-        auto = [n for n in t if n.startswith("ddtree_auto")]
+        # the adaptive arms (``_nospec``: every round forced to plain decode, a diagnostic, not the policy)
+        auto = [n for n in t if n.startswith("ddtree_auto") and not n.endswith("_nospec")]
         ref = [t[n] for n in ("base", "dflash") if n in t]
         out.append(dict(c=c, arm=best, tput=t[best],
                         x_base=t[best] / t["base"] if "base" in t else None,

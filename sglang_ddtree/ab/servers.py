@@ -21,7 +21,8 @@ AUTO_BUDGETS = (7, 15, 31)
 # DDTree arm suffix -> (server environment variable, value); at most one per variable
 ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree"),
                 ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang"),
-                ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch"))
+                ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch"),
+                ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0"))
 
 
 def parse_arm(name: str) -> dict:
@@ -34,7 +35,10 @@ def parse_arm(name: str) -> dict:
     in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
     default (``auto``: ours where it covers the verify).  ``_torchcommit`` (e.g.
     ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
-    (``SGLANG_DDTREE_COMMIT_OPS=torch``), to measure the fused commit kernel in the same run."""
+    (``SGLANG_DDTREE_COMMIT_OPS=torch``), to measure the fused commit kernel in the same run.
+    ``_nospec`` (adaptive arms only: ``ddtree_auto_nospec``): every round the adaptive budget's
+    "no speculation" choice (``SGLANG_DDTREE_TEST_BUDGET_CYCLE=0``), to measure that round against
+    the base arm's decode step in the same run (the floor the policy falls back to under load)."""
     name = name.strip()
     for suffix, var, value in ARM_SUFFIXES:
         if not name.endswith(suffix):
@@ -43,6 +47,8 @@ def parse_arm(name: str) -> dict:
         if arm["kind"] != "ddtree" or var in (arm.get("env") or {}):
             raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once "
                              f"(ddtree_b<B>{suffix}, ddtree_auto{suffix})")
+        if suffix == "_nospec" and not arm.get("auto"):
+            raise ValueError(f"arm {name!r}: only adaptive arms take _nospec (ddtree_auto_nospec)")
         arm["name"] = name
         arm["env"] = dict(arm.get("env") or {}, **{var: value})
         return arm
