@@ -531,18 +531,18 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # ------------------------------------------------------------------ the decode round
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
-        is_decode_round = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch
-                               or batch.forward_mode.is_idle())
-        if self._adaptive is not None and not is_decode_round:
+        is_extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
+        is_idle = batch.forward_mode.is_idle()
+        if self._adaptive is not None and (is_extend or is_idle):
             self._adaptive.interrupt()         # the next round's interval spans this batch
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+        if is_extend:
             if getattr(batch, "return_logprob", False):
                 # DFLASH refuses the flag up front although its prefill is the target's own extend
                 # (admitted unless SGLANG_DDTREE_LOGPROBS=0: patches/validate_dflash_request.py)
                 with logprobs.prefill_with_logprobs(self, batch):
                     return self._prefill(batch, on_publish)
             return self._prefill(batch, on_publish)
-        if batch.forward_mode.is_idle():
+        if is_idle:
             return super().forward_batch_generation(batch, on_publish=on_publish)
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)

@@ -174,13 +174,17 @@ class World:
         self.model = Model(self.layers)
         self.cache0 = self.cache_snapshot()
 
+    def kv_buffers(self, layer_id=None):
+        """The pool's cache tensors (every layer's, or ``layer_id``'s): MLA one latent buffer a
+        layer, GQA the K buffers then the V buffers."""
+        groups = [self.pool.kv_buffer] if self.arch == "mla" else [self.pool.k_buffer, self.pool.v_buffer]
+        return [b for g in groups for i, b in enumerate(g) if layer_id is None or i == layer_id]
+
     def cache_snapshot(self):
-        bufs = self.pool.kv_buffer if self.arch == "mla" else self.pool.k_buffer + self.pool.v_buffer
-        return [b.clone() for b in bufs]
+        return [b.clone() for b in self.kv_buffers()]
 
     def restore_cache(self):
-        bufs = self.pool.kv_buffer if self.arch == "mla" else self.pool.k_buffer + self.pool.v_buffer
-        for b, s in zip(bufs, self.cache0):
+        for b, s in zip(self.kv_buffers(), self.cache0):
             b.copy_(s)
 
     def forward_batch(self, *, full_mask, mode=ForwardMode.TARGET_VERIFY):
@@ -416,14 +420,11 @@ def test_save_kv_cache_false_still_verifies_from_the_tree_kv(hooked, rng, arch, 
     layer = world.layers[randint(0, LAYERS - 1, rng)]
     want, want_cache = sglang_path(world, hooked, layer)
     if caller_wrote:
-        bufs = world.pool.kv_buffer if arch == "mla" else world.pool.k_buffer + world.pool.v_buffer
-        for b, w in zip(bufs, want_cache):
+        for b, w in zip(world.kv_buffers(), want_cache):
             b.copy_(w)
     else:
         world.restore_cache()
-        bufs = [world.pool.kv_buffer[layer.layer_id]] if arch == "mla" else \
-            [world.pool.k_buffer[layer.layer_id], world.pool.v_buffer[layer.layer_id]]
-        for b in bufs:
+        for b in world.kv_buffers(layer.layer_id):
             b[world.loc] = float("nan")                                  # the tree's slots: stale
     be = world.backend()
     state = VA.enable(be, world.model, "DDTREE-GPU", env={})

@@ -160,7 +160,9 @@ def summary_rows(doc: dict) -> List[dict]:
                 cells[c] = dict(tput=t, x_base=(t / bt) if t and bt else None,
                                 accept=lv.get("accept_length") if lv else None,
                                 invalid=bool(lv and lv.get("invalid")))
-            rows.append(dict(pair=s.get("pair") or os.path.basename(str(s.get("model_path") or "")) or "run", run=run.get("run_id", "1"), arm=a["name"], levels=cells,
+            # a run without --pair (token-id prompts) is titled by its target's folder
+            pair = s.get("pair") or os.path.basename(str(s.get("model_path") or "")) or "run"
+            rows.append(dict(pair=pair, run=run.get("run_id", "1"), arm=a["name"], levels=cells,
                              identity=_identity_cell(run, a["name"]), status=a.get("status")))
     return rows
 
