@@ -928,3 +928,14 @@ def test_each_arm_records_its_verify_attention(tmp_path):
     md = open(str(tmp_path / "res" / "ab") + ".md").read()
     assert "; target verify attention: sglang_ddtree tree_verify_attention" in md
     assert ab.verify_attention_of(str(tmp_path / "nothing.log")) is None
+
+
+def test_requests_per_level_specs():
+    from sglang_ddtree.ab.runner import requests_per_level
+    assert [requests_per_level("auto", c, 300) for c in (1, 4, 16, 64)] == [16, 16, 64, 256]
+    assert [requests_per_level("auto:32", c, 300) for c in (1, 4, 16, 64)] == [32, 32, 64, 256]
+    assert requests_per_level("auto:32", 64, 100) == 100 and requests_per_level("all", 1, 77) == 77
+    assert requests_per_level("8", 64, 100) == 8
+    for bad in ("auto:", "auto:0", "auto:x", "autox", "0", "-3", "many"):
+        with pytest.raises(ValueError, match="requests-per-level"):
+            requests_per_level(bad, 4, 100)

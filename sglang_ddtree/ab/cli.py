@@ -45,7 +45,7 @@ def build_parser(default_out: str = DEFAULT_OUT):
     ap.add_argument("--long-prompts", type=int, default=None, metavar="CHARS",
                     help="long-context prompts: each joins standard-library texts to >= CHARS characters "
                          "(raise --max-input-tokens and the servers' --context-length to match)")
-    ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), all = N, or a number")
+    ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), auto:M = min(N, max(M, 4c)), all = N, or a number")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each level (radix cache flushed before each); "
                                                            "the one with the median output tok/s is reported")

@@ -284,6 +284,25 @@ def resolve_inputs(args):
     return model, draft, token_ids, cfg_path, cfg_keys, prompts, source, how
 
 
+def requests_per_level(spec: str, c: int, n_prompts: int) -> int:
+    """Requests run at concurrency c: 'all' = every prompt; 'auto' = min(N, max(16, 4c)); 'auto:M' =
+    min(N, max(M, 4c)) (a larger floor for the low levels, the high ones still run 4 waves); or a number."""
+    spec = str(spec)
+    if spec == "all":
+        return n_prompts
+    floor = 16
+    if spec.startswith("auto"):
+        if spec != "auto":
+            head, _, m = spec.partition(":")
+            if head != "auto" or not m.isdigit() or int(m) < 1:
+                raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1) or a number")
+            floor = int(m)
+        return min(n_prompts, max(floor, 4 * c))
+    if not spec.isdigit() or int(spec) < 1:
+        raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1) or a number")
+    return min(n_prompts, int(spec))
+
+
 def run(args, launcher: Callable = popen_launcher) -> dict:
     t_start = time.time()
     deadline_at = t_start + args.deadline if args.deadline else None
@@ -294,11 +313,7 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     N = len(prompts)
 
     def per_level(c):
-        if args.requests_per_level == "all":
-            return N
-        if args.requests_per_level == "auto":
-            return min(N, max(16, 4 * c))
-        return min(N, int(args.requests_per_level))
+        return requests_per_level(args.requests_per_level, c, N)
 
     tmpdir = args.workdir or tempfile.mkdtemp(prefix="ab_serve_")
     os.makedirs(tmpdir, exist_ok=True)
