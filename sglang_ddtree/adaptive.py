@@ -273,9 +273,18 @@ class WidthController:
     (16.9 vs 10.2 ms, ``raw/ab_h200_kimicost_chain_run1_profile_auto.jsonl``).  No probe is needed
     while the widest width is the choice.
 
-    The round overhead (``BudgetPolicy.observe_interval``): the host clock between consecutive
-    ``next_width`` calls with no other batch between them (:meth:`interrupt`: the worker calls it
-    for every prefill / extend / idle batch).  Each rank measures its own, so ``share`` (the worker: TP rank 0's object
+    The round overhead (``BudgetPolicy.observe_interval``): the host clock between consecutive batch
+    launches (``next_width`` for a round, :meth:`interrupt` for any other batch: the worker calls it
+    for every prefill / extend / idle batch), attributed to the batch that interval measures.  Under
+    SGLang's overlap scheduler (``lag=1``) the host launches batch i + 1 only after it has processed
+    the result of batch i - 1, so the interval from launch i to launch i + 1 is the GPU time of batch
+    i - 1, not of batch i (lag 0 without overlap).  An interval that measures a prefill or idle batch
+    is not observed.  Measured on the H200 (Qwen3-8B-shaped chain pair,
+    ``bench/results/raw/scalechain_ab_qwen3-8b_h200_run2_logs.tgz``): with the interval attributed to
+    the batch launched at its start (lag 0 under overlap), every admission prefill's 5-20 ms landed
+    in the following round's overhead and every switch from a wide to a narrow width (a probe, say)
+    added the wide round's extra cost to the narrow one's; the policy then chose widths 16-32 where
+    width 8 served 8-18 % more tokens per second.  Each rank measures its own, so ``share`` (the worker: TP rank 0's object
     broadcast to every rank) is applied when a window of counts arrives, at the same round on every
     rank; until then the policy keeps the last shared values.  Every rank thus sees the same rounds,
     counts and overheads (``CounterfactualWindow`` applies a window at a fixed round), so TP ranks
@@ -284,9 +293,11 @@ class WidthController:
     def __init__(self, cfg: AdaptiveConfig, *, policy: Optional[BudgetPolicy], device,
                  window_every: int = 8, window_lag: int = 4, probe_share: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter,
-                 share: Optional[Callable[[dict], dict]] = None):
+                 share: Optional[Callable[[dict], dict]] = None, lag: int = 0):
         if not 0.0 <= probe_share < 1.0:
             raise ValueError(f"probe_share must be in [0, 1), got {probe_share}")
+        if lag not in (0, 1):
+            raise ValueError(f"lag must be 0 (no overlap scheduling) or 1 (overlap), got {lag}")
         self.cfg = cfg
         self.policy = policy
         self.spec_widths = [b + 1 for b in cfg.budgets]
@@ -300,8 +311,12 @@ class WidthController:
         self._since_probe = 0
         self._clock = clock
         self._share = share
-        self._last: Optional[Tuple[int, int, float]] = None   # (bs, choice, clock) of the last round
+        self.lag = int(lag)
+        # the last lag + 1 launched batches, oldest first: (bs, width) of a round, None for any other
+        self._launched: List[Optional[Tuple[int, int]]] = []
+        self._t_launch: Optional[float] = None   # host clock of the last launch
         self._local_overhead: Dict[int, float] = {}
+        self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
 
     @staticmethod
     def _choice(w: int) -> int:
@@ -311,24 +326,44 @@ class WidthController:
     def _cost(self, bs: int, w: int) -> float:
         return self.policy.costs.cost(bs, self._choice(w))
 
-    def _observe(self) -> float:
-        """Fold the interval since the last round's start into this rank's overhead; the clock now."""
+    def _launch(self, batch: Optional[Tuple[int, int]]) -> None:
+        """A batch is being launched now (``(bs, width)`` of a round, None for any other batch): the
+        interval since the previous launch measures the batch launched ``lag`` launches before that
+        one; fold it into this rank's overhead if that batch was a round."""
         now = self._clock()
-        if self._last is not None and self.policy is not None:
-            lbs, lw, t = self._last
-            self.policy.observe_interval(lbs, self._choice(lw), (now - t) * 1e3, into=self._local_overhead)
-        return now
+        if self._t_launch is not None and len(self._launched) > self.lag and self.policy is not None:
+            measured = self._launched[-1 - self.lag]
+            if measured is None:
+                self.intervals["other_batch"] += 1
+            else:
+                bs, w = measured
+                ok = self.policy.observe_interval(bs, self._choice(w), (now - self._t_launch) * 1e3,
+                                                  into=self._local_overhead)
+                self.intervals["observed" if ok else "ignored"] += 1
+        self._launched = (self._launched + [batch])[-(self.lag + 1):]
+        self._t_launch = now
 
     def interrupt(self) -> None:
-        """A batch other than a decode round ran (a prefill, a mixed extend, an idle batch): the
-        interval from the last round's start to the next round's spans it, so it is not a round's
-        overhead and is not observed.  Measured on the H200 (Qwen3-8B-shaped chain pair, c = 64,
+        """A batch other than a decode round is being launched (a prefill, a mixed extend, an idle
+        batch): the interval that measures it is not a round's overhead and is not observed.
+        Measured on the H200 (Qwen3-8B-shaped chain pair, c = 64,
         ``bench/results/raw/scalechain_ab_qwen3-8b_h200_run1_logs.tgz``, profile records): groups of
         rounds at a constant batch of 63-64 took 0-2 ms a round over their GPU time, groups with
         admissions in them 10-20 ms; folded in as a per-round cost, the admissions made every round
         look expensive, which favours the widest trees and never plain decoding (a prefill stalls
         the batch once per admitted request, whatever the width)."""
-        self._last = None
+        self._launch(None)
+
+    def snapshot(self) -> dict:
+        """The policy's state for the round profiler's records (host values, no device work): the
+        acceptance averages per width, the shared overhead per batch size, the rounds per width,
+        probes and the interval counts."""
+        out = {"chosen": {str(w): n for w, n in sorted(self.chosen.items())}, "probes": self.probes,
+               "intervals": dict(self.intervals), "lag": self.lag}
+        if self.policy is not None:
+            out["accept"] = {str(w): round(a, 4) for w, a in sorted(self.policy.accept.items())}
+            out["overhead_ms"] = {str(b): round(o, 3) for b, o in sorted(self.policy.overhead_ms.items())}
+        return out
 
     def _first_width(self, bs: int) -> int:
         if self.policy is None:
@@ -357,7 +392,6 @@ class WidthController:
 
     def next_width(self, bs: int) -> int:
         """The verify width of this round (1 = no speculation)."""
-        now = self._observe()
         for sums, counts in self.window.due():
             if self.policy is not None:
                 self.policy.update_means({w: s / c for w, s, c in zip(self.spec_widths, sums, counts)
@@ -376,7 +410,7 @@ class WidthController:
             c = self.policy.choose(bs)
             w = self._probe_or(bs, 1 if c == NO_SPEC else c)
         self.chosen[w] = self.chosen.get(w, 0) + 1
-        self._last = (int(bs), w, now)
+        self._launch((int(bs), w))
         return w
 
     def record(self, path: torch.Tensor, width: int) -> None:

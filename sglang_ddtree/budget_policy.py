@@ -148,8 +148,8 @@ class BudgetPolicy:
 
     def overhead(self, bs: int) -> float:
         """Per-round ms outside the cost table at ``bs`` (0 until observed; interpolated between the
-        batch sizes seen, clamped beyond them)."""
-        return _interp(self.overhead_ms, bs) if self.overhead_ms else 0.0
+        batch sizes seen, clamped beyond them; never below 0)."""
+        return max(0.0, _interp(self.overhead_ms, bs)) if self.overhead_ms else 0.0
 
     def round_ms(self, bs: int, width: int) -> float:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead."""
@@ -157,17 +157,20 @@ class BudgetPolicy:
 
     def observe_interval(self, bs: int, width: int, interval_ms: float,
                          into: Optional[Dict[int, float]] = None) -> bool:
-        """One host-clock interval from the start of a round of ``bs`` requests at ``width`` to the
-        start of the next.  Folds ``interval - cost(bs, width)`` (floored at 0) into the overhead EMA
-        of ``bs`` in ``into`` (default: ``overhead_ms``; the controller keeps each rank's own until
-        they are shared); returns False (ignored) for an interval longer than 4x the cost + 20 ms (the
-        server was idle or prefilling, not a round's overhead) or not a positive finite number."""
+        """One host-clock interval that measures a round of ``bs`` requests at ``width`` (which one:
+        ``adaptive.WidthController``).  Folds ``interval - cost(bs, width)`` into the overhead EMA of
+        ``bs`` in ``into`` (default: ``overhead_ms``; the controller keeps each rank's own until
+        they are shared), signed: a round faster than the table lowers the average, so noise in
+        the host clock (an interval that is partly the previous round's) averages out instead of
+        only ever adding (``overhead`` floors the average at 0).  Returns False (ignored) for an
+        interval longer than 4x the cost + 20 ms (the server was idle or prefilling, not a round's
+        overhead) or not a positive finite number."""
         table = self.overhead_ms if into is None else into
         cost = self.costs.cost(bs, width)
         ms = float(interval_ms)
         if not (ms > 0 and ms < float("inf")) or ms > 4 * cost + 20.0:
             return False
-        extra = max(0.0, ms - cost)
+        extra = ms - cost
         old = table.get(int(bs))
         table[int(bs)] = extra if old is None else self.overhead_ema * old + (1 - self.overhead_ema) * extra
         return True

@@ -85,6 +85,7 @@ class RoundProfiler:
         self._pool = []       # read events, recorded again by later rounds
         self._wall = []       # time.time() at the end of each round in _pending + _done, in order
         self._last_end = None
+        self.extra: Optional[Callable[[], dict]] = None   # its dict goes into each record as "adaptive"
 
     @property
     def enabled(self) -> bool:
@@ -167,5 +168,7 @@ class RoundProfiler:
         by_width = _by_width(done)
         if by_width:
             rec["by_width"] = by_width
+        if self.extra is not None:
+            rec["adaptive"] = self.extra()
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")

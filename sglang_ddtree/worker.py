@@ -372,6 +372,8 @@ class DDTreeWorker(DFlashWorkerV2):
             server_args, algo=self.algo_name, budget=self.budget, block_size=self.block_size,
             topk=self.topk, tp_rank=self.ps.tp_rank, device=self.device,
             adaptive_cfg=self._adaptive_cfg)
+        if self._adaptive is not None and self._prof.enabled:
+            self._prof.extra = self._adaptive.snapshot   # the policy's state in every profile record
         if self.ps.tp_rank == 0:
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
@@ -459,8 +461,11 @@ class DDTreeWorker(DFlashWorkerV2):
                 logger.info("%s adaptive budget: cost table (ms) verify=%s base=%s", algo,
                             table.verify_ms, table.base_ms)
         self._verify_states = states
+        # SGLang's overlap scheduler launches batch i + 1 before it processes batch i's result: the
+        # host interval between two launches measures the batch before (adaptive.WidthController)
+        overlap = not getattr(vars(self).get("target_server_args"), "disable_overlap_schedule", False)
         self._adaptive = adaptive.WidthController(cfg, policy=policy, device=self.device,
-                                                  share=self._tp_shared)
+                                                  share=self._tp_shared, lag=1 if overlap else 0)
 
     @staticmethod
     def _tp_shared(obj):

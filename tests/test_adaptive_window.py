@@ -185,29 +185,77 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == {}
 
 
-def test_controller_interrupt_drops_the_interval_that_spans_another_batch():
-    """A prefill between two rounds (the worker calls ``interrupt``) is not a round's overhead: the
-    interval spanning it is not observed; the intervals between rounds with nothing between are."""
+def _controller(lag, clock):
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
-    clock = _Clock()
     pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                               SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol, device="cpu",
-                          window_every=1000, window_lag=0, clock=clock)
-    assert c.next_width(1) == 16
-    clock.ms += 45.0 + 2.0                      # a round with 2 ms of overhead
-    assert c.next_width(1) == 16 and c._local_overhead == {1: pytest.approx(2.0)}
-    clock.ms += 45.0 + 30.0                     # the round, then a 30 ms prefill
-    c.interrupt()
-    assert c.next_width(1) == 16 and c._local_overhead == {1: pytest.approx(2.0)}   # not observed
-    clock.ms += 45.0 + 4.0
-    c.next_width(1)
-    assert c._local_overhead == {1: pytest.approx(0.8 * 2.0 + 0.2 * 4.0)}
-    c.interrupt()
-    c.interrupt()                               # twice (two prefills): still one dropped interval
-    clock.ms += 500.0
-    c.next_width(1)
-    assert c._local_overhead == {1: pytest.approx(0.8 * 2.0 + 0.2 * 4.0)}
+    return A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                                  SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol, device="cpu",
+                             window_every=1000, window_lag=0, clock=clock, lag=lag)
+
+
+def _replay(c, clock, launches):
+    """launches: [(host ms, 'round' | 'prefill')] in order -> the widths the rounds got."""
+    ws = []
+    for t, kind in launches:
+        clock.ms = float(t)
+        if kind == "round":
+            ws.append(c.next_width(1))
+        else:
+            c.interrupt()
+    return ws
+
+
+def test_controller_without_overlap_measures_each_batch_from_its_launch_to_the_next():
+    """lag 0 (no overlap scheduling): the host launches a batch once the previous one is processed,
+    so the interval from a launch to the next is that batch's time.  Width-16 rounds of 45 ms on the
+    GPU, 2 ms of host work each, one 30 ms prefill: the prefill's interval is not observed."""
+    clock = _Clock()
+    c = _controller(0, clock)
+    #          R1          R2             P (R2's interval: 47)  R3 (P: 30 ms)  R4
+    ws = _replay(c, clock, [(0, "round"), (47, "round"), (94, "prefill"), (124, "round"), (171, "round")])
+    assert ws == [16] * 4
+    assert c._local_overhead == {1: pytest.approx(0.8 * (0.8 * 2.0 + 0.2 * 2.0) + 0.2 * 2.0)}
+    assert c.intervals == {"observed": 3, "ignored": 0, "other_batch": 1}
+
+
+def test_controller_under_overlap_attributes_each_interval_to_the_batch_before():
+    """lag 1 (SGLang's overlap scheduler, ``event_loop_overlap``): batch i + 1 is launched after the
+    host processed batch i - 1's result, so the interval from launch i to launch i + 1 is batch
+    i - 1's GPU time.  GPU: R1 0-45, R2 45-90, P (a 30 ms prefill) 90-120, R3 120-165, R4 165-210;
+    the host processes a result 2 ms after it is ready.  Every round then measures 45 ms (its cost:
+    no overhead) and the prefill is not observed; attributed with lag 0 instead, the prefill's
+    interval would count as R3's and the one after it as R4's."""
+    clock = _Clock()
+    launches = [(0, "round"), (1, "round"), (47, "prefill"), (92, "round"), (122, "round"), (167, "round")]
+    c = _controller(1, clock)
+    assert _replay(c, clock, launches) == [16] * 5
+    assert c.intervals == {"observed": 3, "ignored": 0, "other_batch": 1}
+    assert c._local_overhead[1] == pytest.approx(0.8 * (0.8 * 1.0 + 0.2 * 0.0) + 0.2 * 0.0)
+    wrong = _controller(0, clock)
+    _replay(wrong, clock, launches)
+    assert wrong.intervals["observed"] == 4 and wrong.intervals["other_batch"] == 1
+    # lag 0 under overlap: R1 measured 1 ms (-44), R2 46 (+1), R3 30 (-15), R4 45 (0): off by one
+    ema = -44.0
+    for x in (1.0, -15.0, 0.0):
+        ema = 0.8 * ema + 0.2 * x
+    assert wrong._local_overhead[1] == pytest.approx(ema)
+    assert wrong.policy.overhead(1) == 0.0       # a negative average reads as no overhead
+    with pytest.raises(ValueError, match="lag"):
+        _controller(2, clock)
+
+
+def test_controller_interrupts_back_to_back_and_idle_gaps():
+    """Two prefills in a row: neither interval is observed; an idle gap (500 ms) is ignored by the
+    policy's filter (longer than 4x the cost + 20 ms)."""
+    clock = _Clock()
+    c = _controller(0, clock)
+    _replay(c, clock, [(0, "round"), (47, "prefill"), (60, "prefill"), (80, "round"), (580, "round"),
+                       (625, "round")])
+    assert c.intervals == {"observed": 2, "ignored": 1, "other_batch": 2}
+    assert c._local_overhead == {1: pytest.approx(0.8 * 2.0 + 0.2 * 0.0)}
+    snap = c.snapshot()
+    assert snap["intervals"] == c.intervals and snap["lag"] == 0 and snap["chosen"] == {"16": 4}
+    assert set(snap["accept"]) == {"4", "16"} and snap["probes"] == 0
 
 
 def test_policy_observe_interval_filters_and_averages():
@@ -215,12 +263,15 @@ def test_policy_observe_interval_filters_and_averages():
     pol = BudgetPolicy(t)
     assert pol.overhead(5) == 0.0
     assert pol.observe_interval(1, 4, 6.0) and pol.overhead_ms == {1: pytest.approx(2.0)}
-    assert pol.observe_interval(1, 4, 3.0)                       # faster than the table: 0 extra
-    assert pol.overhead_ms[1] == pytest.approx(0.8 * 2.0)
+    assert pol.observe_interval(1, 4, 3.0)                       # faster than the table: -1 (signed)
+    assert pol.overhead_ms[1] == pytest.approx(0.8 * 2.0 - 0.2 * 1.0)
     assert not pol.observe_interval(1, 4, 4 * 4.0 + 20.5)        # idle gap / prefill: ignored
     assert not pol.observe_interval(1, 4, 0.0) and not pol.observe_interval(1, 4, float("nan"))
     assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_ms[8] == pytest.approx(5.0)
-    assert pol.overhead(4) == pytest.approx(1.6 + (5.0 - 1.6) * 3 / 7)
+    assert pol.overhead(4) == pytest.approx(1.4 + (5.0 - 1.4) * 3 / 7)
+    for _ in range(20):
+        pol.observe_interval(1, 4, 1.0)                          # 3 ms under the table, every time
+    assert pol.overhead_ms[1] < 0 and pol.overhead(1) == 0.0     # floored where it is read
     assert pol.round_ms(8, 4) == pytest.approx(8.0 + 5.0)
     assert pol.tokens_per_ms(8, NO_SPEC) == pytest.approx(8 / 7.0)
 
@@ -236,3 +287,24 @@ def test_controller_record_drops_wider_widths():
     c.record(path, 16)
     assert c.window.due() == [([1, 2, 3], [1, 1, 1])]
     assert NO_SPEC == 0
+
+
+def test_profile_records_carry_the_policy_state(tmp_path, monkeypatch):
+    """With a profile file, each record gets the controller's snapshot under "adaptive" (what the
+    policy believed when it chose: acceptance per width, overhead per batch size, interval counts)."""
+    import json
+
+    from sglang_ddtree import profiling
+    path = tmp_path / "p.jsonl"
+    monkeypatch.setenv(profiling.ENV_FILE, str(path))
+    clock = _Clock()
+    c = _controller(1, clock)
+    _replay(c, clock, [(0, "round"), (1, "round"), (47, "round")])
+    prof = profiling.RoundProfiler({"algo": "DDTREE-GPU"})
+    prof.extra = c.snapshot
+    prof._done = [([1.0, 0.0, 0.0, 4.0, 0.0, 0.0], 6.0, 0.5, 1, 16)]
+    prof._flush()
+    rec = json.loads(path.read_text().splitlines()[-1])
+    assert rec["adaptive"]["intervals"] == {"observed": 1, "ignored": 0, "other_batch": 0}
+    assert rec["adaptive"]["overhead_ms"] == {} and rec["adaptive"]["chosen"] == {"16": 3}
+    assert rec["adaptive"]["lag"] == 1 and rec["adaptive"]["accept"] == {"4": 0.0, "16": 0.0}
