@@ -372,8 +372,7 @@ class DDTreeWorker(DFlashWorkerV2):
             server_args, algo=self.algo_name, budget=self.budget, block_size=self.block_size,
             topk=self.topk, tp_rank=self.ps.tp_rank, device=self.device,
             adaptive_cfg=self._adaptive_cfg)
-        if self._adaptive is not None and self._prof.enabled:
-            self._prof.extra = self._adaptive.snapshot   # the policy's state in every profile record
+        self._attach_policy_snapshot()
         if self.ps.tp_rank == 0:
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
@@ -466,6 +465,15 @@ class DDTreeWorker(DFlashWorkerV2):
         overlap = not getattr(vars(self).get("target_server_args"), "disable_overlap_schedule", False)
         self._adaptive = adaptive.WidthController(cfg, policy=policy, device=self.device,
                                                   share=self._tp_shared, lag=1 if overlap else 0)
+        self._attach_policy_snapshot()
+
+    def _attach_policy_snapshot(self) -> None:
+        """The policy's state in every profile record (``RoundProfiler.extra``).  SGLang may build
+        the CUDA graphs (and so the controller) before or after this worker's profiler exists:
+        called from both places, it attaches once both are there."""
+        prof, ctl = vars(self).get("_prof"), vars(self).get("_adaptive")
+        if prof is not None and ctl is not None and prof.enabled:
+            prof.extra = ctl.snapshot
 
     @staticmethod
     def _tp_shared(obj):

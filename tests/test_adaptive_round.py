@@ -501,3 +501,23 @@ def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatc
     assert torch.equal(r1.next_draft_input.bonus_tokens, r2.next_draft_input.bonus_tokens)
     assert torch.equal(r1.new_seq_lens, batch.seq_lens) and len(published) == 2
     assert W.host_to_device_int32 is not real_h2d and real_h2d([1, 2], "cpu").dtype == torch.int32
+
+
+def test_policy_snapshot_reaches_the_profiler_whichever_is_built_first(monkeypatch, tmp_path):
+    """SGLang builds the CUDA graphs (and with them the width controller) after the worker's
+    __init__ made its profiler: the snapshot must be attached in either order (it was not, on the
+    H200: records without "adaptive")."""
+    from sglang_ddtree import profiling
+    monkeypatch.setenv(profiling.ENV_FILE, str(tmp_path / "p.jsonl"))
+    ctl = types.SimpleNamespace(snapshot=lambda: {"lag": 1})
+    for order in (("_prof", "_adaptive"), ("_adaptive", "_prof")):
+        w = object.__new__(W.DDTreeWorker)
+        for name in order:
+            w.__dict__[name] = RoundProfiler({"algo": "DDTREE-GPU"}) if name == "_prof" else ctl
+            w._attach_policy_snapshot()
+        assert w.__dict__["_prof"].extra is ctl.snapshot
+    w = object.__new__(W.DDTreeWorker)
+    monkeypatch.delenv(profiling.ENV_FILE)
+    w.__dict__.update(_prof=RoundProfiler({"algo": "DDTREE-GPU"}), _adaptive=ctl)
+    w._attach_policy_snapshot()
+    assert w.__dict__["_prof"].extra is None          # profiling off: nothing attached
