@@ -43,6 +43,7 @@ ENV_BUDGETS = "SGLANG_DDTREE_BUDGETS"
 ENV_NO_SPEC = "SGLANG_DDTREE_NO_SPEC"
 ENV_PROBE_EVERY = "SGLANG_DDTREE_PROBE_EVERY"
 ENV_TEST_CYCLE = "SGLANG_DDTREE_TEST_BUDGET_CYCLE"
+ENV_OVERHEAD = "SGLANG_DDTREE_ROUND_OVERHEAD"   # measured (default) | off: the policy's per-round overhead term
 DEFAULT_PROBE_EVERY = 16
 
 
@@ -54,6 +55,7 @@ class AdaptiveConfig:
     no_spec: bool
     probe_every: int
     cycle: Optional[Tuple[int, ...]] = None
+    overhead: bool = True   # measure the per-round overhead outside the cost table (ENV_OVERHEAD)
 
     @property
     def widths(self) -> Tuple[int, ...]:
@@ -110,6 +112,9 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
             probe = 0
         if probe < 1:
             raise ValueError(f"{algo}: {ENV_PROBE_EVERY} must be an integer >= 1, got {raw_probe!r}")
+    raw_oh = (env.get(ENV_OVERHEAD) or "measured").strip()
+    if raw_oh not in ("measured", "off"):
+        raise ValueError(f"{algo}: {ENV_OVERHEAD} must be 'measured' or 'off', got {raw_oh!r}")
     cycle = None
     if raw_cycle:
         cycle = tuple(_int_list(algo, ENV_TEST_CYCLE, raw_cycle))
@@ -120,7 +125,8 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
                              f"budgets {sorted(allowed)} (0 needs {ENV_NO_SPEC}=1)")
     if not no_spec and len(budgets) == 1 and cycle is None:
         return None   # one budget, no alternative: the fixed path
-    return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle)
+    return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle,
+                          overhead=raw_oh == "measured")
 
 
 # ------------------------------------------------------------------ verify states per width
@@ -331,7 +337,8 @@ class WidthController:
         interval since the previous launch measures the batch launched ``lag`` launches before that
         one; fold it into this rank's overhead if that batch was a round."""
         now = self._clock()
-        if self._t_launch is not None and len(self._launched) > self.lag and self.policy is not None:
+        if (self._t_launch is not None and len(self._launched) > self.lag and self.policy is not None
+                and self.cfg.overhead):
             measured = self._launched[-1 - self.lag]
             if measured is None:
                 self.intervals["other_batch"] += 1

@@ -258,9 +258,12 @@ def test_parse_arms_and_commands():
     ns = ab.parse_arm("ddtree_auto_nospec")
     assert ns["auto"] and ns["env"]["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] == "0"
     assert ns["env"]["SGLANG_DDTREE_NO_SPEC"] == "1" and ns["num_draft_tokens"] == 32
-    for bad in ("ddtree_b7_nospec", "dflash_nospec", "ddtree_auto_nospec_nospec"):
+    for bad in ("ddtree_b7_nospec", "dflash_nospec", "ddtree_auto_nospec_nospec", "ddtree_b7_nooverhead",
+                "ddtree_auto_nooverhead_nooverhead"):
         with pytest.raises(ValueError):
             ab.parse_arm(bad)
+    no = ab.parse_arm("ddtree_auto_nooverhead")
+    assert no["auto"] and no["env"]["SGLANG_DDTREE_ROUND_OVERHEAD"] == "off" and no["num_draft_tokens"] == 32
     t = {a["name"]: a for a in ab.parse_arms("ddtree_b7_torchcommit,ddtree_auto_vattn_torchcommit")}
     assert t["ddtree_b7_torchcommit"]["env"] == {"SGLANG_DDTREE_COMMIT_OPS": "torch"}
     assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"

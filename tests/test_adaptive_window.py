@@ -308,3 +308,19 @@ def test_profile_records_carry_the_policy_state(tmp_path, monkeypatch):
     assert rec["adaptive"]["intervals"] == {"observed": 1, "ignored": 0, "other_batch": 0}
     assert rec["adaptive"]["overhead_ms"] == {} and rec["adaptive"]["chosen"] == {"16": 3}
     assert rec["adaptive"]["lag"] == 1 and rec["adaptive"]["accept"] == {"4": 0.0, "16": 0.0}
+
+
+def test_round_overhead_switch():
+    """SGLANG_DDTREE_ROUND_OVERHEAD=off: the controller observes no interval (GPU table and acceptance
+    alone); anything but measured / off is refused."""
+    assert _cfg(SGLANG_DDTREE_BUDGETS="3,15").overhead
+    cfg = _cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_ROUND_OVERHEAD="off")
+    assert not cfg.overhead
+    with pytest.raises(ValueError, match="ROUND_OVERHEAD"):
+        _cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_ROUND_OVERHEAD="0")
+    t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
+    clock = _Clock()
+    c = A.WidthController(cfg, policy=BudgetPolicy(t), device="cpu", window_every=1000, window_lag=0,
+                          clock=clock, lag=0)
+    _replay(c, clock, [(0, "round"), (60, "round"), (120, "round")])
+    assert c._local_overhead == {} and c.intervals == {"observed": 0, "ignored": 0, "other_batch": 0}

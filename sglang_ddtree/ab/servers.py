@@ -22,7 +22,8 @@ AUTO_BUDGETS = (7, 15, 31)
 ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree"),
                 ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang"),
                 ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch"),
-                ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0"))
+                ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0"),
+                ("_nooverhead", "SGLANG_DDTREE_ROUND_OVERHEAD", "off"))
 
 
 def parse_arm(name: str) -> dict:
@@ -38,7 +39,10 @@ def parse_arm(name: str) -> dict:
     (``SGLANG_DDTREE_COMMIT_OPS=torch``), to measure the fused commit kernel in the same run.
     ``_nospec`` (adaptive arms only: ``ddtree_auto_nospec``): every round the adaptive budget's
     "no speculation" choice (``SGLANG_DDTREE_TEST_BUDGET_CYCLE=0``), to measure that round against
-    the base arm's decode step in the same run (the floor the policy falls back to under load)."""
+    the base arm's decode step in the same run (the floor the policy falls back to under load).
+    ``_nooverhead`` (adaptive arms only): the policy without its measured per-round overhead term
+    (``SGLANG_DDTREE_ROUND_OVERHEAD=off``: GPU cost table and acceptance alone), to see what that
+    term does to the choice in the same run."""
     name = name.strip()
     for suffix, var, value in ARM_SUFFIXES:
         if not name.endswith(suffix):
@@ -47,8 +51,8 @@ def parse_arm(name: str) -> dict:
         if arm["kind"] != "ddtree" or var in (arm.get("env") or {}):
             raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once "
                              f"(ddtree_b<B>{suffix}, ddtree_auto{suffix})")
-        if suffix == "_nospec" and not arm.get("auto"):
-            raise ValueError(f"arm {name!r}: only adaptive arms take _nospec (ddtree_auto_nospec)")
+        if suffix in ("_nospec", "_nooverhead") and not arm.get("auto"):
+            raise ValueError(f"arm {name!r}: only adaptive arms take {suffix} (ddtree_auto{suffix})")
         arm["name"] = name
         arm["env"] = dict(arm.get("env") or {}, **{var: value})
         return arm
