@@ -286,7 +286,7 @@ class WidthController:
     the result of batch i - 1, so the interval from launch i to launch i + 1 is the GPU time of batch
     i - 1, not of batch i (lag 0 without overlap).  An interval that measures a prefill or idle batch
     is not observed.  Measured on the H200 (Qwen3-8B-shaped chain pair,
-    ``bench/results/raw/scalechain_ab_qwen3-8b_h200_run2_logs.tgz``): with the interval attributed to
+    ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s15_run2_logs.tgz``): with the interval attributed to
     the batch launched at its start (lag 0 under overlap), every admission prefill's 5-20 ms landed
     in the following round's overhead and every switch from a wide to a narrow width (a probe, say)
     added the wide round's extra cost to the narrow one's; the policy then chose widths 16-32 where
