@@ -290,17 +290,12 @@ def requests_per_level(spec: str, c: int, n_prompts: int) -> int:
     spec = str(spec)
     if spec == "all":
         return n_prompts
-    floor = 16
-    if spec.startswith("auto"):
-        if spec != "auto":
-            head, _, m = spec.partition(":")
-            if head != "auto" or not m.isdigit() or int(m) < 1:
-                raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1) or a number")
-            floor = int(m)
-        return min(n_prompts, max(floor, 4 * c))
-    if not spec.isdigit() or int(spec) < 1:
-        raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1) or a number")
-    return min(n_prompts, int(spec))
+    head, sep, m = spec.partition(":")
+    if head == "auto" and (not sep or (m.isdigit() and int(m) >= 1)):
+        return min(n_prompts, max(int(m) if sep else 16, 4 * c))
+    if spec.isdigit() and int(spec) >= 1:
+        return min(n_prompts, int(spec))
+    raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1) or a number")
 
 
 def run(args, launcher: Callable = popen_launcher) -> dict:

@@ -18,12 +18,12 @@ ALGO = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "
 
 # ------------------------------------------------------------------------------------------ arms
 AUTO_BUDGETS = (7, 15, 31)
-# DDTree arm suffix -> (server environment variable, value); at most one per variable
-ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree"),
-                ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang"),
-                ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch"),
-                ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0"),
-                ("_nooverhead", "SGLANG_DDTREE_ROUND_OVERHEAD", "off"))
+# DDTree arm suffix -> (server environment variable, value, adaptive arms only); at most one per variable
+ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
+                ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang", False),
+                ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch", False),
+                ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0", True),
+                ("_nooverhead", "SGLANG_DDTREE_ROUND_OVERHEAD", "off", True))
 
 
 def parse_arm(name: str) -> dict:
@@ -44,14 +44,14 @@ def parse_arm(name: str) -> dict:
     (``SGLANG_DDTREE_ROUND_OVERHEAD=off``: GPU cost table and acceptance alone), to see what that
     term does to the choice in the same run."""
     name = name.strip()
-    for suffix, var, value in ARM_SUFFIXES:
+    for suffix, var, value, auto_only in ARM_SUFFIXES:
         if not name.endswith(suffix):
             continue
         arm = parse_arm(name[:-len(suffix)])
         if arm["kind"] != "ddtree" or var in (arm.get("env") or {}):
             raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once "
                              f"(ddtree_b<B>{suffix}, ddtree_auto{suffix})")
-        if suffix in ("_nospec", "_nooverhead") and not arm.get("auto"):
+        if auto_only and not arm.get("auto"):
             raise ValueError(f"arm {name!r}: only adaptive arms take {suffix} (ddtree_auto{suffix})")
         arm["name"] = name
         arm["env"] = dict(arm.get("env") or {}, **{var: value})
