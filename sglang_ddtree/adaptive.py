@@ -321,7 +321,9 @@ class WidthController:
         # the last lag + 1 launched batches, oldest first: (bs, width) of a round, None for any other
         self._launched: List[Optional[Tuple[int, int]]] = []
         self._t_launch: Optional[float] = None   # host clock of the last launch
-        self._local_overhead: Dict[int, float] = {}
+        # this rank's overhead samples (its median is shared at windows: every rank the same value)
+        self._local_overhead = (policy.new_samples() if policy is not None
+                                else BudgetPolicy.new_samples_of(BudgetPolicy.overhead_window))
         self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
 
     @staticmethod
@@ -363,13 +365,16 @@ class WidthController:
 
     def snapshot(self) -> dict:
         """The policy's state for the round profiler's records (host values, no device work): the
-        acceptance averages per width, the shared overhead per batch size, the rounds per width,
-        probes and the interval counts."""
+        acceptance averages per width, their weights (decayed request-round counts), the shared
+        overhead and this rank's sample count, the rounds per width, probes and the interval counts."""
         out = {"chosen": {str(w): n for w, n in sorted(self.chosen.items())}, "probes": self.probes,
                "intervals": dict(self.intervals), "lag": self.lag}
         if self.policy is not None:
-            out["accept"] = {str(w): round(a, 4) for w, a in sorted(self.policy.accept.items())}
-            out["overhead_ms"] = {str(b): round(o, 3) for b, o in sorted(self.policy.overhead_ms.items())}
+            pol = self.policy
+            out["accept"] = {str(w): round(a, 4) for w, a in sorted(pol.accept.items())}
+            out["accept_weight"] = {str(w): round(c, 2) for w, c in sorted(pol.accept_count.items())}
+            out["overhead_ms"] = round(float(pol.overhead_ms), 3)
+            out["overhead_samples"] = len(self._local_overhead)
         return out
 
     def _first_width(self, bs: int) -> int:
@@ -401,10 +406,11 @@ class WidthController:
         """The verify width of this round (1 = no speculation)."""
         for sums, counts in self.window.due():
             if self.policy is not None:
-                self.policy.update_means({w: s / c for w, s, c in zip(self.spec_widths, sums, counts)
-                                          if c > 0})
-                local = dict(self._local_overhead)
-                self.policy.overhead_ms = dict(self._share(local)) if self._share else local
+                self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)))
+                local = self.policy.overhead_of(self._local_overhead)
+                shared = self._share(local) if self._share else local
+                if shared is not None:
+                    self.policy.overhead_ms = float(shared)
         r = self.round
         self.round += 1
         cfg = self.cfg

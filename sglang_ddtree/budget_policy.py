@@ -9,32 +9,48 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   are interpolated linearly, beyond them clamped (a cost table is at most a few dozen numbers).
 * the **acceptance**: tokens accepted per request-round at each width, from
   ``tree_ops.counterfactual_accept_len`` (one round of the widest tree gives the exact count for
-  every smaller budget: a best-first tree is prefix-closed), kept as an exponential moving average
-  over rounds.  A round yields accepted + 1 tokens (the bonus).
+  every smaller budget: a best-first tree is prefix-closed), kept per width as decayed sums
+  ``S_w <- d * S_w + sum``, ``C_w <- d * C_w + count`` (every width decays at every update, ``d`` =
+  ``ema``), read as ``S_w / C_w``: the mean of the recent request-rounds that measured the width,
+  each weighted by its age.  A width measured only by probes (one round in a few dozen) is the mean
+  of its recent probes, and a window of many requests weighs more than one of few.  Measured on the
+  H200 (Qwen3-8B-shaped chain pair, c = 16, ``raw/scalechain_s15_run4_profile_auto_snapshot.jsonl``)
+  with the EMA of window means this replaced: the estimates started from the warm-up windows
+  (0.04 accepted), a probe-only width moved only on windows that held a probe, and after ~50 rounds
+  they read 1.31 / 2.15 / 0.73 at widths 8 / 16 / 32 against true means ~2.2 / 2.7 / 3.0.  A round
+  yields accepted + 1 tokens (the bonus).
 * the **choice** for a batch of ``bs`` requests: the width maximising tokens per millisecond,
   ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation; a new
   choice must beat the current one by ``hysteresis`` (a fraction) to switch, so noise in the EMA
   does not flap between graphs.
 * the **round overhead**: what a round costs outside the measured GPU graph (scheduler, output
-  processing, the worker's host work where it is not hidden), ``overhead_ms[bs]``, an EMA of the
-  host-clock interval between rounds minus the table's cost (``observe_interval``; the worker shares
-  rank 0's values across TP ranks).  It is the same for every width of a round, so it is added to
-  every choice: a heavy per-round overhead makes tokens per round worth more.  Measured on the H200
+  processing, the worker's host work where it is not hidden): one value for every batch size, the
+  median of the last ``overhead_window`` signed samples "host-clock interval of a round minus the
+  table's cost" (``observe_interval`` collects them, ``overhead_of`` reduces them; the worker shares
+  rank 0's value across TP ranks).  A median, not a mean, and not per batch size: events that cost
+  per request (an admission, a finish) land in single rounds as spikes of 10-30 ms, and they do not
+  scale with the number of rounds, so they must not count as a per-round cost; measured per batch
+  size (H200, same run as above) the rare sizes around finishes read 12-28 ms against 0-1.5 ms at
+  the steady ones, and interpolation spread those spikes over the common sizes.  It is the same for
+  every width of a round, so it is added to every choice: a heavy per-round overhead makes tokens
+  per round worth more.  Measured on the H200
   (kimicost pair, c = 64, before this term: ``bench/results/raw/ab_h200_kimicost_chain_run1.md``): a
   no-speculation round took 9.7 ms on the GPU and 23 ms at the client; from the GPU table alone the
   policy chose plain decode, and the DFLASH arm of the same run served 1.9x the adaptive arm's tokens
   per second (part of that gap was the probes: ``adaptive.WidthController``).
 
 ``BudgetPolicy.update`` takes the per-request counterfactual counts of one round (a host tensor or
-list); ``update_means`` takes per-width means of a window of rounds, which is what the worker hands
-over (``adaptive.WidthController``, from the device accumulator ``round_stats.CounterfactualWindow``,
+list); ``update_sums`` takes per-width sums and counts of a window of rounds, which is what the
+worker hands over (``adaptive.WidthController``, from the device accumulator ``round_stats.CounterfactualWindow``,
 so the round itself stays free of host synchronisation).
 """
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set
 
 NO_SPEC = 0   # the choice "no speculation this round": a plain decode step
 
@@ -91,27 +107,36 @@ class CostTable:
 
 @dataclass
 class BudgetPolicy:
-    """EMA of counterfactual acceptance per width + the cost table -> the width of the next round."""
+    """Decayed acceptance per width + the cost table + the round overhead -> the next round's width."""
 
     costs: CostTable
-    ema: float = 0.9            # weight of the past in the acceptance average
+    ema: float = 0.9            # decay of the acceptance sums per update (weight of the past)
     hysteresis: float = 0.03    # a new choice must be this much better (tokens / ms) to switch
     allow_no_spec: bool = True  # include "no speculation" (plain decode) among the choices
     prior_accept: float = 0.0   # acceptance assumed before any round was seen
     accept: Dict[int, float] = field(default_factory=dict)
-    overhead_ms: Dict[int, float] = field(default_factory=dict)   # {bs: ms per round outside the table}
-    overhead_ema: float = 0.8   # weight of the past in the overhead average
+    overhead_ms: float = 0.0    # per-round ms outside the table, every batch size (signed; read floored)
+    overhead_window: int = 64   # samples the median is taken over
     rounds_seen: int = 0
     current: Optional[int] = None
-    seen: Set[int] = field(default_factory=set)   # widths update_means has averaged
+    seen: Set[int] = field(default_factory=set)   # widths with a measured round
+    accept_sum: Dict[int, float] = field(default_factory=dict)     # decayed sums of accepted tokens
+    accept_count: Dict[int, float] = field(default_factory=dict)   # decayed request-round counts
+    samples: Deque[float] = field(default=None)   # this policy's own overhead samples (newest last)
 
     def __post_init__(self):
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.hysteresis < 0:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
+        if int(self.overhead_window) < 1:
+            raise ValueError(f"overhead_window must be >= 1, got {self.overhead_window}")
         for w in self.costs.widths:
             self.accept.setdefault(w, float(self.prior_accept))
+            self.accept_sum.setdefault(w, 0.0)
+            self.accept_count.setdefault(w, 0.0)
+        if self.samples is None:
+            self.samples = self.new_samples()
 
     def update(self, counterfactual: Sequence[Sequence[int]], widths: Sequence[int]) -> None:
         """One round: ``counterfactual[r][j]`` = tokens request r would have accepted at verify width
@@ -122,57 +147,73 @@ class BudgetPolicy:
             return
         if any(len(r) != len(widths) for r in rows):
             raise ValueError(f"each row needs one count per width ({len(widths)})")
-        for j, w in enumerate(widths):
-            if int(w) not in self.accept:
-                continue
-            mean = sum(r[j] for r in rows) / len(rows)
-            if mean < 0:
-                raise ValueError(f"negative acceptance at width {w}: {mean}")
-            old = self.accept[int(w)]
-            self.accept[int(w)] = mean if self.rounds_seen == 0 else self.ema * old + (1 - self.ema) * mean
-        self.rounds_seen += 1
+        self.update_sums({w: sum(r[j] for r in rows) for j, w in enumerate(widths)},
+                         {w: len(rows) for w in widths})
 
-    def update_means(self, means: Mapping[int, float]) -> None:
-        """One window: ``means[w]`` = mean tokens accepted per request-round at verify width ``w``.
-        A width seen for the first time takes the mean; a width absent keeps its average (a window
-        of narrow rounds says nothing about wider trees); widths outside the table are ignored."""
-        known = {int(w): float(m) for w, m in means.items() if int(w) in self.accept}
+    def update_sums(self, sums: Mapping[int, float], counts: Mapping[int, float]) -> None:
+        """One window: ``sums[w]`` tokens accepted over ``counts[w]`` request-rounds that measured
+        verify width ``w`` (a width absent or with count 0 was not measured: a window of narrow
+        rounds says nothing about wider trees).  Every width's sums decay by ``ema`` first, so
+        ``accept[w]`` is the age-weighted mean of the request-rounds that measured it; widths outside
+        the table are ignored.  A window that measured no width changes nothing."""
+        known = {int(w): (float(sums.get(w, 0.0)), float(c)) for w, c in counts.items()
+                 if int(w) in self.accept and float(c) > 0}
         if not known:
             return
-        for w, m in known.items():
-            if m < 0:
-                raise ValueError(f"negative acceptance at width {w}: {m}")
-            self.accept[w] = m if w not in self.seen else self.ema * self.accept[w] + (1 - self.ema) * m
+        for w, (total, n) in known.items():
+            if total < 0:
+                raise ValueError(f"negative acceptance at width {w}: {total}")
+        for w in self.accept:
+            self.accept_sum[w] *= self.ema
+            self.accept_count[w] *= self.ema
+        for w, (total, n) in known.items():
+            self.accept_sum[w] += total
+            self.accept_count[w] += n
             self.seen.add(w)
+        for w in self.seen:
+            self.accept[w] = self.accept_sum[w] / self.accept_count[w]
         self.rounds_seen += 1
 
     def overhead(self, bs: int) -> float:
-        """Per-round ms outside the cost table at ``bs`` (0 until observed; interpolated between the
-        batch sizes seen, clamped beyond them; never below 0)."""
-        return max(0.0, _interp(self.overhead_ms, bs)) if self.overhead_ms else 0.0
+        """Per-round ms outside the cost table (0 until observed; never below 0).  One value for
+        every batch size (``bs`` is accepted so callers need not know that)."""
+        return max(0.0, float(self.overhead_ms))
 
     def round_ms(self, bs: int, width: int) -> float:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead."""
         return self.costs.cost(bs, width) + self.overhead(bs)
 
+    def new_samples(self) -> Deque[float]:
+        """An empty ring of overhead samples of this policy's window (one per TP rank's controller)."""
+        return self.new_samples_of(self.overhead_window)
+
+    @staticmethod
+    def new_samples_of(window: int) -> Deque[float]:
+        return deque(maxlen=int(window))
+
+    @staticmethod
+    def overhead_of(samples: Sequence[float]) -> Optional[float]:
+        """The overhead a set of samples says: their median (None without samples)."""
+        return float(statistics.median(samples)) if len(samples) else None
+
     def observe_interval(self, bs: int, width: int, interval_ms: float,
-                         into: Optional[Dict[int, float]] = None) -> bool:
+                         into: Optional[Deque[float]] = None) -> bool:
         """One host-clock interval that measures a round of ``bs`` requests at ``width`` (which one:
-        ``adaptive.WidthController``).  Folds ``interval - cost(bs, width)`` into the overhead EMA of
-        ``bs`` in ``into`` (default: ``overhead_ms``; the controller keeps each rank's own until
-        they are shared), signed: a round faster than the table lowers the average, so noise in
-        the host clock (an interval that is partly the previous round's) averages out instead of
-        only ever adding (``overhead`` floors the average at 0).  Returns False (ignored) for an
+        ``adaptive.WidthController``).  Appends ``interval - cost(bs, width)`` to ``into`` (default:
+        this policy's ``samples``, and ``overhead_ms`` becomes their median; the controller keeps each
+        rank's own ring and shares rank 0's median at windows), signed: a round faster than the
+        table pulls the median down, so noise in the host clock (an interval that is partly the
+        previous round's) cancels instead of only ever adding.  Returns False (ignored) for an
         interval longer than 4x the cost + 20 ms (the server was idle or prefilling, not a round's
         overhead) or not a positive finite number."""
-        table = self.overhead_ms if into is None else into
+        ring = self.samples if into is None else into
         cost = self.costs.cost(bs, width)
         ms = float(interval_ms)
         if not (ms > 0 and ms < float("inf")) or ms > 4 * cost + 20.0:
             return False
-        extra = ms - cost
-        old = table.get(int(bs))
-        table[int(bs)] = extra if old is None else self.overhead_ema * old + (1 - self.overhead_ema) * extra
+        ring.append(ms - cost)
+        if into is None:
+            self.overhead_ms = self.overhead_of(ring)
         return True
 
     def tokens_per_ms(self, bs: int, width: int) -> float:

@@ -1,6 +1,6 @@
 """The adaptive choice's feedback on the CPU: ``round_stats.CounterfactualWindow`` (device sums of
 counterfactual acceptance per width, only widths <= the round's own, handed out at a fixed round),
-``BudgetPolicy.update_means`` and ``adaptive.WidthController``'s order of choice (forced cycle, probe,
+``BudgetPolicy.update_sums`` and ``adaptive.WidthController``'s order of choice (forced cycle, probe,
 policy) against brute force on random accepted paths (issue 17 item 3)."""
 import random
 
@@ -66,17 +66,87 @@ def test_window_argument_checks():
         CounterfactualWindow([3], device="cpu", every=0)
 
 
-def test_update_means_per_width():
+def test_update_sums_per_width():
     t = CostTable(verify_ms={4: {1: 5.0}, 16: {1: 8.0}}, base_ms={1: 4.0})
     p = BudgetPolicy(t, ema=0.5)
-    p.update_means({4: 1.0})                    # width 16 unseen: keeps the prior
+    p.update_sums({4: 4.0}, {4: 4})             # width 16 unmeasured: keeps the prior
     assert p.accept == {4: 1.0, 16: 0.0} and p.seen == {4} and p.rounds_seen == 1
-    p.update_means({4: 3.0, 16: 2.0})           # first sight of 16 takes the mean, 4 averages
-    assert p.accept == {4: 2.0, 16: 2.0}
-    p.update_means({9: 5.0})                    # outside the table: nothing happens
-    assert p.accept == {4: 2.0, 16: 2.0} and p.rounds_seen == 2
+    p.update_sums({4: 6.0, 16: 4.0}, {4: 2, 16: 2})
+    # 4: (0.5 * 4 + 6) / (0.5 * 4 + 2) = 2; 16: first measurement = its mean
+    assert p.accept == {4: pytest.approx(2.0), 16: pytest.approx(2.0)}
+    p.update_sums({9: 5.0, 16: 0.0}, {9: 1, 16: 0})   # outside the table / count 0: nothing happens
+    assert p.accept == {4: pytest.approx(2.0), 16: pytest.approx(2.0)} and p.rounds_seen == 2
     with pytest.raises(ValueError):
-        p.update_means({4: -1.0})
+        p.update_sums({4: -1.0}, {4: 1})
+
+
+def test_decayed_acceptance_is_the_age_weighted_mean_of_measured_request_rounds():
+    """Brute force: accept[w] = sum_k d^(K-k) s_k / sum_k d^(K-k) c_k over every window k (the decay
+    counts windows, measured or not); random windows where each width is measured or not."""
+    py = random.Random()
+    widths = [4, 8, 16, 32]
+    t = CostTable(verify_ms={w: {1: 5.0 + w} for w in widths}, base_ms={1: 4.0})
+    d = py.uniform(0.5, 0.95)
+    p = BudgetPolicy(t, ema=d)
+    hist = []
+    for _ in range(py.randint(20, 60)):
+        counts = {w: (py.randint(1, 64) if py.random() < 0.6 else 0) for w in widths}
+        sums = {w: counts[w] * py.uniform(0, 5) for w in widths}
+        p.update_sums(sums, counts)
+        if any(counts.values()):
+            hist.append((sums, counts))
+    K = len(hist)
+    for w in widths:
+        num = sum(d ** (K - 1 - k) * hist[k][0][w] for k in range(K))
+        den = sum(d ** (K - 1 - k) * hist[k][1][w] for k in range(K))
+        if den == 0:
+            assert p.accept[w] == 0.0 and w not in p.seen
+        else:
+            assert p.accept[w] == pytest.approx(num / den, rel=1e-9)
+
+
+def test_probe_only_width_tracks_a_step_change_in_a_few_probes():
+    """Width 32 is measured by one request-round of bs 16 in every fourth window (a probe), width 8
+    by every window: after the truth steps from 1 to 3 both read within 10 % of 3 after 5 probes,
+    while the old EMA of window means (0.9 per window, moved only by windows with a probe) still
+    read under 2.  Warm-up windows of few requests barely weigh."""
+    t = CostTable(verify_ms={8: {16: 10.0}, 32: {16: 20.0}}, base_ms={16: 6.0})
+    p = BudgetPolicy(t, ema=0.9)
+    p.update_sums({8: 0.04, 32: 0.04}, {8: 1, 32: 1})          # warm-up: one request, accept ~0
+    for k in range(40):
+        p.update_sums({8: 16 * 8 * 1.0, 32: (16 * 1.0 if k % 4 == 0 else 0.0)},
+                      {8: 16 * 8, 32: (16 if k % 4 == 0 else 0)})
+    assert p.accept[8] == pytest.approx(1.0, abs=0.01) and p.accept[32] == pytest.approx(1.0, abs=0.01)
+    old = p.accept[32]
+    for k in range(20):                                       # 5 probes at the new truth
+        p.update_sums({8: 16 * 8 * 3.0, 32: (16 * 3.0 if k % 4 == 0 else 0.0)},
+                      {8: 16 * 8, 32: (16 if k % 4 == 0 else 0)})
+        if k % 4 == 0:
+            old = 0.9 * old + 0.1 * 3.0
+    assert p.accept[32] == pytest.approx(3.0, rel=0.1) and p.accept[8] == pytest.approx(3.0, rel=0.1)
+    assert old < 2.0
+
+
+def test_overhead_is_the_median_of_recent_samples_and_ignores_rare_spikes():
+    """Steady rounds 0.5-1.5 ms over the table with one request finishing (a 20-30 ms spike) in
+    every tenth round: the median reads the steady overhead (a mean would read ~3.3 ms); the window
+    keeps the last 64 samples, so a lasting change takes over within a window."""
+    t = CostTable(verify_ms={8: {1: 5.0, 64: 15.0}}, base_ms={1: 4.0, 64: 6.0})
+    p = BudgetPolicy(t)
+    py = random.Random()
+    extras = []
+    for i in range(200):
+        bs = py.choice([1, 40, 64])
+        extra = py.uniform(20, 30) if i % 10 == 0 else py.uniform(0.5, 1.5)
+        assert p.observe_interval(bs, 8, t.cost(bs, 8) + extra)
+        extras.append(extra)
+    assert 0.5 <= p.overhead(33) <= 1.5 and p.overhead(1) == p.overhead(64)
+    assert sum(extras[-64:]) / 64 > 2.5
+    for _ in range(40):                                       # the overhead steps to 5 ms
+        p.observe_interval(64, 8, 15.0 + 5.0)
+    assert p.overhead(64) == pytest.approx(5.0) and len(p.samples) == 64
+    with pytest.raises(ValueError):
+        BudgetPolicy(t, overhead_window=0)
 
 
 def _cfg(**env):
@@ -162,7 +232,7 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     shared = []
 
     def share(d):
-        shared.append(dict(d))
+        shared.append(d)
         return d
 
     clock = _Clock()
@@ -174,7 +244,7 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     cost = {1: 10.0, 4: 40.0, 16: 45.0}
     ws = _drive(c, 40, path, clock, lambda w: cost[w] + 20.0)
     assert ws[:4] == [16] * 4
-    assert len(shared) == 9 and shared[0] == {1: pytest.approx(20.0)}
+    assert len(shared) == 9 and shared[0] == pytest.approx(20.0)
     assert pol.overhead(1) == pytest.approx(20.0)
     assert set(ws[4:]) == {4}, ws
     # the same table, no overhead (the clock stands still: every interval is ignored): plain decode
@@ -182,7 +252,7 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     c2 = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
                                 SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol2, device="cpu",
                            window_every=4, window_lag=0, clock=lambda: 0.0)
-    assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == {}
+    assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == 0.0
 
 
 def _controller(lag, clock):
@@ -214,7 +284,7 @@ def test_controller_without_overlap_measures_each_batch_from_its_launch_to_the_n
     #          R1          R2             P (R2's interval: 47)  R3 (P: 30 ms)  R4
     ws = _replay(c, clock, [(0, "round"), (47, "round"), (94, "prefill"), (124, "round"), (171, "round")])
     assert ws == [16] * 4
-    assert c._local_overhead == {1: pytest.approx(0.8 * (0.8 * 2.0 + 0.2 * 2.0) + 0.2 * 2.0)}
+    assert list(c._local_overhead) == [pytest.approx(2.0)] * 3
     assert c.intervals == {"observed": 3, "ignored": 0, "other_batch": 1}
 
 
@@ -230,16 +300,15 @@ def test_controller_under_overlap_attributes_each_interval_to_the_batch_before()
     c = _controller(1, clock)
     assert _replay(c, clock, launches) == [16] * 5
     assert c.intervals == {"observed": 3, "ignored": 0, "other_batch": 1}
-    assert c._local_overhead[1] == pytest.approx(0.8 * (0.8 * 1.0 + 0.2 * 0.0) + 0.2 * 0.0)
+    assert list(c._local_overhead) == [pytest.approx(1.0), pytest.approx(0.0), pytest.approx(0.0)]
     wrong = _controller(0, clock)
     _replay(wrong, clock, launches)
     assert wrong.intervals["observed"] == 4 and wrong.intervals["other_batch"] == 1
     # lag 0 under overlap: R1 measured 1 ms (-44), R2 46 (+1), R3 30 (-15), R4 45 (0): off by one
-    ema = -44.0
-    for x in (1.0, -15.0, 0.0):
-        ema = 0.8 * ema + 0.2 * x
-    assert wrong._local_overhead[1] == pytest.approx(ema)
-    assert wrong.policy.overhead(1) == 0.0       # a negative average reads as no overhead
+    assert list(wrong._local_overhead) == [pytest.approx(x) for x in (-44.0, 1.0, -15.0, 0.0)]
+    wrong.policy.overhead_ms = wrong.policy.overhead_of(wrong._local_overhead)
+    assert wrong.policy.overhead_ms == pytest.approx(-7.5)
+    assert wrong.policy.overhead(1) == 0.0       # a negative median reads as no overhead
     with pytest.raises(ValueError, match="lag"):
         _controller(2, clock)
 
@@ -252,28 +321,33 @@ def test_controller_interrupts_back_to_back_and_idle_gaps():
     _replay(c, clock, [(0, "round"), (47, "prefill"), (60, "prefill"), (80, "round"), (580, "round"),
                        (625, "round")])
     assert c.intervals == {"observed": 2, "ignored": 1, "other_batch": 2}
-    assert c._local_overhead == {1: pytest.approx(0.8 * 2.0 + 0.2 * 0.0)}
+    assert list(c._local_overhead) == [pytest.approx(2.0), pytest.approx(0.0)]
     snap = c.snapshot()
     assert snap["intervals"] == c.intervals and snap["lag"] == 0 and snap["chosen"] == {"16": 4}
     assert set(snap["accept"]) == {"4", "16"} and snap["probes"] == 0
 
 
-def test_policy_observe_interval_filters_and_averages():
+def test_policy_observe_interval_filters_and_takes_the_median():
     t = CostTable(verify_ms={4: {1: 4.0, 8: 8.0}}, base_ms={1: 1.0, 8: 2.0})
     pol = BudgetPolicy(t)
     assert pol.overhead(5) == 0.0
-    assert pol.observe_interval(1, 4, 6.0) and pol.overhead_ms == {1: pytest.approx(2.0)}
+    assert pol.observe_interval(1, 4, 6.0) and pol.overhead_ms == pytest.approx(2.0)
     assert pol.observe_interval(1, 4, 3.0)                       # faster than the table: -1 (signed)
-    assert pol.overhead_ms[1] == pytest.approx(0.8 * 2.0 - 0.2 * 1.0)
+    assert pol.overhead_ms == pytest.approx(0.5)
     assert not pol.observe_interval(1, 4, 4 * 4.0 + 20.5)        # idle gap / prefill: ignored
     assert not pol.observe_interval(1, 4, 0.0) and not pol.observe_interval(1, 4, float("nan"))
-    assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_ms[8] == pytest.approx(5.0)
-    assert pol.overhead(4) == pytest.approx(1.4 + (5.0 - 1.4) * 3 / 7)
+    assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_ms == pytest.approx(2.0)   # +5
+    assert pol.overhead(4) == pol.overhead(8) == pytest.approx(2.0)   # one value, every batch size
+    ring = pol.new_samples()
+    assert pol.observe_interval(1, 4, 9.0, into=ring) and list(ring) == [5.0]
+    assert pol.overhead_ms == pytest.approx(2.0)                 # a ring of its own: not the policy's
     for _ in range(20):
         pol.observe_interval(1, 4, 1.0)                          # 3 ms under the table, every time
-    assert pol.overhead_ms[1] < 0 and pol.overhead(1) == 0.0     # floored where it is read
+    assert pol.overhead_ms < 0 and pol.overhead(1) == 0.0        # floored where it is read
+    pol.overhead_ms = 5.0
     assert pol.round_ms(8, 4) == pytest.approx(8.0 + 5.0)
     assert pol.tokens_per_ms(8, NO_SPEC) == pytest.approx(8 / 7.0)
+    assert BudgetPolicy.overhead_of([]) is None
 
 
 def test_controller_record_drops_wider_widths():
@@ -306,7 +380,8 @@ def test_profile_records_carry_the_policy_state(tmp_path, monkeypatch):
     prof._flush()
     rec = json.loads(path.read_text().splitlines()[-1])
     assert rec["adaptive"]["intervals"] == {"observed": 1, "ignored": 0, "other_batch": 0}
-    assert rec["adaptive"]["overhead_ms"] == {} and rec["adaptive"]["chosen"] == {"16": 3}
+    assert rec["adaptive"]["overhead_ms"] == 0.0 and rec["adaptive"]["chosen"] == {"16": 3}
+    assert rec["adaptive"]["overhead_samples"] == 1 and rec["adaptive"]["accept_weight"] == {"4": 0.0, "16": 0.0}
     assert rec["adaptive"]["lag"] == 1 and rec["adaptive"]["accept"] == {"4": 0.0, "16": 0.0}
 
 
@@ -323,4 +398,4 @@ def test_round_overhead_switch():
     c = A.WidthController(cfg, policy=BudgetPolicy(t), device="cpu", window_every=1000, window_lag=0,
                           clock=clock, lag=0)
     _replay(c, clock, [(0, "round"), (60, "round"), (120, "round")])
-    assert c._local_overhead == {} and c.intervals == {"observed": 0, "ignored": 0, "other_batch": 0}
+    assert len(c._local_overhead) == 0 and c.intervals == {"observed": 0, "ignored": 0, "other_batch": 0}
