@@ -942,3 +942,26 @@ def test_requests_per_level_specs():
     for bad in ("auto:", "auto:0", "auto:x", "autox", "0", "-3", "many"):
         with pytest.raises(ValueError, match="requests-per-level"):
             requests_per_level(bad, 4, 100)
+
+
+def test_new_tokens_spread_gives_every_arm_the_same_lengths(tmp_path):
+    """--new-tokens-spread 0.5: prompt i asks round(12 * (0.5 + u_i)) tokens, u_i = frac((i + 1) *
+    golden ratio), in every arm; outputs stay identical across arms, the report says the spread, and
+    a spread outside [0, 1) is refused."""
+    from sglang_ddtree.ab.prompts import GOLDEN, spread_new_tokens
+    args = _args(tmp_path, "--arms", "base,ddtree_b8", "--repeats", "1", "--concurrency", "1,4",
+                 "--new-tokens-spread", "0.5")
+    doc = ab.run(args, launcher=make_launcher([]))
+    want = [max(1, round(12 * (0.5 + ((i + 1) * GOLDEN) % 1.0))) for i in range(24)]
+    assert len(set(want)) > 5 and min(want) >= 6 and max(want) <= 18
+    for a in doc["arms"]:
+        assert a["status"] == "ok", a.get("error")
+        lv = {x["concurrency"]: x for x in a["levels"]}
+        assert lv[1]["total_output_tokens"] == sum(want[:16])
+    assert doc["settings"]["new_tokens_spread"] == 0.5
+    assert "max_new_tokens 12 (x0.5-1.5 per prompt, the same in every arm)" in open(
+        str(tmp_path / "res" / "ab") + ".md").read()
+    assert spread_new_tokens([{"text": "a"}], 0.0) == [{"text": "a"}]
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(ValueError, match="new-tokens-spread"):
+            spread_new_tokens([{"text": "a"}], bad)

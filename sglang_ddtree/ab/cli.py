@@ -47,6 +47,10 @@ def build_parser(default_out: str = DEFAULT_OUT):
                          "(raise --max-input-tokens and the servers' --context-length to match)")
     ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), auto:M = min(N, max(M, 4c)), all = N, or a number")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens-spread", type=float, default=0.0, metavar="F",
+                    help="0 <= F < 1: prompt i asks round(max_new_tokens * (1 - F + 2 F u_i)) tokens, u_i = "
+                         "frac((i + 1) * 0.618...), the same in every arm (mean ~max_new_tokens): requests "
+                         "then finish and are admitted at staggered times as in serving, not in lockstep waves")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each level (radix cache flushed before each); "
                                                            "the one with the median output tok/s is reported")
     ap.add_argument("--max-input-tokens", type=int, default=512, help="token-id prompts are cut to this (tail kept)")

@@ -222,6 +222,25 @@ def tokenize_prompts(prompts: List[dict], model_path: str, max_input_tokens: int
     return how
 
 
+GOLDEN = 0.6180339887498949
+
+
+def spread_new_tokens(prompts: List[dict], spread: float) -> List[dict]:
+    """Each prompt i gets ``new_tokens_scale = 1 - spread + 2 spread u_i``, u_i = frac((i + 1) * golden
+    ratio): a low-discrepancy spread over [1 - spread, 1 + spread], fixed by the prompt's position, so
+    every arm asks the same lengths (outputs stay comparable token by token).  With one output length
+    for every request, requests admitted together finish together: at c = 64 the server then runs in
+    lockstep waves whose last stragglers decode alone (measured on the H200, session 15: base's c=64
+    repeats spread 7802-9394 tok/s).  ``spread`` 0 leaves the prompts alone.  Returns new dicts."""
+    spread = float(spread)
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"--new-tokens-spread must be in [0, 1), got {spread}")
+    if spread == 0.0:
+        return prompts
+    return [dict(p, new_tokens_scale=1.0 - spread + 2.0 * spread * (((i + 1) * GOLDEN) % 1.0))
+            for i, p in enumerate(prompts)]
+
+
 def prompt_digest(prompts: List[dict]) -> str:
     h = hashlib.sha256()
     for p in prompts:

@@ -10,6 +10,13 @@ from .stats import STAGES
 
 
 # ------------------------------------------------------------------------------------------ report
+
+def _spread_note(settings: dict) -> str:
+    """" (x0.5-1.5 per prompt, the same in every arm)" when the run spread the output lengths."""
+    f = float(settings.get("new_tokens_spread") or 0.0)
+    return f" (x{1 - f:g}-{1 + f:g} per prompt, the same in every arm)" if f else ""
+
+
 def _f(v, nd=1):
     if v is None:
         return "-"
@@ -241,7 +248,7 @@ def _render_run(doc, top=True):
           f"Target `{s['model_path']}`, drafter `{s['draft_model_path']}`. {p['count']} prompts "
           f"({p['kind']}{'; ' + ', '.join(f'{n} {k}' for k, n in kinds.items()) if kinds else ''}; mean input {p['mean_input_len']} {p.get('input_len_unit', '')}; "
           f"sha256 {p['sha256_16']}), {p['source']}. Greedy ({s['greedy']}), max_new_tokens "
-          f"{s['max_new_tokens']}; requests per level {s['requests_per_level']}; each level run "
+          f"{s['max_new_tokens']}{_spread_note(s)}; requests per level {s['requests_per_level']}; each level run "
           f"{s.get('repeats', 1)} time(s), the run with the median output tok/s reported. "
           "Command: `" + " ".join(m.get("argv") or []) + "`.", ""]
     arms = doc["arms"]

@@ -14,8 +14,8 @@ from typing import Callable, Dict, List, Optional
 from . import client  # client.run_level is looked up at call time (the tests replace it)
 from .client import http_json
 from .environment import env_info
-from .prompts import (load_prompts_file, make_long_prompts, make_prompts, prompt_digest, textpair_prompts,
-                      tokenize_prompts)
+from .prompts import (load_prompts_file, make_long_prompts, make_prompts, prompt_digest, spread_new_tokens,
+                      textpair_prompts, tokenize_prompts)
 from .report import write_outputs
 from .servers import (CONFIG_DROP, build_server_cmd, load_yaml_config, log_tail, parse_arms, popen_launcher,
                       wait_healthy)
@@ -275,7 +275,7 @@ def resolve_inputs(args):
         prompts = make_prompts(args.num_prompts, args.prompt_template)
         source = f"generated from the Python {platform.python_version()} standard library (code windows and " \
                  "pydoc_data topics prose, alternating)"
-    prompts = prompts[: args.num_prompts]
+    prompts = spread_new_tokens(prompts[: args.num_prompts], getattr(args, "new_tokens_spread", 0.0) or 0.0)
     if any("input_ids" in p for p in prompts):
         token_ids = True
     how = None
@@ -320,6 +320,7 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
         kind="ab_serve", meta=env_info(python) if not args.no_env_probe else dict(argv=sys.argv),
         settings=dict(model_path=model, draft_model_path=draft, pair=args.pair, config=args.config,
                       arms=[a["name"] for a in arms], concurrency=levels, max_new_tokens=args.max_new_tokens,
+                      new_tokens_spread=getattr(args, "new_tokens_spread", 0.0) or 0.0,
                       requests_per_level={str(c): per_level(c) for c in levels}, num_prompts=N,
                       greedy="temperature 0, ignore_eos, stream", token_ids=token_ids, server_args=args.server_args,
                       profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm,
