@@ -27,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -325,6 +327,10 @@ class WidthController:
         self._local_overhead = (policy.new_samples() if policy is not None
                                 else BudgetPolicy.new_samples_of(BudgetPolicy.overhead_window))
         self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
+        # admissions: this rank's prefill-batch durations, and per recent round [tokens it emitted
+        # (estimated: bs x tokens per request-round), whether a prefill batch followed it]
+        self._prefill_samples: Deque[float] = deque(maxlen=64)
+        self._round_marks: Deque[list] = deque(maxlen=128)
 
     @staticmethod
     def _choice(w: int) -> int:
@@ -344,13 +350,40 @@ class WidthController:
             measured = self._launched[-1 - self.lag]
             if measured is None:
                 self.intervals["other_batch"] += 1
+                ms = (now - self._t_launch) * 1e3
+                if 0.0 < ms <= self.MAX_PREFILL_MS:
+                    self._prefill_samples.append(ms)
             else:
                 bs, w = measured
                 ok = self.policy.observe_interval(bs, self._choice(w), (now - self._t_launch) * 1e3,
                                                   into=self._local_overhead)
                 self.intervals["observed" if ok else "ignored"] += 1
+        if batch is None:
+            if self._round_marks:
+                self._round_marks[-1][1] = True
+        elif self.policy is not None:
+            bs, w = batch
+            self._round_marks.append([bs * self.policy.tokens_per_request(self._choice(w)), False])
         self._launched = (self._launched + [batch])[-(self.lag + 1):]
         self._t_launch = now
+
+    MAX_PREFILL_MS = 250.0   # a longer gap between launches is idle time, not a prefill batch
+
+    def _measured_overheads(self) -> Dict[str, Optional[float]]:
+        """This rank's figures for the policy (None: not measured yet): the round overhead (median of
+        the interval samples), the prefill batch's ms (median of the samples) and the finish rate
+        per output token: from the share p of recent rounds followed by a prefill batch and their
+        mean emitted tokens T, the Poisson rate -ln(1 - p) / T (p capped at 0.98).  The last round's
+        mark is still open (its prefill may come) and is left out."""
+        out = {"overhead_ms": self.policy.overhead_of(self._local_overhead),
+               "prefill_ms": self.policy.overhead_of(self._prefill_samples), "finish_rate": None}
+        marks = list(self._round_marks)[:-1]
+        if len(marks) >= 8:
+            tokens = sum(m[0] for m in marks) / len(marks)
+            p = min(sum(1 for m in marks if m[1]) / len(marks), 0.98)
+            if tokens > 0:
+                out["finish_rate"] = -math.log(1.0 - p) / tokens
+        return out
 
     def interrupt(self) -> None:
         """A batch other than a decode round is being launched (a prefill, a mixed extend, an idle
@@ -375,6 +408,9 @@ class WidthController:
             out["accept_weight"] = {str(w): round(c, 2) for w, c in sorted(pol.accept_count.items())}
             out["overhead_ms"] = round(float(pol.overhead_ms), 3)
             out["overhead_samples"] = len(self._local_overhead)
+            out["prefill_ms"] = round(float(pol.prefill_ms), 3)
+            out["finish_rate"] = round(float(pol.finish_rate), 5)
+            out["prefill_samples"] = len(self._prefill_samples)
         return out
 
     def _first_width(self, bs: int) -> int:
@@ -407,10 +443,11 @@ class WidthController:
         for sums, counts in self.window.due():
             if self.policy is not None:
                 self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)))
-                local = self.policy.overhead_of(self._local_overhead)
+                local = self._measured_overheads()
                 shared = self._share(local) if self._share else local
-                if shared is not None:
-                    self.policy.overhead_ms = float(shared)
+                for key, val in shared.items():
+                    if val is not None:
+                        setattr(self.policy, key, float(val))
         r = self.round
         self.round += 1
         cfg = self.cfg

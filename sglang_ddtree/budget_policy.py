@@ -33,7 +33,20 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   size (H200, same run as above) the rare sizes around finishes read 12-28 ms against 0-1.5 ms at
   the steady ones, and interpolation spread those spikes over the common sizes.  It is the same for
   every width of a round, so it is added to every choice: a heavy per-round overhead makes tokens
-  per round worth more.  Measured on the H200
+  per round worth more.
+* the **admissions** (prefills between rounds): SGLang admits every waiting request in one prefill
+  batch after the round in which others finished, so under load a prefill follows nearly every
+  round and its cost is mostly fixed per batch (launches, no CUDA graph): measured on the H200
+  (Qwen3-8B-shaped chain pair, outputs of 32-96 tokens, ``raw/scalechain_ab_qwen3-8b_h200_s16_run1``)
+  plain decoding at c = 64 took 19 ms of wall clock per step for a 5.6 ms GPU step, width 8 30.8 ms
+  for 16.9; from the GPU table alone the policy chose plain decoding half the time at c = 64 and
+  served 4746 tok/s where the fixed width-8 arm served 6516.  Model: finishes per round are Poisson
+  with mean ``finish_rate * bs * tokens_per_request_round`` (a request finishes after a number of
+  tokens, not of rounds), a prefill follows a round with at least one finish and costs
+  ``prefill_ms``: expected ``prefill_ms * (1 - exp(-finish_rate * bs * t_w))`` per round at width
+  ``w``.  Wider trees finish requests in fewer rounds, so they pay fewer prefill batches per token;
+  plain decoding at high load pays one every second round or so.  The controller measures both
+  figures (``adaptive.WidthController``).  Measured on the H200
   (kimicost pair, c = 64, before this term: ``bench/results/raw/ab_h200_kimicost_chain_run1.md``): a
   no-speculation round took 9.7 ms on the GPU and 23 ms at the client; from the GPU table alone the
   policy chose plain decode, and the DFLASH arm of the same run served 1.9x the adaptive arm's tokens
@@ -47,6 +60,7 @@ so the round itself stays free of host synchronisation).
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -117,6 +131,8 @@ class BudgetPolicy:
     accept: Dict[int, float] = field(default_factory=dict)
     overhead_ms: float = 0.0    # per-round ms outside the table, every batch size (signed; read floored)
     overhead_window: int = 64   # samples the median is taken over
+    prefill_ms: float = 0.0     # ms of a prefill batch between rounds (median, measured)
+    finish_rate: float = 0.0    # finishes per output token (Poisson rate; measured)
     rounds_seen: int = 0
     current: Optional[int] = None
     seen: Set[int] = field(default_factory=set)   # widths with a measured round
@@ -179,9 +195,22 @@ class BudgetPolicy:
         every batch size (``bs`` is accepted so callers need not know that)."""
         return max(0.0, float(self.overhead_ms))
 
+    def tokens_per_request(self, width: int) -> float:
+        """Tokens a request emits in a round at ``width`` (accepted + the bonus; 1 without speculation)."""
+        return 1.0 if width == NO_SPEC else 1.0 + self.accept[width]
+
+    def admission_ms(self, bs: int, width: int) -> float:
+        """Expected ms of prefill per round of ``bs`` requests at ``width``: ``prefill_ms`` times the
+        chance that at least one request finishes in it (Poisson, ``finish_rate`` per token)."""
+        if self.prefill_ms <= 0 or self.finish_rate <= 0:
+            return 0.0
+        lam = self.finish_rate * bs * self.tokens_per_request(width)
+        return float(self.prefill_ms) * (1.0 - math.exp(-lam))
+
     def round_ms(self, bs: int, width: int) -> float:
-        """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead."""
-        return self.costs.cost(bs, width) + self.overhead(bs)
+        """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead
+        + the expected admission prefill after it."""
+        return self.costs.cost(bs, width) + self.overhead(bs) + self.admission_ms(bs, width)
 
     def new_samples(self) -> Deque[float]:
         """An empty ring of overhead samples of this policy's window (one per TP rank's controller)."""
@@ -218,8 +247,7 @@ class BudgetPolicy:
 
     def tokens_per_ms(self, bs: int, width: int) -> float:
         """Expected output tokens per millisecond of a round of ``bs`` requests at ``width``."""
-        per_req = 1.0 if width == NO_SPEC else 1.0 + self.accept[width]
-        return bs * per_req / self.round_ms(bs, width)
+        return bs * self.tokens_per_request(width) / self.round_ms(bs, width)
 
     def candidates(self) -> List[int]:
         return ([NO_SPEC] if self.allow_no_spec else []) + self.costs.widths

@@ -2,6 +2,7 @@
 counterfactual acceptance per width, only widths <= the round's own, handed out at a fixed round),
 ``BudgetPolicy.update_sums`` and ``adaptive.WidthController``'s order of choice (forced cycle, probe,
 policy) against brute force on random accepted paths (issue 17 item 3)."""
+import math
 import random
 
 import pytest
@@ -244,7 +245,8 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     cost = {1: 10.0, 4: 40.0, 16: 45.0}
     ws = _drive(c, 40, path, clock, lambda w: cost[w] + 20.0)
     assert ws[:4] == [16] * 4
-    assert len(shared) == 9 and shared[0] == pytest.approx(20.0)
+    assert len(shared) == 9 and shared[0]["overhead_ms"] == pytest.approx(20.0)
+    assert shared[0]["prefill_ms"] is None and shared[0]["finish_rate"] is None   # no prefill yet
     assert pol.overhead(1) == pytest.approx(20.0)
     assert set(ws[4:]) == {4}, ws
     # the same table, no overhead (the clock stands still: every interval is ignored): plain decode
@@ -399,3 +401,49 @@ def test_round_overhead_switch():
                           clock=clock, lag=0)
     _replay(c, clock, [(0, "round"), (60, "round"), (120, "round")])
     assert len(c._local_overhead) == 0 and c.intervals == {"observed": 0, "ignored": 0, "other_batch": 0}
+
+
+def test_admission_cost_per_round_follows_the_poisson_finish_model():
+    """admission_ms = prefill_ms * (1 - exp(-rate * bs * tokens per request-round)); with the H200
+    dense run's figures (s16 run 1, c = 64: plain step 5.6 ms GPU / 19 ms wall, width 8 16.9 / 30.8)
+    the GPU table alone prefers plain decoding at an acceptance of 1.5 (what the policy believed),
+    the admissions make width 8 the choice, as measured (6516 vs 3366 tok/s)."""
+    t = CostTable(verify_ms={8: {64: 16.85}, 16: {64: 27.5}}, base_ms={64: 5.61})
+    p = BudgetPolicy(t, hysteresis=0.0)
+    p.update_sums({8: 1.5, 16: 2.0}, {8: 1, 16: 1})
+    assert p.admission_ms(64, 8) == 0.0 and p.choose(64) == NO_SPEC
+    p.prefill_ms, p.finish_rate = 20.0, 1.0 / 64
+    assert p.admission_ms(64, NO_SPEC) == pytest.approx(20.0 * (1 - math.exp(-1.0)))
+    assert p.admission_ms(64, 8) == pytest.approx(20.0 * (1 - math.exp(-2.5)))
+    assert p.round_ms(64, 8) == pytest.approx(16.85 + 20.0 * (1 - math.exp(-2.5)))
+    assert p.choose(64) == 8
+
+
+def test_controller_measures_prefill_batches_and_the_finish_rate():
+    """lag 0: rounds of 45 ms, a 30 ms prefill batch after every second round: prefill_ms 30; half
+    the rounds are followed by one, each round emits bs x (1 + accept) = 1 x 3 tokens (the last round's mark is open: 19 of 39) (accept 2
+    from the counts), so the rate is ln 2 / 3 per token; intervals over 250 ms are idle, not
+    prefills.  The figures reach the policy at a window, through share."""
+    clock = _Clock()
+    t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
+    pol = BudgetPolicy(t, allow_no_spec=False, hysteresis=0.0)
+    pol.update_sums({4: 2.0, 16: 2.0}, {4: 1, 16: 1})
+    shared = []
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol,
+                          device="cpu", window_every=1000, window_lag=0, clock=clock,
+                          share=lambda d: shared.append(dict(d)) or d)
+    tms = 0.0
+    for i in range(40):
+        clock.ms = tms
+        w = c.next_width(1)
+        tms += t.cost(1, w if w != 1 else NO_SPEC)
+        if i % 2 == 1:
+            clock.ms = tms
+            c.interrupt()
+            tms += 30.0 if i != 39 else 400.0
+    figs = c._measured_overheads()
+    assert figs["prefill_ms"] == pytest.approx(30.0) and len(c._prefill_samples) == 19
+    assert figs["finish_rate"] == pytest.approx(-math.log(1 - 19 / 39) / 3.0, rel=1e-6)
+    assert figs["overhead_ms"] == pytest.approx(0.0, abs=1e-9)
+    snap = c.snapshot()
+    assert snap["prefill_samples"] == 19 and snap["prefill_ms"] == 0.0     # not shared yet
