@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -323,8 +324,7 @@ class WidthController:
         self._launched: List[Optional[Tuple[int, int]]] = []
         self._t_launch: Optional[float] = None   # host clock of the last launch
         # this rank's overhead samples (its median is shared at windows: every rank the same value)
-        self._local_overhead = (policy.new_samples() if policy is not None
-                                else BudgetPolicy.new_samples_of(BudgetPolicy.overhead_window))
+        self._local_overhead = deque(maxlen=int((policy or BudgetPolicy).overhead_window))
         self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
         # admissions, from the wall clock: this window's sums (host ms between launches, the table
         # cost of the rounds those intervals measured, ...) and decayed sums over windows
@@ -342,10 +342,11 @@ class WidthController:
     def _launch(self, batch: Optional[Tuple[int, int]]) -> None:
         """A batch is being launched now (``(bs, width)`` of a round, None for any other batch): the
         interval since the previous launch measures the batch launched ``lag`` launches before that
-        one; fold it into this rank's overhead if that batch was a round."""
+        one; fold it into this rank's overhead samples if that batch was a round, and into the
+        window's wall-clock sums (``_close_window``) either way."""
         now = self._clock()
-        if (self._t_launch is not None and len(self._launched) > self.lag and self.policy is not None
-                and self.cfg.overhead):
+        measuring = self.policy is not None and self.cfg.overhead
+        if measuring and self._t_launch is not None and len(self._launched) > self.lag:
             measured = self._launched[-1 - self.lag]
             ms = (now - self._t_launch) * 1e3
             acc = self._acc
@@ -362,7 +363,7 @@ class WidthController:
                 else:
                     acc["table"] += self._cost(*measured)
                     acc["measured_rounds"] += 1
-        if self.policy is not None and self.cfg.overhead:
+        if measuring:
             if batch is None:
                 if self._launched and self._launched[-1] is not None:
                     self._acc["flagged"] += 1         # the first prefill after a round
@@ -376,8 +377,13 @@ class WidthController:
     MAX_GAP_MS = 250.0   # a longer gap between launches is idle time, not a batch
     _ACC_KEYS = ("host", "table", "measured_rounds", "prefills", "flagged", "rounds", "tokens")
 
-    def _close_window(self) -> None:
-        """Fold this window's sums into the decayed ones (decay ``policy.ema``, as the acceptance).
+    def _close_window(self) -> Dict[str, Optional[float]]:
+        """Fold this window's sums into the decayed ones (decay ``policy.ema``, as the acceptance)
+        and return this rank's figures for the policy (None: not measured yet): the round overhead
+        (median of the interval samples), the prefill batch's ms (decayed excess wall clock per
+        prefill, at least 0) and the finish rate per output token: from the share p of rounds
+        followed by a prefill and their mean emitted tokens T (decayed sums), the Poisson rate
+        -ln(1 - p) / T (p capped at 0.98; needs 8 rounds' weight).
         The prefills' time is what the wall clock left over: host ms between launches - the table
         cost of the rounds they measured - those rounds x the median round overhead.  A ratio of
         sums over the window, so it does not depend on which interval the overlap scheduler's lag
@@ -385,25 +391,16 @@ class WidthController:
         records of 16 rounds at bs ~60: GPU 17.5 ms, wall 29.3 ms, 12 prefills), the intervals
         attributed to prefills read 7.5 ms (median) where the wall clock says ~15.7."""
         acc, adm, d = self._acc, self._adm, self.policy.ema
+        over = self.policy.overhead_of(self._local_overhead)
         for k in adm:
             adm[k] *= d
         if acc["prefills"] > 0:
-            over = self.policy.overhead_of(self._local_overhead) or 0.0
-            adm["excess"] += acc["host"] - acc["table"] - acc["measured_rounds"] * over
+            adm["excess"] += acc["host"] - acc["table"] - acc["measured_rounds"] * (over or 0.0)
             adm["prefills"] += acc["prefills"]
         for k in ("flagged", "rounds", "tokens"):
             adm[k] += acc[k]
         self._acc = dict.fromkeys(self._ACC_KEYS, 0.0)
-
-    def _measured_overheads(self) -> Dict[str, Optional[float]]:
-        """This rank's figures for the policy (None: not measured yet): the round overhead (median of
-        the interval samples), the prefill batch's ms (decayed excess wall clock per prefill, at
-        least 0) and the finish rate per output token: from the share p of rounds followed by a
-        prefill and their mean emitted tokens T (decayed sums), the Poisson rate -ln(1 - p) / T
-        (p capped at 0.98; needs 8 rounds' weight)."""
-        adm = self._adm
-        out = {"overhead_ms": self.policy.overhead_of(self._local_overhead), "prefill_ms": None,
-               "finish_rate": None}
+        out = {"overhead_ms": over, "prefill_ms": None, "finish_rate": None}
         if adm["prefills"] > 0:
             out["prefill_ms"] = max(0.0, adm["excess"] / adm["prefills"])
         if adm["rounds"] >= 8 and adm["tokens"] > 0:
@@ -413,7 +410,8 @@ class WidthController:
 
     def interrupt(self) -> None:
         """A batch other than a decode round is being launched (a prefill, a mixed extend, an idle
-        batch): the interval that measures it is not a round's overhead and is not observed.
+        batch): the interval that measures it is not a round's overhead sample (it counts in the
+        window's wall-clock sums, which give the prefills' cost).
         Measured on the H200 (Qwen3-8B-shaped chain pair, c = 64,
         ``bench/results/raw/scalechain_ab_qwen3-8b_h200_run1_logs.tgz``, profile records): groups of
         rounds at a constant batch of 63-64 took 0-2 ms a round over their GPU time, groups with
@@ -469,8 +467,7 @@ class WidthController:
         for sums, counts in self.window.due():
             if self.policy is not None:
                 self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)))
-                self._close_window()
-                local = self._measured_overheads()
+                local = self._close_window()
                 shared = self._share(local) if self._share else local
                 for key, val in shared.items():
                     if val is not None:

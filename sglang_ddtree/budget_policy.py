@@ -131,7 +131,7 @@ class BudgetPolicy:
     accept: Dict[int, float] = field(default_factory=dict)
     overhead_ms: float = 0.0    # per-round ms outside the table, every batch size (signed; read floored)
     overhead_window: int = 64   # samples the median is taken over
-    prefill_ms: float = 0.0     # ms of a prefill batch between rounds (median, measured)
+    prefill_ms: float = 0.0     # ms of a prefill batch between rounds (measured from the wall clock)
     finish_rate: float = 0.0    # finishes per output token (Poisson rate; measured)
     rounds_seen: int = 0
     current: Optional[int] = None
@@ -152,7 +152,7 @@ class BudgetPolicy:
             self.accept_sum.setdefault(w, 0.0)
             self.accept_count.setdefault(w, 0.0)
         if self.samples is None:
-            self.samples = self.new_samples()
+            self.samples = deque(maxlen=int(self.overhead_window))
 
     def update(self, counterfactual: Sequence[Sequence[int]], widths: Sequence[int]) -> None:
         """One round: ``counterfactual[r][j]`` = tokens request r would have accepted at verify width
@@ -211,14 +211,6 @@ class BudgetPolicy:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead
         + the expected admission prefill after it."""
         return self.costs.cost(bs, width) + self.overhead(bs) + self.admission_ms(bs, width)
-
-    def new_samples(self) -> Deque[float]:
-        """An empty ring of overhead samples of this policy's window (one per TP rank's controller)."""
-        return self.new_samples_of(self.overhead_window)
-
-    @staticmethod
-    def new_samples_of(window: int) -> Deque[float]:
-        return deque(maxlen=int(window))
 
     @staticmethod
     def overhead_of(samples: Sequence[float]) -> Optional[float]:

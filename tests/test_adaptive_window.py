@@ -2,6 +2,7 @@
 counterfactual acceptance per width, only widths <= the round's own, handed out at a fixed round),
 ``BudgetPolicy.update_sums`` and ``adaptive.WidthController``'s order of choice (forced cycle, probe,
 policy) against brute force on random accepted paths (issue 17 item 3)."""
+import collections
 import math
 import random
 
@@ -340,7 +341,7 @@ def test_policy_observe_interval_filters_and_takes_the_median():
     assert not pol.observe_interval(1, 4, 0.0) and not pol.observe_interval(1, 4, float("nan"))
     assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_ms == pytest.approx(2.0)   # +5
     assert pol.overhead(4) == pol.overhead(8) == pytest.approx(2.0)   # one value, every batch size
-    ring = pol.new_samples()
+    ring = collections.deque(maxlen=64)
     assert pol.observe_interval(1, 4, 9.0, into=ring) and list(ring) == [5.0]
     assert pol.overhead_ms == pytest.approx(2.0)                 # a ring of its own: not the policy's
     for _ in range(20):
@@ -444,8 +445,7 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
                 c.interrupt()
                 tms += 30.0
             if i % 10 == 9:
-                c._close_window()
-        figs = c._measured_overheads()
+                figs = c._close_window()
         assert figs["overhead_ms"] == pytest.approx(1.0)
         # lag 1 on a clock that runs each batch from its own launch: the window edges and the idle gap
         # shift one batch's cost between windows (a few %); lag 0 is exact
@@ -455,4 +455,4 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
         assert snap["prefills_weight"] > 0 and snap["prefill_ms"] == 0.0     # not shared yet
     # nothing measured yet: None (the policy keeps its values)
     fresh = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=BudgetPolicy(t), device="cpu")
-    assert fresh._measured_overheads() == {"overhead_ms": None, "prefill_ms": None, "finish_rate": None}
+    assert fresh._close_window() == {"overhead_ms": None, "prefill_ms": None, "finish_rate": None}
