@@ -8,7 +8,10 @@ completed rounds, append one JSON line::
    "stage_ms": {stage: {"median", "mean"}}, "round_ms": {...}, "host_ms": {...},
    "host_stage_ms": {stage: {"median", "mean"}},
    "by_width": {width: {"rounds", "bs_mean", "verify_ms", "round_ms"}},   (DDTree rounds only)
-   "t_first", "t_last"}   (wall clock, time.time(), at the end of the record's first and last round)
+   "t_first", "t_last",   (wall clock, time.time(), at the end of the record's first and last round)
+   "gc": {"n": [gen0, gen1, gen2], "ms": [...], "max_ms"}}   (this process's garbage collections
+   since the previous record: a collection stops the scheduler's host loop, so a long one is a pause
+   between rounds that the CUDA events cannot see)
 
 A pause of more than ``IDLE_GAP_S`` between two rounds closes the current record early (written at
 the next round), so a record never spans an idle gap: a benchmark level's rounds are not mixed
@@ -66,6 +69,48 @@ def _by_width(done: List[tuple]) -> Optional[dict]:
             for w, g in sorted(groups.items())}
 
 
+class GcPauses:
+    """This process's garbage collections, counted and timed by generation (``gc.callbacks``; one
+    instance per process, installed on first use).  ``take()`` -> the counts and ms since the last
+    ``take()``: {"n": [g0, g1, g2], "ms": [g0, g1, g2], "max_ms"}."""
+
+    _instance: Optional["GcPauses"] = None
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._t0: Optional[float] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.n = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self.max_ms = 0.0
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = self._clock()
+        elif phase == "stop" and self._t0 is not None:
+            gen = min(max(int(info.get("generation", 2)), 0), 2)
+            ms = (self._clock() - self._t0) * 1e3
+            self._t0 = None
+            self.n[gen] += 1
+            self.ms[gen] += ms
+            self.max_ms = max(self.max_ms, ms)
+
+    def take(self) -> dict:
+        out = {"n": list(self.n), "ms": [round(x, 3) for x in self.ms], "max_ms": round(self.max_ms, 3)}
+        self._reset()
+        return out
+
+    @classmethod
+    def installed(cls) -> "GcPauses":
+        if cls._instance is None:
+            import gc
+            cls._instance = cls()
+            gc.callbacks.append(cls._instance.callback)
+        return cls._instance
+
+
 def _stats(xs: List[float]) -> dict:
     return {"median": round(statistics.median(xs), 4), "mean": round(sum(xs) / len(xs), 4)}
 
@@ -86,6 +131,7 @@ class RoundProfiler:
         self._wall = []       # time.time() at the end of each round in _pending + _done, in order
         self._last_end = None
         self.extra: Optional[Callable[[], dict]] = None   # its dict goes into each record as "adaptive"
+        self._gc = GcPauses.installed() if self.path else None
 
     @property
     def enabled(self) -> bool:
@@ -168,6 +214,8 @@ class RoundProfiler:
         by_width = _by_width(done)
         if by_width:
             rec["by_width"] = by_width
+        if self._gc is not None:
+            rec["gc"] = self._gc.take()
         if self.extra is not None:
             rec["adaptive"] = self.extra()
         with open(self.path, "a") as f:

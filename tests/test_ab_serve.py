@@ -57,6 +57,7 @@ class FakeSGLang:
         self.unhealthy = unhealthy_polls
         self.accept = [1] if algo is None else [3, 1, 4, 2, 5]
         self.rounds = 0
+        self.freeze_gc_calls = 0
         self.lock = threading.Lock()
         fake = self
 
@@ -92,6 +93,10 @@ class FakeSGLang:
                 req = json.loads(self.rfile.read(n) or b"{}")
                 if self.path == "/flush_cache":
                     return self._send(200, b"Cache flushed.")
+                if self.path == "/freeze_gc":
+                    with fake.lock:
+                        fake.freeze_gc_calls += 1
+                    return self._send(200, b"Garbage collection frozen.\n")
                 if self.path == "/start_profile":   # SGLang's: blocks until num_steps ran, writes a trace
                     fake.write_trace(req)
                     return self._send(200, b"Start profiling.\n")
@@ -965,3 +970,29 @@ def test_new_tokens_spread_gives_every_arm_the_same_lengths(tmp_path):
     for bad in (-0.1, 1.0, 2.0):
         with pytest.raises(ValueError, match="new-tokens-spread"):
             spread_new_tokens([{"text": "a"}], bad)
+
+
+def test_freeze_gc_arm_suffix_and_option(tmp_path):
+    """``_freezegc`` (any arm, last) and ``--freeze-gc`` (every arm): SGLang's /freeze_gc is called
+    once, after that arm's warm-up, and the arm's record and the settings say so; other arms are not
+    touched; a doubled suffix is refused."""
+    from sglang_ddtree.ab.servers import parse_arm
+    assert parse_arm("ddtree_auto_nooverhead_freezegc")["env"]["SGLANG_DDTREE_ROUND_OVERHEAD"] == "off"
+    assert parse_arm("base_freezegc")["freeze_gc"] and parse_arm("base_freezegc")["kind"] == "base"
+    assert "freeze_gc" not in parse_arm("dflash")
+    with pytest.raises(ValueError, match="_freezegc once"):
+        parse_arm("dflash_freezegc_freezegc")
+    for extra, frozen in ((["--arms", "base,dflash_freezegc,ddtree_b8"], {"dflash_freezegc"}),
+                          (["--arms", "base,ddtree_b8", "--freeze-gc"], {"base", "ddtree_b8"})):
+        servers = []
+        inner = make_launcher([])
+
+        def launcher(cmd, env, log_path):
+            servers.append(inner(cmd, env, log_path))
+            return servers[-1]
+        doc = ab.run(_args(tmp_path, *extra, "--repeats", "1", "--concurrency", "1"), launcher=launcher)
+        calls = {a["name"]: s.freeze_gc_calls for a, s in zip(doc["arms"], servers)}
+        assert calls == {a["name"]: int(a["name"] in frozen) for a in doc["arms"]}, calls
+        assert {a["name"] for a in doc["arms"] if a.get("freeze_gc")} == frozen
+        assert set(doc["settings"]["freeze_gc"]) == frozen
+        assert all(a["status"] == "ok" for a in doc["arms"])

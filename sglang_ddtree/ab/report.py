@@ -392,6 +392,26 @@ def _render_run(doc, top=True):
               "size and the rounds-weighted medians of the verify stage and of the whole round (GPU ms).", "",
               "| arm | c | width | rounds | bs mean | verify | round | verify/slot |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"] + wrows
+    prows = []
+    for a in arms:
+        for lv in a.get("levels") or []:
+            sp = lv.get("stage_profile") or {}
+            st, g = sp.get("stalls"), sp.get("gc")
+            if not st and not g:
+                continue
+            prows.append(f"| {a['name']}{' (gc frozen)' if a.get('freeze_gc') else ''} | {lv['concurrency']} | "
+                         f"{_f(lv.get('duration'), 3)} | {_f((st or {}).get('span_s'), 3)} | {(st or {}).get('n', '')} | "
+                         f"{_f((st or {}).get('s'), 3)} | "
+                         + (f"{g['n'][2]} | {_f(g['ms'][2], 1)} | {g['n'][0] + g['n'][1]} | {_f(g['ms'][0] + g['ms'][1], 1)} | "
+                            f"{_f(g['max_ms'], 1)} |" if g else "| | | | |"))
+    if prows:
+        L += ["", f"{h} Pauses between rounds and the scheduler's garbage collections (the reported repeat)", "",
+              "level = the client's seconds for the level; span = first to last profiled round; stalls = gaps of "
+              "more than 100 ms with no round while the level ran (count, seconds); gc = the scheduler process's "
+              "collections in that time (generation 2; generations 0-1), total ms and the longest. A collection "
+              "stops the host loop: no round is launched while it runs.", "",
+              "| arm | c | level s | span s | stalls | stall s | gen2 | gen2 ms | gen0-1 | gen0-1 ms | max gc ms |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + prows
     L += _render_traces(arms, h)
     bad = [a for a in arms if a.get("status") != "ok"]
     if bad:

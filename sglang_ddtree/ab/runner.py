@@ -129,6 +129,11 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             client.run_level(base_url, prompts[:wn], max(levels), min(16, args.max_new_tokens), None, progress=False)
             client.run_level(base_url, prompts[:args.warmup], 1, args.max_new_tokens, None, progress=False)
         rec["warmup_s"] = round(time.time() - tw, 1)
+        if arm.get("freeze_gc"):
+            status, _ = http_json(base_url, "POST", "/freeze_gc", timeout=60)
+            if status != 200:
+                raise RuntimeError(f"[{arm['name']}] /freeze_gc answered HTTP {status}")
+            rec["freeze_gc"] = True
         prof_mark = len(read_profile(profile_path))
         prof_spec = parse_trace_spec(getattr(args, "torch_profile", None))
         for c in levels:
@@ -302,6 +307,8 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     t_start = time.time()
     deadline_at = t_start + args.deadline if args.deadline else None
     arms = parse_arms(args.arms)
+    if getattr(args, "freeze_gc", False):
+        arms = [dict(a, freeze_gc=True) for a in arms]
     levels = list(args.concurrency)
     maxc = max(levels)
     model, draft, token_ids, cfg_path, cfg_keys, prompts, source, how = resolve_inputs(args)
@@ -324,7 +331,8 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
                       requests_per_level={str(c): per_level(c) for c in levels}, num_prompts=N,
                       greedy="temperature 0, ignore_eos, stream", token_ids=token_ids, server_args=args.server_args,
                       profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm,
-                      repeats=args.repeats, torch_profile=getattr(args, "torch_profile", None)),
+                      repeats=args.repeats, torch_profile=getattr(args, "torch_profile", None),
+                      freeze_gc=[a["name"] for a in arms if a.get("freeze_gc")]),
         prompts=dict(source=source, count=N, kind="input_ids" if token_ids else "text", tokenized_with=how,
                      sha256_16=prompt_digest(prompts),
                      mean_input_len=round(mean([len(p["input_ids"]) if token_ids else len(p["text"])

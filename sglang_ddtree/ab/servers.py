@@ -26,6 +26,10 @@ ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_nooverhead", "SGLANG_DDTREE_ROUND_OVERHEAD", "off", True))
 
 
+# any arm (base too) + this: SGLang's /freeze_gc after the arm's warm-up (sglang_ddtree.ab.runner)
+FREEZE_GC_SUFFIX = "_freezegc"
+
+
 def parse_arm(name: str) -> dict:
     """'base' | 'dflash' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' | 'ddtree_auto[_b<B1>-<B2>-...]' ->
     {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree_auto``: the adaptive budget
@@ -42,8 +46,16 @@ def parse_arm(name: str) -> dict:
     the base arm's decode step in the same run (the floor the policy falls back to under load).
     ``_nooverhead`` (adaptive arms only): the policy without its measured per-round overhead term
     (``SGLANG_DDTREE_ROUND_OVERHEAD=off``: GPU cost table and acceptance alone), to see what that
-    term does to the choice in the same run."""
+    term does to the choice in the same run.  Any arm may end in ``_freezegc`` (last): the A/B calls
+    SGLang's ``/freeze_gc`` after that arm's warm-up (``gc.freeze()`` in the scheduler, tokenizer and
+    detokenizer: the objects alive then, CUDA graphs and model included, leave the collector's
+    reach), to measure the scheduler's garbage-collection pauses in the same run."""
     name = name.strip()
+    if name.endswith(FREEZE_GC_SUFFIX):
+        arm = parse_arm(name[:-len(FREEZE_GC_SUFFIX)])
+        if arm.get("freeze_gc"):
+            raise ValueError(f"arm {name!r}: {FREEZE_GC_SUFFIX} once")
+        return dict(arm, name=name, freeze_gc=True)
     for suffix, var, value, auto_only in ARM_SUFFIXES:
         if not name.endswith(suffix):
             continue

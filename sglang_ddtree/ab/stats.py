@@ -90,8 +90,15 @@ def read_profile(path: str) -> List[dict]:
     return out
 
 
+STALL_S = 0.1   # = sglang_ddtree.profiling.IDLE_GAP_S
+
+
 def aggregate_profile(recs: List[dict]) -> Optional[dict]:
-    """Rounds-weighted mean of the per-record medians (stage_ms, round_ms, host_ms) and of bs_mean."""
+    """Rounds-weighted mean of the per-record medians (stage_ms, round_ms, host_ms) and of bs_mean;
+    ``gc``: the records' garbage collections summed per generation (count, ms) and the longest;
+    ``stalls``: gaps of more than ``STALL_S`` between consecutive records (the end of one record's last
+    round to the end of the next one's first: a pause with no round), their count and seconds, and
+    the records' span."""
     recs = [r for r in recs if r.get("rounds")]
     if not recs:
         return None
@@ -129,6 +136,16 @@ def aggregate_profile(recs: List[dict]) -> Optional[dict]:
                                verify_ms=pw(lambda p: (p.get("verify_ms") or {}).get("median")),
                                round_ms=pw(lambda p: (p.get("round_ms") or {}).get("median")))
         out["by_width"] = bw
+    timed = sorted((r["t_first"], r["t_last"]) for r in recs if r.get("t_first") is not None)
+    gaps = [b[0] - a[1] for a, b in zip(timed, timed[1:])]
+    if timed:   # pauses between rounds (a record closes at one longer than profiling.IDLE_GAP_S)
+        long_ = [g for g in gaps if g > STALL_S]
+        out["stalls"] = dict(n=len(long_), s=round(sum(long_), 3), span_s=round(timed[-1][1] - timed[0][0], 3))
+    gcs = [r["gc"] for r in recs if isinstance(r.get("gc"), dict)]
+    if gcs:   # the scheduler's garbage collections while these records' rounds ran (summed)
+        out["gc"] = dict(n=[sum(g["n"][i] for g in gcs) for i in range(3)],
+                         ms=[round(sum(g["ms"][i] for g in gcs), 3) for i in range(3)],
+                         max_ms=max(g["max_ms"] for g in gcs))
     return out
 
 
