@@ -286,6 +286,8 @@ def test_parse_arms_and_commands():
                  "--speculative-draft-model-path D", "--speculative-num-draft-tokens 9"):
         assert want in s, want
     assert s.endswith("--mem-fraction-static 0.5 --tp-size 1")  # user flags last: they win
+    assert "--disable-prefill-cuda-graph" not in " ".join(
+        ab.build_server_cmd(d["ddtree_b8"], dict(opts, prefill_cuda_graph=True), 31000))
     base = " ".join(ab.build_server_cmd(d["base"], dict(opts, token_ids=False, server_args=""), 31010))
     assert "--speculative" not in base and "--skip-tokenizer-init" not in base
     # with a config, the flags it already sets are not added
@@ -493,6 +495,10 @@ def test_server_commands_parse_in_sglang(tmp_path):
         assert sa.cuda_graph_config.decode.max_bs == 64 and sa.cuda_graph_config.decode.bs == [1, 2, 4, 8, 16, 32, 64]
         assert str(getattr(sa.cuda_graph_config.prefill.backend, "value", sa.cuda_graph_config.prefill.backend)) \
             == "disabled"
+        sa = sa_mod.prepare_server_args(ab.build_server_cmd(arm, dict(opts, prefill_cuda_graph=True), 31000)[3:]
+                                        + ["--device", "cuda"])
+        assert str(getattr(sa.cuda_graph_config.prefill.backend, "value", sa.cuda_graph_config.prefill.backend)) \
+            != "disabled"
         if arm["algo"] is None:
             assert sa.speculative_algorithm is None
         else:

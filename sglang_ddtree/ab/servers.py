@@ -121,7 +121,8 @@ CONFIG_DROP = ("speculative-algorithm", "speculative-num-draft-tokens", "specula
 def build_server_cmd(arm: dict, opts: dict, port: int, config_path: Optional[str] = None,
                      config_keys: Optional[set] = None) -> List[str]:
     """The exact launch_server command line of one arm.  ``opts``: python, model_path,
-    draft_model_path, maxc, token_ids, mem_fraction, cuda_graph_bs (list or None), server_args."""
+    draft_model_path, maxc, token_ids, mem_fraction, cuda_graph_bs (list or None), server_args,
+    prefill_cuda_graph (true: SGLang's default prefill CUDA graph; else ``--disable-prefill-cuda-graph``)."""
     keys = config_keys or set()
     cmd = [opts.get("python") or sys.executable, "-m", "sglang.launch_server"]
     if config_path:
@@ -144,7 +145,8 @@ def build_server_cmd(arm: dict, opts: dict, port: int, config_path: Optional[str
         add("--cuda-graph-max-bs-decode", maxc, key="cuda-graph-max-bs-decode")
         if opts.get("cuda_graph_bs"):
             add("--cuda-graph-bs-decode", *opts["cuda_graph_bs"], key="cuda-graph-bs-decode")
-        add("--disable-prefill-cuda-graph", key="disable-prefill-cuda-graph")
+        if not opts.get("prefill_cuda_graph"):
+            add("--disable-prefill-cuda-graph", key="disable-prefill-cuda-graph")
     if "max-running-requests" in keys:
         pass  # the config's value (a warning is recorded by the caller if it is < maxc)
     else:
