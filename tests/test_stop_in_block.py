@@ -17,8 +17,19 @@ from sglang_ddtree.patches import req_update_finish_state as P  # noqa: E402
 
 import inspect  # noqa: E402
 
-# SGLang's own method, also when load_plugins() already hooked it in this process
-ORIGINAL = inspect.unwrap(Req.update_finish_state)
+
+
+def _sglang_original():
+    """SGLang's own method, also when load_plugins() hooked it in this process (before or after this
+    module was imported: another test module may load the plugins): the function at the end of the
+    ``__wrapped__`` chain, checked to be defined in SGLang's schedule_batch.py."""
+    fn = inspect.unwrap(Req.update_finish_state)
+    assert fn.__code__.co_filename.endswith("schedule_batch.py"), fn.__code__.co_filename
+    return fn
+
+
+def ORIGINAL(req, n):
+    return _sglang_original()(req, n)
 
 
 class _Tok:
@@ -50,7 +61,7 @@ def _finish(req, blocks, hooked):
             break
         req.output_ids.extend(blk)
         if hooked:
-            P.update_finish_state_stop_first(ORIGINAL, req, len(blk))
+            P.update_finish_state_stop_first(_sglang_original(), req, len(blk))
         else:
             ORIGINAL(req, len(blk))
     return req
