@@ -286,8 +286,14 @@ def test_parse_arms_and_commands():
                  "--speculative-draft-model-path D", "--speculative-num-draft-tokens 9"):
         assert want in s, want
     assert s.endswith("--mem-fraction-static 0.5 --tp-size 1")  # user flags last: they win
-    assert "--disable-prefill-cuda-graph" not in " ".join(
-        ab.build_server_cmd(d["ddtree_b8"], dict(opts, prefill_cuda_graph=True), 31000))
+    for pg, want, not_want in ((True, None, "--disable-prefill-cuda-graph"), (0, None, "--disable-prefill-cuda-graph"),
+                               (2048, "--cuda-graph-max-bs-prefill 2048", "--disable-prefill-cuda-graph"),
+                               (None, "--disable-prefill-cuda-graph", "--cuda-graph-max-bs-prefill")):
+        s2 = " ".join(ab.build_server_cmd(d["ddtree_b8"], dict(opts, prefill_cuda_graph=pg), 31000))
+        assert not_want not in s2 and (want is None or want in s2), (pg, s2)
+    assert ab.build_parser().parse_args(["--prefill-cuda-graph"]).prefill_cuda_graph == 0
+    assert ab.build_parser().parse_args(["--prefill-cuda-graph", "1024"]).prefill_cuda_graph == 1024
+    assert ab.build_parser().parse_args([]).prefill_cuda_graph is None
     base = " ".join(ab.build_server_cmd(d["base"], dict(opts, token_ids=False, server_args=""), 31010))
     assert "--speculative" not in base and "--skip-tokenizer-init" not in base
     # with a config, the flags it already sets are not added
@@ -499,6 +505,10 @@ def test_server_commands_parse_in_sglang(tmp_path):
                                         + ["--device", "cuda"])
         assert str(getattr(sa.cuda_graph_config.prefill.backend, "value", sa.cuda_graph_config.prefill.backend)) \
             != "disabled"
+        sa = sa_mod.prepare_server_args(ab.build_server_cmd(arm, dict(opts, prefill_cuda_graph=512), 31000)[3:]
+                                        + ["--device", "cuda"])
+        assert str(getattr(sa.cuda_graph_config.prefill.backend, "value", sa.cuda_graph_config.prefill.backend)) \
+            != "disabled" and sa.cuda_graph_config.prefill.max_bs == 512
         if arm["algo"] is None:
             assert sa.speculative_algorithm is None
         else:

@@ -322,7 +322,7 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     python = args.python or sys.executable
     opts = dict(python=python, model_path=model, draft_model_path=draft, maxc=maxc, token_ids=token_ids,
                 mem_fraction=args.mem_fraction_static, server_args=args.server_args,
-                prefill_cuda_graph=getattr(args, "prefill_cuda_graph", False),
+                prefill_cuda_graph=getattr(args, "prefill_cuda_graph", None),
                 cuda_graph_bs=[int(x) for x in args.cuda_graph_bs.split(",")] if args.cuda_graph_bs else None)
     doc = dict(
         kind="ab_serve", meta=env_info(python) if not args.no_env_probe else dict(argv=sys.argv),
@@ -334,7 +334,7 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
                       profile_every=args.profile_every, deadline_s=args.deadline, reference_arm=args.reference_arm,
                       repeats=args.repeats, torch_profile=getattr(args, "torch_profile", None),
                       freeze_gc=[a["name"] for a in arms if a.get("freeze_gc")],
-                      prefill_cuda_graph=bool(getattr(args, "prefill_cuda_graph", False))),
+                      prefill_cuda_graph=getattr(args, "prefill_cuda_graph", None)),
         prompts=dict(source=source, count=N, kind="input_ids" if token_ids else "text", tokenized_with=how,
                      sha256_16=prompt_digest(prompts),
                      mean_input_len=round(mean([len(p["input_ids"]) if token_ids else len(p["text"])

@@ -122,7 +122,8 @@ def build_server_cmd(arm: dict, opts: dict, port: int, config_path: Optional[str
                      config_keys: Optional[set] = None) -> List[str]:
     """The exact launch_server command line of one arm.  ``opts``: python, model_path,
     draft_model_path, maxc, token_ids, mem_fraction, cuda_graph_bs (list or None), server_args,
-    prefill_cuda_graph (true: SGLang's default prefill CUDA graph; else ``--disable-prefill-cuda-graph``)."""
+    prefill_cuda_graph (None / False: ``--disable-prefill-cuda-graph``; True or 0: SGLang's default prefill
+    CUDA graph; N > 0: that graph with its token sizes capped at N)."""
     keys = config_keys or set()
     cmd = [opts.get("python") or sys.executable, "-m", "sglang.launch_server"]
     if config_path:
@@ -145,8 +146,11 @@ def build_server_cmd(arm: dict, opts: dict, port: int, config_path: Optional[str
         add("--cuda-graph-max-bs-decode", maxc, key="cuda-graph-max-bs-decode")
         if opts.get("cuda_graph_bs"):
             add("--cuda-graph-bs-decode", *opts["cuda_graph_bs"], key="cuda-graph-bs-decode")
-        if not opts.get("prefill_cuda_graph"):
+        pg = opts.get("prefill_cuda_graph")
+        if pg is None or pg is False:
             add("--disable-prefill-cuda-graph", key="disable-prefill-cuda-graph")
+        elif pg is not True and int(pg) > 0:
+            add("--cuda-graph-max-bs-prefill", int(pg), key="cuda-graph-max-bs-prefill")
     if "max-running-requests" in keys:
         pass  # the config's value (a warning is recorded by the caller if it is < maxc)
     else:
