@@ -1012,3 +1012,20 @@ def test_freeze_gc_arm_suffix_and_option(tmp_path):
         assert {a["name"] for a in doc["arms"] if a.get("freeze_gc")} == frozen
         assert set(doc["settings"]["freeze_gc"]) == frozen
         assert all(a["status"] == "ok" for a in doc["arms"])
+
+
+def test_warmup_batches_are_recorded_and_rendered(tmp_path):
+    """The uncounted warm-up (a burst at the largest concurrency, then full-length requests at c=1)
+    keeps its own figures per arm: accept length for speculative arms, None for base."""
+    doc = ab.run(_args(tmp_path, "--arms", "base,ddtree_b8", "--repeats", "1", "--concurrency", "1,4"),
+                 launcher=make_launcher([]))
+    by = {a["name"]: a for a in doc["arms"]}
+    for name in ("base", "ddtree_b8"):
+        wu = by[name]["warmup"]
+        assert wu["burst"]["concurrency"] == 4 and wu["burst"]["num_requests"] == 4
+        assert wu["single"]["concurrency"] == 1 and wu["single"]["num_requests"] == 2
+        assert wu["burst"]["completed"] == 4 and wu["burst"]["total_output_tokens"] == 4 * 12
+    assert by["base"]["warmup"]["burst"]["accept_length"] is None
+    assert by["ddtree_b8"]["warmup"]["single"]["accept_length"] > 1.0
+    md = open(str(tmp_path / "res" / "ab") + ".md").read()
+    assert "Warm-up (uncounted): the first batch after start-up" in md and "| ddtree_b8 | 4 | 4 |" in md

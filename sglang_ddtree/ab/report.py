@@ -421,6 +421,20 @@ def _render_run(doc, top=True):
                      + (f" (skipped levels {a['skipped_levels']})" if a.get("skipped_levels") else ""))
             if a.get("log_tail"):
                 L += ["", "```", "\n".join(a["log_tail"].splitlines()[-12:]), "```"]
+    wrows = []
+    for a in arms:
+        wu = a.get("warmup") or {}
+        if wu:
+            wrows.append(f"| {a['name']} | " + " | ".join(
+                f"{(wu.get(k) or {}).get('concurrency', '')} | {(wu.get(k) or {}).get('num_requests', '')} | "
+                f"{_f((wu.get(k) or {}).get('accept_length'), 2)} | {_f((wu.get(k) or {}).get('ms_per_step'), 2)}"
+                for k in ("burst", "single")) + " |")
+    if wrows:
+        L += ["", f"{h} Warm-up (uncounted): the first batch after start-up", "",
+              "burst = the first requests, all at the largest concurrency (16 new tokens at most); single = "
+              "full-length requests at c=1 after it. accept = tokens per verify round; ms/step as in the levels.",
+              "", "| arm | burst c | n | accept | ms/step | single c | n | accept | ms/step |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] + wrows
     L += ["", f"{h} Server command lines", ""]
     for a in arms:
         if a.get("command_str"):

@@ -126,8 +126,17 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
         tw = time.time()
         wn = min(len(prompts), max(levels))
         if args.warmup:
-            client.run_level(base_url, prompts[:wn], max(levels), min(16, args.max_new_tokens), None, progress=False)
-            client.run_level(base_url, prompts[:args.warmup], 1, args.max_new_tokens, None, progress=False)
+            # kept: how the first batch after start-up went (session 17: ~1 token per round in every
+            # speculative arm, where the measured levels accept ~3.5 on the same prompts)
+            warm = {}
+            for key, ps, c, m in (("burst", prompts[:wn], max(levels), min(16, args.max_new_tokens)),
+                                  ("single", prompts[:args.warmup], 1, args.max_new_tokens)):
+                res, dur, partial = client.run_level(base_url, ps, c, m, None, progress=False)
+                w = aggregate_level(c, res, dur, ps, partial)
+                warm[key] = {k: w.get(k) for k in ("concurrency", "num_requests", "completed", "duration",
+                                                   "total_output_tokens", "accept_length", "spec_verify_ct",
+                                                   "ms_per_step", "median_ttft_ms")}
+            rec["warmup"] = warm
         rec["warmup_s"] = round(time.time() - tw, 1)
         if arm.get("freeze_gc"):
             status, _ = http_json(base_url, "POST", "/freeze_gc", timeout=60)
