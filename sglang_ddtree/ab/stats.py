@@ -9,6 +9,8 @@ import math
 import os
 from typing import Dict, List, Optional
 
+from ..profiling import IDLE_GAP_S
+
 STAGES = ("draft", "tree", "verify_prep", "verify", "accept", "commit")
 
 
@@ -90,7 +92,7 @@ def read_profile(path: str) -> List[dict]:
     return out
 
 
-STALL_S = 0.1   # = sglang_ddtree.profiling.IDLE_GAP_S
+STALL_S = IDLE_GAP_S   # a pause between rounds longer than this closes a profile record
 
 
 def aggregate_profile(recs: List[dict]) -> Optional[dict]:
