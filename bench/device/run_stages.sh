@@ -92,10 +92,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;print('versions: python',sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__,'sglang',sglang.__version__,'sgl_kernel',sgl_kernel.__version__,'flashinfer',flashinfer.__version__,'cc',torch.cuda.get_device_capability())" 2>&1 | tail -1 | tee -a $S
 
 # 3. tiny models -----------------------------------------------------------------------------
-# (skipped when every stage is scalechain_*: those write their own pair from the checkout; saves ~35 s)
+# (skipped when every stage is scalechain_* or verify_attn*: those write their own pair from the
+# checkout or use synthetic tensors; saves ~35 s)
 SELF_CONTAINED=1
-for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* ]] || SELF_CONTAINED=0; done
-if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scalechain stages only)" | tee -a $S; else
+for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == verify_attn* ]] || SELF_CONTAINED=0; done
+if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scalechain / verify_attn stages only)" | tee -a $S; else
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
 # the MLA target with INT4 (compressed-tensors W4A16) experts + its dequantized bf16 reference: pairs
