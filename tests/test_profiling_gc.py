@@ -86,3 +86,8 @@ def test_level_aggregate_sums_collections_and_counts_stalls():
     assert out["stalls"]["n"] == 1 and abs(out["stalls"]["s"] - 0.14) < 1e-6
     assert abs(out["stalls"]["span_s"] - 0.75) < 1e-6
     assert "gc" not in aggregate_profile([dict(base)]) and "stalls" not in aggregate_profile([dict(base)])
+
+
+def test_the_ab_stall_threshold_is_the_profilers_idle_gap():
+    from sglang_ddtree.ab.stats import STALL_S
+    assert STALL_S == profiling.IDLE_GAP_S

@@ -9,8 +9,6 @@ import math
 import os
 from typing import Dict, List, Optional
 
-from ..profiling import IDLE_GAP_S
-
 STAGES = ("draft", "tree", "verify_prep", "verify", "accept", "commit")
 
 
@@ -92,7 +90,9 @@ def read_profile(path: str) -> List[dict]:
     return out
 
 
-STALL_S = IDLE_GAP_S   # a pause between rounds longer than this closes a profile record
+# = sglang_ddtree.profiling.IDLE_GAP_S (a pause longer than this closes a profile record; not imported:
+# the A/B package runs without the rest of sglang_ddtree, tests/test_ab_cli.py; a test checks they agree)
+STALL_S = 0.1
 
 
 def aggregate_profile(recs: List[dict]) -> Optional[dict]:
