@@ -425,10 +425,10 @@ def _render_run(doc, top=True):
     for a in arms:
         wu = a.get("warmup") or {}
         if wu:
+            parts = [wu.get(k) or {} for k in ("burst", "single")]
             wrows.append(f"| {a['name']} | " + " | ".join(
-                f"{(wu.get(k) or {}).get('concurrency', '')} | {(wu.get(k) or {}).get('num_requests', '')} | "
-                f"{_f((wu.get(k) or {}).get('accept_length'), 2)} | {_f((wu.get(k) or {}).get('ms_per_step'), 2)}"
-                for k in ("burst", "single")) + " |")
+                f"{p.get('concurrency', '')} | {p.get('num_requests', '')} | {_f(p.get('accept_length'), 2)} | "
+                f"{_f(p.get('ms_per_step'), 2)}" for p in parts) + " |")
     if wrows:
         L += ["", f"{h} Warm-up (uncounted): the first batch after start-up", "",
               "burst = the first requests, all at the largest concurrency (16 new tokens at most); single = "
