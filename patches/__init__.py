@@ -10,7 +10,8 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 * ``req_update_finish_state``: a stop string / token inside a round's accepted tokens wins over
   ``max_new_tokens`` reached in the same round (plain decoding's order).
 * ``validate_dflash_request``: a DDTREE server (unless ``SGLANG_DDTREE_LOGPROBS=0``) admits requests
-  that ask for log-probabilities (``sglang_ddtree/logprobs.py`` fills them from the verify logits).
+  that ask for log-probabilities (``sglang_ddtree/logprobs.py`` fills them from the verify logits)
+  and refuses a pinned tree budget (``custom_params["ddtree_budget"]``) the server does not run.
 * ``dflash_round_profile``: with ``SGLANG_DDTREE_PROFILE_FILE`` set, stock DFLASH rounds are
   profiled with DDTree's stages and events (the A/B shows both splits side by side).
 * ``dflash_prepare_for_decode``, ``alloc_len_per_decode``, ``req_to_token_extra_context_len``: a

@@ -1,5 +1,6 @@
 """Hook: ``validate_dflash_request`` as the scheduler calls it (AROUND) -- admit log-probability
-requests on DDTREE servers that serve them.
+requests on DDTREE servers that serve them; refuse a tree budget a request pins that the server
+does not run.
 
 Why: SGLang 0.5.16's scheduler refuses, for every DFLASH-family algorithm (DDTREE-GPU / DDTREE-CPU
 are registered as that family), a request with ``return_logprob`` ("DFLASH speculative decoding
@@ -9,6 +10,12 @@ DDTREE server (unless ``SGLANG_DDTREE_LOGPROBS=0``), this hook runs SGLang's own
 ``return_logprob`` hidden, so every other refusal (grammar-constrained requests, hidden states
 under overlap scheduling) still applies; DFLASH servers and DDTREE servers with the switch off are
 untouched.
+
+A request may pin its rounds' tree budget (``custom_params["ddtree_budget"]``,
+``sglang_ddtree/adaptive.py``); a value the server does not run (not an integer, not its fixed budget,
+not in ``SGLANG_DDTREE_BUDGETS``) is refused here with a one-line reason, which the scheduler turns
+into an aborted request (HTTP 400), before any round sees it.  The budgets come from this process's
+DDTREE worker (``adaptive.register_served``); without one (DFLASH servers) nothing is checked.
 
 Checked against: SGLang 0.5.16 (``sglang/srt/managers/scheduler.py``: ``from
 sglang.srt.speculative.dflash_utils import validate_dflash_request``, called in
@@ -35,6 +42,11 @@ def _serves_logprobs() -> bool:
 
 
 def validate_with_logprobs(original, req, *args, **kwargs):
+    from sglang_ddtree import adaptive
+
+    err = adaptive.request_budget_error(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+    if err is not None:
+        return err
     if not getattr(req, "return_logprob", False) or not _serves_logprobs():
         return original(req, *args, **kwargs)
     req.return_logprob = False

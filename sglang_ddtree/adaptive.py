@@ -11,6 +11,12 @@ rounds' cost; :class:`WidthController`) so the counterfactual acceptance of wide
 measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the budgets round by round
 (``0`` = no speculation; each must be in the set), for the GPU lossless check.
 
+A request may pin its rounds' budget: ``"custom_params": {"ddtree_budget": 15}`` in its sampling
+parameters (one of the server's budgets; 0 = no speculation where allowed; anything else is refused
+at admission with HTTP 400: :func:`request_budget_error`).  A round runs the narrowest budget its
+batch's requests pin, else the policy's choice.  The A/B uses it to measure fixed budgets on the
+adaptive server itself (same server, same run, no extra start-up).
+
 Pieces (the worker wires them; each is CPU-tested with fakes):
 
 * :func:`parse_config`: the environment -> :class:`AdaptiveConfig` or None (unset: today's path).
@@ -72,6 +78,67 @@ class AdaptiveConfig:
     def extra_widths(self) -> Tuple[int, ...]:
         """Widths that need a state of their own (the widest is the target's captured one)."""
         return tuple(w for w in self.widths if w != self.widest)
+
+
+# ------------------------------------------------------------------ a request's own budget
+REQUEST_BUDGET_KEY = "ddtree_budget"   # sampling_params.custom_params[...]: run this request's rounds at that budget
+
+# what this process's DDTREE worker serves (set by the worker; read by the request check in
+# patches/validate_dflash_request.py, which runs in the same scheduler process): (algo, fixed budget, cfg)
+_SERVED: Optional[Tuple[str, int, Optional["AdaptiveConfig"]]] = None
+
+
+def register_served(algo: str, budget: int, cfg: Optional["AdaptiveConfig"]) -> None:
+    """The worker's budgets, for :func:`request_budget_error` in the same process."""
+    global _SERVED
+    _SERVED = (algo, int(budget), cfg)
+
+
+def allowed_request_budgets(budget: int, cfg: Optional["AdaptiveConfig"]) -> List[int]:
+    """The values ``custom_params["ddtree_budget"]`` may take on a server: its fixed budget, or the
+    adaptive set (0 = no speculation where ``SGLANG_DDTREE_NO_SPEC=1``)."""
+    if cfg is None:
+        return [int(budget)]
+    return ([0] if cfg.no_spec else []) + list(cfg.budgets)
+
+
+def request_budget_error(custom_params, served=None) -> Optional[str]:
+    """None when the request names no budget or one this server runs, else the one-line reason
+    (the scheduler aborts the request with it: HTTP 400).  ``served``: ``(algo, budget, cfg)``,
+    default what :func:`register_served` recorded (nothing recorded: no check, not a DDTREE worker)."""
+    if not isinstance(custom_params, dict) or REQUEST_BUDGET_KEY not in custom_params:
+        return None
+    served = served or _SERVED
+    if served is None:
+        return None
+    algo, budget, cfg = served
+    val = custom_params[REQUEST_BUDGET_KEY]
+    allowed = allowed_request_budgets(budget, cfg)
+    if isinstance(val, bool) or not isinstance(val, int):
+        return (f"{algo}: custom_params.{REQUEST_BUDGET_KEY} must be an integer tree budget, "
+                f"got {val!r}")
+    if val not in allowed:
+        how = ("the server's fixed budget; launch with SGLANG_DDTREE_BUDGETS for a set"
+               if cfg is None else "the budgets in SGLANG_DDTREE_BUDGETS (0: SGLANG_DDTREE_NO_SPEC=1)")
+        return (f"{algo}: custom_params.{REQUEST_BUDGET_KEY}={val} is not a budget this server runs: "
+                f"allowed {allowed} ({how})")
+    return None
+
+
+def requested_width(reqs) -> Optional[int]:
+    """The verify width the batch's requests ask for (``custom_params["ddtree_budget"]``, checked at
+    admission): the narrowest one asked for (budget 0 = width 1, no speculation), None when no request
+    asks.  Host values only."""
+    width = None
+    for req in reqs:
+        cp = req.sampling_params.custom_params
+        if cp:
+            b = cp.get(REQUEST_BUDGET_KEY)
+            if b is not None:
+                w = 1 if b == 0 else int(b) + 1
+                if width is None or w < width:
+                    width = w
+    return width
 
 
 def _int_list(algo: str, name: str, raw: str) -> List[int]:
@@ -462,8 +529,10 @@ class WidthController:
         self.probes += 1
         return widest
 
-    def next_width(self, bs: int) -> int:
-        """The verify width of this round (1 = no speculation)."""
+    def next_width(self, bs: int, requested: Optional[int] = None) -> int:
+        """The verify width of this round (1 = no speculation).  ``requested``: the width the batch's
+        requests pin (:func:`requested_width`; a width of this controller's set), used instead of
+        the policy's choice (the forced test cycle still wins)."""
         for sums, counts in self.window.due():
             if self.policy is not None:
                 self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)))
@@ -478,6 +547,9 @@ class WidthController:
         if cfg.cycle is not None:
             b = cfg.cycle[r % len(cfg.cycle)]
             w = 1 if b == 0 else b + 1
+        elif requested is not None:
+            # checked at admission; a value that got past it runs the nearest narrower width
+            w = max((x for x in self.cfg.widths if x <= requested), default=self.cfg.widths[0])
         elif self.policy is None or self.policy.rounds_seen == 0:
             w = self._first_width(bs)
         else:

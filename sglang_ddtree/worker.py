@@ -352,6 +352,8 @@ class DDTreeWorker(DFlashWorkerV2):
         # adaptive budget (issue 17): None unless SGLANG_DDTREE_BUDGETS / _NO_SPEC ask for it; the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
         self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
+        # what a request may pin with custom_params["ddtree_budget"] (checked at admission)
+        adaptive.register_served(self.algo_name, self.budget, self._adaptive_cfg)
         self._adaptive: Optional[adaptive.WidthController] = None
         self._verify_states: Optional[adaptive.TargetStates] = None
         # The drafter runs its own block width: give it (and its attention backend / graphs) a copy
@@ -672,7 +674,7 @@ class DDTreeWorker(DFlashWorkerV2):
         D = self.block_size - 1
         # verify width of this round: the server's, or the adaptive choice (host values only)
         ctl = self._adaptive
-        N = self.num_verify if ctl is None else ctl.next_width(bs)
+        N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive.requested_width(batch.reqs))
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
 

@@ -58,6 +58,7 @@ class FakeSGLang:
         self.accept = [1] if algo is None else [3, 1, 4, 2, 5]
         self.rounds = 0
         self.freeze_gc_calls = 0
+        self.pins = []          # custom_params.ddtree_budget of each /generate (None: not sent)
         self.lock = threading.Lock()
         fake = self
 
@@ -116,6 +117,8 @@ class FakeSGLang:
         sp = req["sampling_params"]
         assert sp["temperature"] == 0 and sp["ignore_eos"] is True and req.get("stream") is True
         m = sp["max_new_tokens"]
+        with self.lock:
+            self.pins.append((sp.get("custom_params") or {}).get("ddtree_budget"))
         out = chain(last, m)
         if self.mismatch and last % 2 == 0 and m > 5:
             out[5] = (out[5] + 1) % VOCAB
@@ -1029,3 +1032,44 @@ def test_warmup_batches_are_recorded_and_rendered(tmp_path):
     assert by["ddtree_b8"]["warmup"]["single"]["accept_length"] > 1.0
     md = open(str(tmp_path / "res" / "ab") + ".md").read()
     assert "Warm-up (uncounted): the first batch after start-up" in md and "| ddtree_b8 | 4 | 4 |" in md
+
+
+def test_pinned_arms_share_the_adaptive_server(tmp_path):
+    """``ddtree_auto..._pin<B>``: one server for the adaptive arm and its pinned arms (started and warmed
+    up once, measured in order), every pinned request carries custom_params.ddtree_budget = B, each
+    arm has its own record and identity; the report counts pinned arms (B > 0) as fixed budgets."""
+    from sglang_ddtree.ab import report, servers as S
+    a = S.parse_arm("ddtree_auto_b7-15_pin7")
+    assert a["pin"] == 7 and a["server"] == "ddtree_auto_b7-15" and a["num_draft_tokens"] == 16
+    assert S.parse_arm("ddtree_auto_pin0")["pin"] == 0
+    for bad, words in (("ddtree_auto_b7-15_pin31", "not one of"), ("ddtree_b16_pin15", "only adaptive"),
+                       ("ddtree_auto_pin7_pin15", "once")):
+        with pytest.raises(ValueError, match=words):
+            S.parse_arm(bad)
+    started, servers = [], []
+    inner = make_launcher(started)
+
+    def launcher(cmd, env, log_path):
+        servers.append(inner(cmd, env, log_path))
+        return servers[-1]
+    arms = "base,ddtree_auto_b7-15_pin15,ddtree_auto_b7-15,dflash,ddtree_auto_b7-15_pin7"
+    doc = ab.run(_args(tmp_path, "--arms", arms, "--repeats", "1", "--concurrency", "1,4"), launcher=launcher)
+    names = [x["name"] for x in doc["arms"]]
+    assert names == ["base", "ddtree_auto_b7-15", "ddtree_auto_b7-15_pin15", "ddtree_auto_b7-15_pin7", "dflash"]
+    assert len(started) == 3                                    # base, the adaptive server, dflash
+    auto = servers[1]
+    n_lv = sum(doc["settings"]["requests_per_level"].values())
+    warm = len(auto.pins) - 3 * n_lv - 1                       # warm-up requests, then a flush request per arm
+    assert warm > 0 and set(auto.pins[:warm]) == {None}
+    by = {x["name"]: x for x in doc["arms"]}
+    assert all(x["status"] == "ok" for x in doc["arms"])
+    assert by["ddtree_auto_b7-15_pin15"]["server_of"] == "ddtree_auto_b7-15"
+    assert by["ddtree_auto_b7-15_pin7"]["pin"] == 7 and by["ddtree_auto_b7-15_pin7"]["verify_width"] == 8
+    assert "warmup" in by["ddtree_auto_b7-15"] and "warmup" not in by["ddtree_auto_b7-15_pin7"]
+    pinned = [p for p in auto.pins if p is not None]
+    assert pinned == [15] * n_lv + [7] * n_lv
+    assert doc["identity"]["arms"]["ddtree_auto_b7-15_pin7"]["mismatched"] == 0
+    # the report: pinned budgets count as fixed ones, the adaptive arm against them
+    rec = {r["c"]: r for r in report.recommendations(doc)}
+    assert rec[4]["best_ddtree"] in ("ddtree_auto_b7-15_pin15", "ddtree_auto_b7-15_pin7")
+    assert set(rec[4]["auto"]) == {"ddtree_auto_b7-15"}

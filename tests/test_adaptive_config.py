@@ -1,5 +1,7 @@
 """sglang_ddtree.adaptive.parse_config: the adaptive budget is off unless its variables are set, and
 every bad value is a one-line ValueError at start-up (issue 17 item 3)."""
+import types
+
 import pytest
 
 from sglang_ddtree import adaptive as A
@@ -58,3 +60,43 @@ def test_bad_values_are_one_line_errors(env, words):
     msg = str(e.value)
     assert words in msg and "\n" not in msg and msg.startswith("DDTREE-GPU: ")
 
+
+
+def _cp(v):
+    return {A.REQUEST_BUDGET_KEY: v, "__req__": object()}
+
+
+def test_a_request_may_pin_a_budget_the_server_runs(monkeypatch):
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15,31", "SGLANG_DDTREE_NO_SPEC": "1"}, budget=31,
+                         algo="DDTREE-GPU")
+    served = ("DDTREE-GPU", 31, cfg)
+    assert A.allowed_request_budgets(31, cfg) == [0, 7, 15, 31]
+    for v in (0, 7, 15, 31):
+        assert A.request_budget_error(_cp(v), served) is None
+    assert A.request_budget_error(None, served) is None
+    assert A.request_budget_error({"other": 3}, served) is None
+    for bad, words in ((8, "allowed [0, 7, 15, 31]"), (-1, "not a budget"), (True, "integer"),
+                       (15.0, "integer"), ("15", "integer"), (None, "integer")):
+        msg = A.request_budget_error(_cp(bad), served)
+        assert msg and words in msg and "\n" not in msg, (bad, msg)
+    # no speculation only where the server allows it; a fixed budget only equals itself
+    no_ns = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    assert "allowed [7, 15]" in A.request_budget_error(_cp(0), ("DDTREE-GPU", 15, no_ns))
+    assert A.request_budget_error(_cp(15), ("DDTREE-GPU", 15, None)) is None
+    assert "fixed budget" in A.request_budget_error(_cp(7), ("DDTREE-GPU", 15, None))
+    # nothing registered in this process (not a DDTREE worker): no check; registered: the worker's
+    monkeypatch.setattr(A, "_SERVED", None)
+    assert A.request_budget_error(_cp(8)) is None
+    A.register_served("DDTREE-GPU", 31, cfg)
+    assert "allowed" in A.request_budget_error(_cp(8)) and A.request_budget_error(_cp(7)) is None
+
+
+def test_requested_width_is_the_narrowest_pin():
+    def reqs(*cps):
+        return [types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=c)) for c in cps]
+    assert A.requested_width(reqs(None, {}, {"x": 1})) is None
+    assert A.requested_width(reqs(None, _cp(15), _cp(31))) == 16
+    assert A.requested_width(reqs(_cp(7), _cp(0))) == 1
+    ctl = A.WidthController(A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="g"),
+                            policy=None, device="cpu")
+    assert [ctl.next_width(4, r) for r in (8, 16, None, 1, 12)] == [8, 16, 16, 8, 8]

@@ -223,7 +223,9 @@ def run_round(wd):
     batch = types.SimpleNamespace(seq_lens=wd.seq.clone(), seq_lens_cpu=wd.seq.clone().to(torch.int32),
                                   seq_lens_sum=int(wd.seq.sum()), req_pool_indices=torch.arange(bs),
                                   spec_info=DraftInput(wd.bonus.clone()), sampling_info=None,
-                                  return_logprob=False, token_to_kv_pool_allocator=None, out_cache_loc=None)
+                                  return_logprob=False, token_to_kv_pool_allocator=None, out_cache_loc=None,
+                                  reqs=[types.SimpleNamespace(sampling_params=types.SimpleNamespace(
+                                      custom_params=cp)) for cp in getattr(wd, "custom_params", [None] * bs)])
     wd.cur = dict(drafted=False)
     n_built = len(wd.built)
     res = wd.w._forward_tree_round(batch, None)
@@ -521,3 +523,24 @@ def test_policy_snapshot_reaches_the_profiler_whichever_is_built_first(monkeypat
     w.__dict__.update(_prof=RoundProfiler({"algo": "DDTREE-GPU"}), _adaptive=ctl)
     w._attach_policy_snapshot()
     assert w.__dict__["_prof"].extra is None          # profiling off: nothing attached
+
+
+def test_requests_pin_the_budget_narrowest_wins_and_stays_lossless(world):
+    """custom_params["ddtree_budget"]: the round runs the narrowest budget its requests pin (0 = no
+    speculation), whatever the policy would choose; requests without it do not constrain."""
+    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    wd = make_worker(world, env)
+    assert wd.bs >= 2
+    key = A.REQUEST_BUDGET_KEY
+    plans = [([{key: 7}] + [None] * (wd.bs - 1), 8), ([{key: 15}] + [{key: 3}] * (wd.bs - 1), 4),
+             ([{key: 0, "other": 1}] + [{"other": 2}] * (wd.bs - 1), 1), ([{key: 15}] * wd.bs, 16)]
+    for cps, want in plans * 2:
+        wd.custom_params = cps
+        r = run_round(wd)
+        assert r["N"] == want and r["backend"] == want
+        if want == 1:
+            assert not r["drafted"] and (wd.log[-1]["commit"] == 1).all()
+        else:
+            assert r["drafted"] and r["budget"] == want - 1
+    assert_lossless(wd)
+    assert wd.w._adaptive.chosen == {8: 2, 4: 2, 1: 2, 16: 2}

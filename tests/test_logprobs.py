@@ -185,3 +185,25 @@ def test_the_hook_wraps_the_schedulers_name_after_load_plugins():
                        env=env_without_checkout(**{LP.ENV: "1"}), cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RESULT None" in r.stdout
+
+
+def test_admission_hook_refuses_a_budget_the_server_does_not_run(monkeypatch):
+    """custom_params["ddtree_budget"] is checked against the DDTREE worker of this process
+    (adaptive.register_served); SGLang's own refusals still apply to the others."""
+    from sglang.srt import runtime_context
+    from sglang.srt.speculative.dflash_utils import validate_dflash_request
+    from sglang_ddtree import adaptive
+    monkeypatch.setattr(runtime_context, "get_server_args",
+                        lambda: types.SimpleNamespace(speculative_algorithm="DDTREE-GPU"))
+    monkeypatch.setattr(adaptive, "_SERVED", None)
+    req = _req()
+    req.sampling_params.custom_params = {adaptive.REQUEST_BUDGET_KEY: 9}
+    assert VH.validate_with_logprobs(validate_dflash_request, req, False) is None   # no worker: unchecked
+    cfg = adaptive.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    adaptive.register_served("DDTREE-GPU", 15, cfg)
+    msg = VH.validate_with_logprobs(validate_dflash_request, req, False)
+    assert msg and "ddtree_budget=9" in msg and "allowed [7, 15]" in msg
+    req.sampling_params.custom_params = {adaptive.REQUEST_BUDGET_KEY: 7}
+    assert VH.validate_with_logprobs(validate_dflash_request, req, False) is None
+    req.sampling_params.regex = "a+"
+    assert "grammar" in VH.validate_with_logprobs(validate_dflash_request, req, False)

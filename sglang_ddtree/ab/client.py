@@ -114,9 +114,11 @@ def stream_generate(base_url: str, payload: dict, timeout: float = 600.0) -> dic
 
 def request_payload(prompt: dict, max_new_tokens: int) -> dict:
     """``max_new_tokens`` scaled by the prompt's ``new_tokens_scale`` (``prompts.spread_new_tokens``),
-    at least 1."""
+    at least 1; the prompt's ``custom_params`` (a pinned arm's budget) go into the sampling params."""
     n = max(1, int(round(int(max_new_tokens) * float(prompt.get("new_tokens_scale", 1.0)))))
     p = {"sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
+    if prompt.get("custom_params"):
+        p["sampling_params"]["custom_params"] = dict(prompt["custom_params"])
     if "input_ids" in prompt:
         p["input_ids"] = prompt["input_ids"]
     else:

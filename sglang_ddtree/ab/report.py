@@ -88,6 +88,8 @@ def recommendations(run: dict) -> List[dict]:
     that load when speculating at all."""
     s = run.get("settings") or {}
     arms = [a for a in run.get("arms") or [] if a.get("status") != "skipped"]
+    # arms pinned to one budget on an adaptive server (``_pin<B>``): fixed budgets (B > 0), not the policy
+    pinned = {a["name"]: a["pin"] for a in arms if a.get("pin") is not None}
     out = []
     for c in s.get("concurrency") or []:
         t = {}
@@ -99,10 +101,10 @@ def recommendations(run: dict) -> List[dict]:
             out.append(dict(c=c, arm=None))
             continue
         best = max(t, key=t.get)
-        dd = [n for n in t if n.startswith("ddtree_b")]
+        dd = [n for n in t if n.startswith("ddtree_b") or pinned.get(n, 0) > 0]
         best_dd = max(dd, key=t.get) if dd else None
         # the adaptive arms (``_nospec``: every round forced to plain decode, a diagnostic, not the policy)
-        auto = [n for n in t if n.startswith("ddtree_auto") and not n.endswith("_nospec")]
+        auto = [n for n in t if n.startswith("ddtree_auto") and not n.endswith("_nospec") and n not in pinned]
         ref = [t[n] for n in ("base", "dflash") if n in t]
         out.append(dict(c=c, arm=best, tput=t[best],
                         x_base=t[best] / t["base"] if "base" in t else None,

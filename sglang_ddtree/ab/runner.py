@@ -94,18 +94,48 @@ def verify_width(arm: dict, draft_model_path: Optional[str]) -> Optional[int]:
         return None
 
 
-def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: List[dict], levels: List[int],
-                per_level, args, deadline_at: Optional[float], launcher, tmpdir: str, profile_path: Optional[str]):
+def _arm_record(arm: dict, cmd: List[str], env: dict) -> dict:
     rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"],
                num_draft_tokens=arm["num_draft_tokens"], command=cmd, command_str=shlex.join(cmd),
                env={k: v for k, v in env.items() if k.startswith("SGLANG_DDTREE")}, status="failed", levels=[])
     flag = "--speculative-draft-model-path"
     rec["verify_width"] = verify_width(arm, cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else None)
-    outputs = {}
+    if arm.get("pin") is not None:
+        rec["pin"] = arm["pin"]
+        rec["verify_width"] = arm["pin"] + 1
+    return rec
+
+
+def pinned_prompts(prompts: List[dict], arm: dict) -> List[dict]:
+    """The prompts as a pinned arm sends them: every request carries ``custom_params.ddtree_budget``
+    (sglang_ddtree/adaptive.py: the server runs that budget for its rounds)."""
+    if arm.get("pin") is None:
+        return prompts
+    return [dict(p, custom_params={PIN_KEY: int(arm["pin"])}) for p in prompts]
+
+
+PIN_KEY = "ddtree_budget"   # == sglang_ddtree.adaptive.REQUEST_BUDGET_KEY (this package runs alone)
+
+
+def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: List[dict], levels: List[int],
+                per_level, args, deadline_at: Optional[float], launcher, tmpdir: str, profile_path: Optional[str],
+                also: Optional[List[dict]] = None):
+    """Start ``arm``'s server, warm it up, measure every level, stop it: ``(record, outputs)``.  ``also``:
+    more arms served by the same server (arms pinned to one budget of an adaptive server,
+    ``servers.parse_arm``'s ``_pin<B>``), measured after ``arm`` in order with one start and one
+    warm-up: then ``[(record, outputs), ...]``, ``arm``'s first."""
+    group = [arm] + list(also or [])
+    recs = [_arm_record(a, cmd, env) for a in group]
+    outs: List[dict] = [{} for _ in group]
+    rec = recs[0]
     log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
-    rec["log"] = log_path
+    for r in recs:
+        r["log"] = log_path
+        if r is not rec:
+            r["server_of"] = arm["name"]   # one server, started and warmed up once (in the first record)
     t0 = time.time()
     server = None
+    current = rec
     try:
         server = launcher(cmd, env, log_path)
         limit = args.start_timeout
@@ -114,13 +144,15 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
         why = wait_healthy(base_url, server, limit)
         rec["start_s"] = round(time.time() - t0, 1)
         if why:
-            rec["error"] = why
-            rec["log_tail"] = log_tail(log_path)
+            for r in recs:
+                r["error"] = why
+                r["log_tail"] = log_tail(log_path)
             print(f"[{arm['name']}] FAILED to start: {why}", flush=True)
-            return rec, outputs
+            return (rec, outs[0]) if also is None else list(zip(recs, outs))
         va = verify_attention_of(log_path)
         if va:
-            rec["verify_attention"] = va
+            for r in recs:
+                r["verify_attention"] = va
         print(f"[{arm['name']}] up after {rec['start_s']} s{f'; verify attention: {va}' if va else ''}", flush=True)
         # warm-up: the widest batch once (short), then one full-length request
         tw = time.time()
@@ -142,60 +174,41 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             status, _ = http_json(base_url, "POST", "/freeze_gc", timeout=60)
             if status != 200:
                 raise RuntimeError(f"[{arm['name']}] /freeze_gc answered HTTP {status}")
-            rec["freeze_gc"] = True
+            for r in recs:
+                r["freeze_gc"] = True
         prof_mark = len(read_profile(profile_path))
         prof_spec = parse_trace_spec(getattr(args, "torch_profile", None))
-        for c in levels:
-            if deadline_at is not None and time.time() > deadline_at - 1:
-                rec.setdefault("skipped_levels", []).append(c)
-                continue
-            n = per_level(c)
-            reps = []  # (level record, output ids) per repeat
-            for rep in range(max(1, args.repeats)):
-                if rep and deadline_at is not None and time.time() > deadline_at - 1:
-                    break
-                try:
-                    http_json(base_url, "POST", "/flush_cache", timeout=30)
-                except Exception:  # noqa: BLE001
-                    pass
-                # socket timeout per read: a hung server cannot hold the run much past the deadline
-                tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
-                t_lv = time.time()
-                res, dur, partial = client.run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
-                                              desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
-                lv = aggregate_level(c, res, dur, prompts[:n], partial)
-                lv["_window"] = (t_lv, time.time())
-                if profile_path:
-                    time.sleep(0.2)
-                    recs = read_profile(profile_path)
-                    _set_stage_profile(lv, recs[prof_mark:])
-                    prof_mark = len(recs)
-                reps.append((lv, [r["output_ids"] if r and r["ok"] else None for r in res]))
-                if partial:
-                    break
-            lv, outputs[c] = pick_repeat(reps)
-            if prof_spec and c == prof_spec[0] and not (deadline_at is not None and time.time() > deadline_at - 30):
-                lv["torch_profile"] = _traced_pass(arm, base_url, prompts[:n], c, args, tmpdir, prof_spec[1],
-                                                   deadline_at, cpu=prof_spec[2])
-            rec["levels"].append(lv)
-            print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s (repeats "
-                  f"{lv['output_throughput_repeats']}), TTFT med {lv['median_ttft_ms']} ms, ITL med "
-                  f"{lv['median_itl_ms']} p99 {lv['p99_itl_ms']} ms, accept {lv['accept_length']}, failed "
-                  f"{lv['failed']}{' PARTIAL' if lv['partial'] else ''}", flush=True)
+        for cur, cur_outs, cur_arm in zip(recs, outs, group):
+            current = cur
+            arm_prompts = pinned_prompts(prompts, cur_arm)
+            t_arm = time.time()
+            prof_mark = _measure_levels(cur, cur_outs, cur_arm, base_url, arm_prompts, levels, per_level, args,
+                                        deadline_at, tmpdir, profile_path, prof_mark, prof_spec)
+            cur["_span"] = (t_arm, time.time())
         if profile_path:
-            _profiles_by_window(rec["levels"], profile_path, base_url, prompts, deadline_at)
-            rec["stage_profile_all"] = aggregate_profile(read_profile(profile_path)[:])
-        for lv in rec["levels"]:
-            lv.pop("_window", None)
-        rec["status"] = "ok" if rec["levels"] and all(lv["failed"] == 0 and not lv["partial"]
-                                                      for lv in rec["levels"]) else "partial"
+            _profiles_by_window([lv for r in recs for lv in r["levels"]], profile_path, base_url, prompts,
+                                deadline_at)
+            allp = read_profile(profile_path)
+            for r in recs:
+                span = r.get("_span")
+                mine = allp if len(recs) == 1 or not span else [
+                    x for x in allp if "t_first" in x and span[0] - 0.05 <= x["t_first"] and x.get("t_last", 0) <= span[1] + 0.05]
+                r["stage_profile_all"] = aggregate_profile(mine)
+        for r in recs:
+            r.pop("_span", None)
+            for lv in r["levels"]:
+                lv.pop("_window", None)
+            r["status"] = "ok" if r["levels"] and all(lv["failed"] == 0 and not lv["partial"]
+                                                      for lv in r["levels"]) else "partial"
     except Exception as e:  # noqa: BLE001 - one arm's failure never stops the others
-        rec["error"] = repr(e)[:1000]
-        rec["log_tail"] = log_tail(log_path)
-        print(f"[{arm['name']}] ERROR {e!r}", flush=True)
+        for r in recs[recs.index(current):]:
+            r["error"] = repr(e)[:1000]
+            r["log_tail"] = log_tail(log_path)
+        print(f"[{current['name']}] ERROR {e!r}", flush=True)
     except KeyboardInterrupt:
-        rec["error"] = "interrupted"
-        rec["status"] = "partial" if rec["levels"] else "failed"
+        for r in recs[recs.index(current):]:
+            r["error"] = "interrupted"
+            r["status"] = "partial" if r["levels"] else "failed"
         rec["_interrupted"] = True
     finally:
         if server is not None:
@@ -205,10 +218,56 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             except Exception as e:  # noqa: BLE001
                 rec["stop_error"] = repr(e)
             rec["stop_s"] = round(time.time() - ts, 1)
-        rec["total_s"] = round(time.time() - t0, 1)
+        for r in recs:
+            r.pop("_span", None)
+            r["total_s"] = round(time.time() - t0, 1)
     if rec.pop("_interrupted", False):
-        raise _ArmInterrupted(rec, outputs)
-    return rec, outputs
+        raise _ArmInterrupted(rec, outs[0], list(zip(recs, outs)))
+    return (rec, outs[0]) if also is None else list(zip(recs, outs))
+
+
+def _measure_levels(rec, outputs, arm, base_url, prompts, levels, per_level, args, deadline_at, tmpdir,
+                    profile_path, prof_mark, prof_spec) -> int:
+    """Every level of one arm on a running server, into ``rec["levels"]`` / ``outputs``; returns the
+    profile file's read mark."""
+    for c in levels:
+        if deadline_at is not None and time.time() > deadline_at - 1:
+            rec.setdefault("skipped_levels", []).append(c)
+            continue
+        n = per_level(c)
+        reps = []  # (level record, output ids) per repeat
+        for rep in range(max(1, args.repeats)):
+            if rep and deadline_at is not None and time.time() > deadline_at - 1:
+                break
+            try:
+                http_json(base_url, "POST", "/flush_cache", timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+            # socket timeout per read: a hung server cannot hold the run much past the deadline
+            tmo = 600.0 if deadline_at is None else max(30.0, min(600.0, deadline_at - time.time() + 30))
+            t_lv = time.time()
+            res, dur, partial = client.run_level(base_url, prompts[:n], c, args.max_new_tokens, deadline_at,
+                                                 desc=f"{arm['name']} c={c}", progress=args.progress, timeout=tmo)
+            lv = aggregate_level(c, res, dur, prompts[:n], partial)
+            lv["_window"] = (t_lv, time.time())
+            if profile_path:
+                time.sleep(0.2)
+                recs = read_profile(profile_path)
+                _set_stage_profile(lv, recs[prof_mark:])
+                prof_mark = len(recs)
+            reps.append((lv, [r["output_ids"] if r and r["ok"] else None for r in res]))
+            if partial:
+                break
+        lv, outputs[c] = pick_repeat(reps)
+        if prof_spec and c == prof_spec[0] and not (deadline_at is not None and time.time() > deadline_at - 30):
+            lv["torch_profile"] = _traced_pass(arm, base_url, prompts[:n], c, args, tmpdir, prof_spec[1],
+                                               deadline_at, cpu=prof_spec[2])
+        rec["levels"].append(lv)
+        print(f"[{arm['name']}] c={c:3d} n={n}: {lv['output_throughput']} tok/s (repeats "
+              f"{lv['output_throughput_repeats']}), TTFT med {lv['median_ttft_ms']} ms, ITL med "
+              f"{lv['median_itl_ms']} p99 {lv['p99_itl_ms']} ms, accept {lv['accept_length']}, failed "
+              f"{lv['failed']}{' PARTIAL' if lv['partial'] else ''}", flush=True)
+    return prof_mark
 
 
 def _traced_pass(arm, base_url, prompts, c, args, tmpdir, steps, deadline_at, cpu=False) -> dict:
@@ -233,9 +292,10 @@ def _traced_pass(arm, base_url, prompts, c, args, tmpdir, steps, deadline_at, cp
 
 
 class _ArmInterrupted(KeyboardInterrupt):
-    def __init__(self, rec, outputs):
+    def __init__(self, rec, outputs, group=None):
         super().__init__()
         self.rec, self.outputs = rec, outputs
+        self.group = group or [(rec, outputs)]   # every (record, outputs) of the server's arms
 
 
 def resolve_inputs(args):
@@ -403,15 +463,27 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     return doc
 
 
+def server_groups(arms: List[dict]) -> List[List[dict]]:
+    """The arms grouped by the server they run on, in order of first appearance: an arm pinned to a
+    budget (``_pin<B>``) runs on the server of its adaptive arm (``arm["server"]``), after that arm
+    when it is listed; every other arm has a server of its own."""
+    groups: Dict[str, List[dict]] = {}
+    for a in arms:
+        groups.setdefault(a.get("server") or a["name"], []).append(a)
+    return [sorted(g, key=lambda a: a.get("pin") is not None) for g in groups.values()]
+
+
 def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadline_at, reserve, launcher, tmpdir,
               cfg_path, cfg_keys, t_start):
-    for i, arm in enumerate(arms):
+    for i, group in enumerate(server_groups(arms)):
+        arm, also = group[0], group[1:]
         arm_deadline = deadline_at - reserve if deadline_at else None
         if arm_deadline is not None and arm_deadline - time.time() < args.min_arm_s:
-            doc["arms"].append(dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"],
-                                    status="skipped", error=f"deadline: {arm_deadline - time.time():.0f} s left "
-                                                            f"< --min-arm-s {args.min_arm_s}"))
-            print(f"[{arm['name']}] SKIPPED (deadline)", flush=True)
+            for a in group:
+                doc["arms"].append(dict(name=a["name"], kind=a["kind"], algo=a["algo"], budget=a["budget"],
+                                        status="skipped", error=f"deadline: {arm_deadline - time.time():.0f} s "
+                                                                f"left < --min-arm-s {args.min_arm_s}"))
+                print(f"[{a['name']}] SKIPPED (deadline)", flush=True)
             continue
         port = args.port + 10 * i
         cmd = build_server_cmd(arm, opts, port, cfg_path, cfg_keys)
@@ -426,19 +498,21 @@ def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadli
                 os.remove(prof)
             env["SGLANG_DDTREE_PROFILE_FILE"] = prof
             env["SGLANG_DDTREE_PROFILE_EVERY"] = str(args.profile_every)
-        print(f"[{arm['name']}] ({i + 1}/{len(arms)}) {shlex.join(cmd)}", flush=True)
+        shared = f" (+ {', '.join(a['name'] for a in also)} on the same server)" if also else ""
+        print(f"[{arm['name']}] ({i + 1}) {shlex.join(cmd)}{shared}", flush=True)
         try:
-            rec, outs = measure_arm(arm, cmd, env, f"http://127.0.0.1:{port}", prompts, levels, per_level, args,
-                                    arm_deadline, launcher, tmpdir, prof)
+            got = measure_arm(arm, cmd, env, f"http://127.0.0.1:{port}", prompts, levels, per_level, args,
+                              arm_deadline, launcher, tmpdir, prof, also=also)
         except _ArmInterrupted as e:
-            doc["arms"].append(e.rec)
-            if e.outputs:
-                outputs[arm["name"]] = e.outputs
+            for rec, outs in e.group:
+                doc["arms"].append(rec)
+                if outs:
+                    outputs[rec["name"]] = outs
             raise
-        doc["arms"].append(rec)
-        if outs:
-            outputs[arm["name"]] = outs
+        for rec, outs in got:
+            doc["arms"].append(rec)
+            if outs:
+                outputs[rec["name"]] = outs
         doc["identity"] = identity_check(outputs, args.reference_arm)
         doc["elapsed_s"] = round(time.time() - t_start, 1)
         write_outputs(doc, args.out, plot=False)
-

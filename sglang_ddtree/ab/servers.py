@@ -28,6 +28,8 @@ ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
 
 # any arm (base too) + this: SGLang's /freeze_gc after the arm's warm-up (sglang_ddtree.ab.runner)
 FREEZE_GC_SUFFIX = "_freezegc"
+# an adaptive arm + this + a budget: that arm's server, every request pinned to the budget (last suffix)
+PIN_SUFFIX = "_pin"
 
 
 def parse_arm(name: str) -> dict:
@@ -49,8 +51,25 @@ def parse_arm(name: str) -> dict:
     term does to the choice in the same run.  Any arm may end in ``_freezegc`` (last): the A/B calls
     SGLang's ``/freeze_gc`` after that arm's warm-up (``gc.freeze()`` in the scheduler, tokenizer and
     detokenizer: the objects alive then, CUDA graphs and model included, leave the collector's
-    reach), to measure the scheduler's garbage-collection pauses in the same run."""
+    reach), to measure the scheduler's garbage-collection pauses in the same run.  An adaptive arm
+    may end in ``_pin<B>`` (last, e.g. ``ddtree_auto_b7-15-31_pin15``): the same server as the arm
+    without it (``server``; started once, the pinned arms measured after it), every request sending
+    ``custom_params.ddtree_budget = B`` (one of the arm's budgets, 0 = no speculation), so the server
+    runs that fixed budget: the best fixed budget and the adaptive choice in the same run, on one
+    server."""
     name = name.strip()
+    head, sep, pin = name.rpartition(PIN_SUFFIX)
+    if sep and pin.isdigit() and not name.endswith(FREEZE_GC_SUFFIX):
+        arm = parse_arm(head)
+        if not arm.get("auto") or arm.get("pin") is not None:
+            raise ValueError(f"arm {name!r}: only adaptive arms take {PIN_SUFFIX}<B>, once "
+                             f"(ddtree_auto_b7-15-31{PIN_SUFFIX}15)")
+        allowed = [int(b) for b in arm["env"]["SGLANG_DDTREE_BUDGETS"].split(",")]
+        if arm["env"].get("SGLANG_DDTREE_NO_SPEC") == "1":
+            allowed = [0] + allowed
+        if int(pin) not in allowed:
+            raise ValueError(f"arm {name!r}: {PIN_SUFFIX}{pin} is not one of the arm's budgets {allowed}")
+        return dict(arm, name=name, pin=int(pin), server=head)
     if name.endswith(FREEZE_GC_SUFFIX):
         arm = parse_arm(name[:-len(FREEZE_GC_SUFFIX)])
         if arm.get("freeze_gc"):
