@@ -13,7 +13,7 @@ measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the bud
 
 A request may pin its rounds' budget: ``"custom_params": {"ddtree_budget": 15}`` in its sampling
 parameters (one of the server's budgets; 0 = no speculation where allowed; anything else is refused
-at admission with HTTP 400: :func:`request_budget_error`).  A round runs the narrowest budget its
+at admission with an abort, status 400: :func:`request_budget_error`).  A round runs the narrowest budget its
 batch's requests pin, else the policy's choice.  The A/B uses it to measure fixed budgets on the
 adaptive server itself (same server, same run, no extra start-up).
 

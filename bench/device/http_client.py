@@ -10,7 +10,9 @@ STAGE = http_<pair>[_<algo>].  Checks (all must pass):
     still answers exactly afterwards;
   * streaming returns the same tokens;
   * bad input gets a 4xx or an abort with a message (return_logprob, which the DFlash family does
-    not support; a negative temperature), never a dead server.
+    not support; a negative temperature), never a dead server;
+  * DDTREE servers: a request pinning the fixed budget (custom_params.ddtree_budget) gets its exact
+    chain, one pinning a budget the server does not run is refused.
 One JSON record is appended to RESULTS_JSONL; exit 0 only when everything passed.
 """
 import json
@@ -21,14 +23,40 @@ import time
 import requests
 
 EXTRA_KEYS = ("concurrent_match", "abort_ok", "after_abort_match", "stream_match", "logprob_handled",
-              "bad_temperature_rejected", "healthy_after_bad_input")
+              "bad_temperature_rejected", "healthy_after_bad_input", "budget_pin_ok")
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stage import expected_chain as chain  # noqa: E402  (perm^k of the prompt's last token)
 
 
-def extra_checks(base, perm, serves_logprobs):
+def pin_checks(base, perm, p, num_draft):
+    """A DDTREE request pinning the server's fixed budget gets its exact chain; one pinning a budget
+    the server does not run is refused (abort or 4xx) and the server keeps answering exactly."""
+    r = {}
+    budget = int(num_draft) - 1 if num_draft else None
+
+    def gen(pin):
+        return requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
+            "max_new_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "custom_params": {"ddtree_budget": pin}}}, timeout=120)
+    ok = budget is not None
+    if ok:
+        g = gen(budget)
+        r["pin_fixed"] = {"budget": budget, "status": g.status_code}
+        ok = g.status_code == 200 and g.json().get("output_ids") == chain(perm, p, 24)
+    b = gen(9999)
+    jb = b.json() if b.headers.get("content-type", "").startswith("application/json") else {}
+    frb = (jb.get("meta_info") or {}).get("finish_reason") or {}
+    r["pin_bad"] = {"status": b.status_code, "finish": frb, "body": b.text[:200]}
+    refused = b.status_code >= 400 or (frb.get("type") == "abort" and "ddtree_budget" in json.dumps(frb))
+    d = requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
+    r["budget_pin_ok"] = bool(ok and refused and d.get("output_ids") == chain(perm, p, 40))
+    return r
+
+
+def extra_checks(base, perm, serves_logprobs, num_draft=None):
     """Concurrency with mid-flight joins, abort, streaming, bad input; ``return_logprob``: a DDTREE
     server serves it (sglang_ddtree/logprobs.py, on by default), a DFLASH one refuses it."""
     import threading
@@ -107,6 +135,9 @@ def extra_checks(base, perm, serves_logprobs):
     d = requests.post(base + "/generate", json={"input_ids": p, "sampling_params": {
         "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
     r["healthy_after_bad_input"] = d.get("output_ids") == chain(perm, p, 40)
+    r["budget_pin_ok"] = True
+    if serves_logprobs:   # a DDTREE server: custom_params.ddtree_budget (sglang_ddtree/adaptive.py)
+        r.update(pin_checks(base, perm, p, num_draft))
     print("extra checks", json.dumps({k: r.get(k) for k in EXTRA_KEYS}), flush=True)
     return r
 
@@ -209,7 +240,8 @@ if up:
                                                          "attention_backend", "version", "model_path")}
         except Exception as e:  # noqa
             rec["server_info_error"] = repr(e)
-        rec.update(extra_checks(base, perm, rec["algo"] in ("ddtree", "ddtreecpu")))
+        rec.update(extra_checks(base, perm, rec["algo"] in ("ddtree", "ddtreecpu"),
+                                (rec.get("server_info") or {}).get("speculative_num_draft_tokens")))
         if stage.endswith("_metrics"):
             rec.update(scrape_metrics(base, rec["algo"]))
         rec["ok"] = (rec["generate_ids_status"] == 200 and rec["generate_ids_match"] is not False
