@@ -124,3 +124,19 @@ def test_check_outputs(tmp_path):
     assert r["checked"] == 3 and r["wrong"] == [("16", 0, 2)]
     with pytest.raises(SystemExit):
         CP.check_outputs(str(tmp_path / "ab.json"), str(tmp_path / "perm.json"), arm="dflash")
+
+
+def test_check_outputs_every_arm(tmp_path):
+    """--arm all: every arm with saved outputs is checked (runs without a base arm, e.g. pinned arms)."""
+    import subprocess
+    import sys
+    perm = list(range(1, 1024)) + [0]
+    doc = {"prompt_ids": [[1, 5]], "output_ids": {"ddtree_auto": {"1": [[6, 7]]}, "ddtree_auto_pin7": {"1": [[6, 8]]}}}
+    (tmp_path / "ab.json").write_text(json.dumps(doc))
+    (tmp_path / "perm.json").write_text(json.dumps(perm))
+    script = os.path.join(os.path.dirname(CP.__file__), "chain_pair.py")
+    r = subprocess.run([sys.executable, script, "check-outputs", str(tmp_path / "ab.json"), str(tmp_path / "perm.json"),
+                        "--arm", "all"], capture_output=True, text=True, timeout=300)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 1 and [x["arm"] for x in lines] == ["ddtree_auto", "ddtree_auto_pin7"]
+    assert [x["n_wrong"] for x in lines] == [0, 1]

@@ -159,7 +159,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
     scalechain_*)  # bench/scale/chain_pair.py: the chain GQA pair (block-16 toy drafter) at a production shape
                    # (scalechain_qwen3-8b, scalechain_qwen3-30b-a3b; SCALE_LAYERS: fewer layers, e.g. 24 for the MoE
-                   # shape's disk), the A/B on chain prompts (token ids), then check-outputs: base = the chain
+                   # shape's disk), the A/B on chain prompts (token ids), then check-outputs: every arm = the chain
       local shape=${st#scalechain_}; local sd=/tmp/models
       { timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}chain_target | cut -f1)" \
@@ -171,7 +171,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port --workdir /tmp/abw_${shape}chain \
              --out $OUT/scalechain_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-} \
         && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/scalechain_ab_${shape}_h200.json \
-             $sd/${shape}chain_target/perm.json; } > $LOG/$st.log 2>&1; rc=$?
+             $sd/${shape}chain_target/perm.json --arm all; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
       grep -a -E "^\{|^written|^chain|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):

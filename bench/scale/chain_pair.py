@@ -1,7 +1,7 @@
 """The test bed's permutation-chain GQA pair at a production Qwen3 shape, with a block-16 drafter.
 
     python bench/scale/chain_pair.py write --shape qwen3-8b --out DIR [--layers L] [--drafter F]
-    python bench/scale/chain_pair.py check-outputs AB.json PERM.json [--arm base]
+    python bench/scale/chain_pair.py check-outputs AB.json PERM.json [--arm base|all]
 
 Why: the text pair (``transform.py``) gives production cost but its drafter accepts 1.2 tokens a
 round, so every speculative arm loses to plain decoding there.  This pair has the same production
@@ -234,14 +234,22 @@ def main():
     c = sub.add_parser("check-outputs")
     c.add_argument("ab_json")
     c.add_argument("perm_json")
-    c.add_argument("--arm", default="base")
+    c.add_argument("--arm", default="base", help="an arm, or 'all': every arm with saved outputs")
     a = ap.parse_args()
     if a.cmd == "write":
         print(json.dumps(write(a.out, a.shape, a.layers, a.drafter, a.block_size, force=a.force)))
         return 0
-    r = check_outputs(a.ab_json, a.perm_json, a.arm)
-    print(json.dumps(dict(r, wrong=r["wrong"][:10], n_wrong=len(r["wrong"]))))
-    return 1 if r["wrong"] or not r["checked"] else 0
+    arms = [a.arm]
+    if a.arm == "all":   # every arm whose outputs the A/B saved (runs without a base arm too)
+        arms = sorted((json.load(open(a.ab_json)).get("output_ids") or {}))
+        if not arms:
+            raise SystemExit(f"{a.ab_json}: no output_ids (run the A/B with --save-output-ids)")
+    bad = 0
+    for arm in arms:
+        r = check_outputs(a.ab_json, a.perm_json, arm)
+        print(json.dumps(dict(r, wrong=r["wrong"][:10], n_wrong=len(r["wrong"]))))
+        bad += bool(r["wrong"] or not r["checked"])
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
