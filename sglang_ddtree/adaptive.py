@@ -307,9 +307,30 @@ def cost_table_from_timer(batch_sizes: Mapping[int, Sequence[int]],
     return CostTable(verify_ms=rows, base_ms=base)
 
 
+def randomize_graph_input_ids(runner, vocab_size: int, seed: int = 0) -> bool:
+    """Fill ``runner``'s captured input-id buffer with seeded random ids in ``[0, vocab_size)`` before
+    its graphs are timed; False when the runner has no such buffer (nothing changed).
+
+    Why: capture leaves the buffer as SGLang filled it (every token the same id), and a MoE target
+    then routes every verify token to the same top-k experts.  Measured on the H200 (Qwen3-30B-A3B
+    shape, 24 layers, ``bench/results/raw/scalechain_ab_qwen3-30b-a3b_h200_s18_run3_pins.md``): the
+    start-up table said 3.2 ms for a width-32 round at bs 1 (drafter included) where the rounds took
+    7.7 ms (verify 7.1), width 16 5.8 ms: the policy chose width 32 at c = 1 and served 0.92x the
+    tokens per second of the width-16 arm in the same run.  Real verify tokens are distinct (tree
+    siblings, other requests), so random ids route like them.  Every TP rank draws the same ids."""
+    buf = getattr(getattr(runner, "buffers", None), "input_ids", None)
+    if not isinstance(buf, torch.Tensor) or buf.numel() == 0 or int(vocab_size) < 1:
+        return False
+    gen = torch.Generator(device=buf.device)
+    gen.manual_seed(int(seed))
+    buf.copy_(torch.randint(0, int(vocab_size), tuple(buf.shape), generator=gen, device=buf.device,
+                            dtype=buf.dtype))
+    return True
+
+
 def graph_replay_ms(runner, bs: int, replays: int = 5) -> Optional[float]:
     """Mean GPU ms of one replay of ``runner``'s captured graph for batch size ``bs`` (with the
-    inputs left in its buffers by capture), or None when the runner keeps no plain CUDA graph for
+    inputs in its buffers: :func:`randomize_graph_input_ids` first for a target), or None when the runner keeps no plain CUDA graph for
     it.  Start-up only: it synchronises."""
     graphs = getattr(getattr(runner, "backend", None), "_graphs", None)
     if graphs is None:

@@ -501,6 +501,11 @@ class DDTreeWorker(DFlashWorkerV2):
             if ms is not None:
                 draft_ms[int(bs)] = ms
         runners = {w: st.graph_runner for w, st in states.states.items()}
+        vocab = int(getattr(getattr(self._target_worker.model_runner, "model_config", None), "vocab_size", 0) or 0)
+        for r in runners.values():   # distinct ids, as real verify tokens are (MoE routing)
+            if not adaptive.randomize_graph_input_ids(r, vocab) and self.ps.tp_rank == 0:
+                logger.warning("%s adaptive budget: the verify graph runner has no input-id buffer to "
+                               "randomize; its cost table uses the ids left by capture", self.algo_name)
 
         def verify_ms(w, bs):
             ms = adaptive.graph_replay_ms(runners[w], bs)

@@ -37,6 +37,8 @@ class FakeRunner:
         self.args_width = model_runner.server_args.speculative_num_draft_tokens
         self.backend_prepared = attn_backend.prepared   # prepared before capture?
         self.capture_bs, self.max_bs = [1, 2, 4, 8], 8
+        self.buffers = types.SimpleNamespace(input_ids=torch.zeros(8 * speculative_num_draft_tokens,
+                                                                   dtype=torch.int64))
 
 
 class FakeModelRunner:
@@ -162,7 +164,11 @@ def _worker_module():
     return worker
 
 
+VOCAB_FAKE = 5000
+
+
 def _fake_worker(W, cfg, mr):
+    mr.model_config = types.SimpleNamespace(vocab_size=VOCAB_FAKE)
     w = object.__new__(W.DDTreeWorker)
     w.__dict__.update(algo_name="DDTREE-GPU", device="cpu", gpu_id=0, ps=types.SimpleNamespace(tp_rank=0),
                       _adaptive_cfg=cfg, _adaptive=None, _verify_states=None,
@@ -185,6 +191,8 @@ def fake_startup(monkeypatch):
     timed = []
 
     def fake_replay(runner, bs):
+        ids = runner.buffers.input_ids           # randomized before timing: distinct, in the vocabulary
+        assert 0 <= int(ids.min()) and int(ids.max()) < VOCAB_FAKE and ids.unique().numel() > ids.numel() // 2
         timed.append((runner.width, bs))
         return 1.0 + runner.width * bs / 10
 
@@ -241,3 +249,13 @@ def test_adaptive_without_graphs(fake_startup):
     W.DDTreeWorker.init_cuda_graphs(w)
     assert w._verify_states.states[8].graph_runner is None and w._adaptive.policy is None
     assert fake_startup.timed == []
+
+
+def test_randomize_graph_input_ids_is_seeded_and_in_range():
+    r = types.SimpleNamespace(buffers=types.SimpleNamespace(input_ids=torch.zeros(4096, dtype=torch.int32)))
+    assert A.randomize_graph_input_ids(r, 151936)
+    a = r.buffers.input_ids.clone()
+    assert a.dtype == torch.int32 and 0 <= int(a.min()) and int(a.max()) < 151936 and a.unique().numel() > 4000
+    assert A.randomize_graph_input_ids(r, 151936) and torch.equal(a, r.buffers.input_ids)   # every rank alike
+    assert not A.randomize_graph_input_ids(types.SimpleNamespace(), 100)
+    assert not A.randomize_graph_input_ids(r, 0)
