@@ -554,9 +554,10 @@ class WidthController:
         """The verify width of this round (1 = no speculation).  ``requested``: the width the batch's
         requests pin (:func:`requested_width`; a width of this controller's set), used instead of
         the policy's choice (the forced test cycle still wins)."""
-        for sums, counts in self.window.due():
+        for sums, counts, below in self.window.due():
             if self.policy is not None:
-                self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)))
+                self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)),
+                                        dict(zip(self.spec_widths, below)))
                 local = self._close_window()
                 shared = self._share(local) if self._share else local
                 for key, val in shared.items():

@@ -138,6 +138,8 @@ class BudgetPolicy:
     seen: Set[int] = field(default_factory=set)   # widths with a measured round
     accept_sum: Dict[int, float] = field(default_factory=dict)     # decayed sums of accepted tokens
     accept_count: Dict[int, float] = field(default_factory=dict)   # decayed request-round counts
+    below_sum: Dict[int, float] = field(default_factory=dict)      # the next narrower width's tokens, same rounds
+    paired: bool = False        # an update carried ``below``: estimates chain same-round gains
     samples: Deque[float] = field(default=None)   # this policy's own overhead samples (newest last)
 
     def __post_init__(self):
@@ -151,6 +153,7 @@ class BudgetPolicy:
             self.accept.setdefault(w, float(self.prior_accept))
             self.accept_sum.setdefault(w, 0.0)
             self.accept_count.setdefault(w, 0.0)
+            self.below_sum.setdefault(w, 0.0)
         if self.samples is None:
             self.samples = deque(maxlen=int(self.overhead_window))
 
@@ -163,15 +166,31 @@ class BudgetPolicy:
             return
         if any(len(r) != len(widths) for r in rows):
             raise ValueError(f"each row needs one count per width ({len(widths)})")
+        order = sorted(range(len(widths)), key=lambda j: widths[j])
+        below = {widths[j]: (sum(r[order[i - 1]] for r in rows) if i else 0.0) for i, j in enumerate(order)}
         self.update_sums({w: sum(r[j] for r in rows) for j, w in enumerate(widths)},
-                         {w: len(rows) for w in widths})
+                         {w: len(rows) for w in widths}, below)
 
-    def update_sums(self, sums: Mapping[int, float], counts: Mapping[int, float]) -> None:
+    def update_sums(self, sums: Mapping[int, float], counts: Mapping[int, float],
+                    below: Optional[Mapping[int, float]] = None) -> None:
         """One window: ``sums[w]`` tokens accepted over ``counts[w]`` request-rounds that measured
         verify width ``w`` (a width absent or with count 0 was not measured: a window of narrow
-        rounds says nothing about wider trees).  Every width's sums decay by ``ema`` first, so
-        ``accept[w]`` is the age-weighted mean of the request-rounds that measured it; widths outside
-        the table are ignored.  A window that measured no width changes nothing."""
+        rounds says nothing about wider trees).  Every width's sums decay by ``ema`` first; widths
+        outside the table are ignored.  A window that measured no width changes nothing.
+
+        Without ``below``: ``accept[w]`` is the age-weighted mean of the request-rounds that measured
+        ``w``.  With ``below[w]`` (what the next narrower width of the table accepted on the same
+        request-rounds as ``sums[w]``; ``round_stats.CounterfactualWindow`` hands it out): the
+        narrowest width's mean over every round, times each wider width's same-round gain
+        ``sum(sums[w]) / sum(below[w])`` in turn (decayed sums).  Why: a wide width is measured only
+        on the rounds that ran it (its choices and probes), and those are not a random sample of
+        the rounds: measured on the H200 (Qwen3-8B-shaped chain pair, c = 16 / 64, the width-32
+        rounds ran at the tails of levels, late in long requests), its mean read 4.5-7.1 accepted
+        tokens against 3.4-3.8 on rounds that all ran it
+        (``bench/results/raw/scalechain_ab_qwen3-8b_h200_s18_run2_pins_logs.tgz``), and the policy
+        chose it where width 16 served 1.12x the tokens per second.  The gain measured on the same
+        rounds does not depend on which rounds those were, as long as wider trees gain in
+        proportion."""
         known = {int(w): (float(sums.get(w, 0.0)), float(c)) for w, c in counts.items()
                  if int(w) in self.accept and float(c) > 0}
         if not known:
@@ -182,13 +201,40 @@ class BudgetPolicy:
         for w in self.accept:
             self.accept_sum[w] *= self.ema
             self.accept_count[w] *= self.ema
+            self.below_sum[w] *= self.ema
+        if below is not None:
+            self.paired = True
         for w, (total, n) in known.items():
             self.accept_sum[w] += total
             self.accept_count[w] += n
+            if below is not None:
+                b = float(below.get(w, 0.0))
+                if b < 0:
+                    raise ValueError(f"negative acceptance below width {w}: {b}")
+                self.below_sum[w] += b
             self.seen.add(w)
-        for w in self.seen:
-            self.accept[w] = self.accept_sum[w] / self.accept_count[w]
+        self._estimate()
         self.rounds_seen += 1
+
+    def _estimate(self) -> None:
+        """``accept`` from the decayed sums (see :meth:`update_sums`)."""
+        if not self.paired:
+            for w in self.seen:
+                self.accept[w] = self.accept_sum[w] / self.accept_count[w]
+            return
+        prev = None
+        for w in sorted(self.accept):
+            if w not in self.seen:
+                prev = None            # a gap: the next measured width starts its own chain
+                continue
+            mean = self.accept_sum[w] / self.accept_count[w]
+            if prev is None:
+                self.accept[w] = mean
+            elif self.below_sum[w] > 1e-9:
+                self.accept[w] = self.accept[prev] * (self.accept_sum[w] / self.below_sum[w])
+            else:                      # the narrower width accepted nothing on these rounds: its gain
+                self.accept[w] = self.accept[prev] + mean
+            prev = w
 
     def overhead(self, bs: int) -> float:
         """Per-round ms outside the cost table (0 until observed; never below 0).  One value for

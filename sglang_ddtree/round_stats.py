@@ -324,7 +324,9 @@ class CounterfactualWindow:
         self.budgets, self.every, self.lag = list(budgets), int(every), int(lag)
         self.device = torch.device(device)
         self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=self.device)
-        self._acc = torch.zeros(len(self.budgets), dtype=torch.int64, device=self.device)
+        # [0]: accepted tokens per budget (request-rounds whose tree holds it); [1]: at budget k >= 1,
+        # what budget k - 1 accepted on those same request-rounds (the pair a gain is measured on)
+        self._acc = torch.zeros(2, len(self.budgets), dtype=torch.int64, device=self.device)
         self._counts = [0] * len(self.budgets)
         self._rounds = 0
         self._inflight = []   # (due round, event or None, host sums, counts)
@@ -334,7 +336,9 @@ class CounterfactualWindow:
         bs = path.shape[0]
         if n_valid > 0 and bs:
             cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid])   # [bs, n_valid]
-            self._acc[:n_valid] += cf.to(torch.int64).sum(0)
+            tot = cf.to(torch.int64).sum(0)
+            self._acc[0, :n_valid] += tot
+            self._acc[1, 1:n_valid] += tot[:n_valid - 1]
             for j in range(n_valid):
                 self._counts[j] += bs
         self._rounds += 1
@@ -345,12 +349,16 @@ class CounterfactualWindow:
             self._counts = [0] * len(self.budgets)
 
     def due(self) -> List[tuple]:
-        """Windows whose hand-out round has come: [(sums per budget, request-rounds per budget)]."""
+        """Windows whose hand-out round has come: [(sums per budget, request-rounds per budget,
+        below)], ``below[k]`` (k >= 1) = what budget k - 1 accepted on the request-rounds counted at
+        budget k (``below[0]`` = 0): the same rounds, so ``sums[k] / below[k]`` is budget k's gain over
+        budget k - 1 free of which rounds happened to run the wider tree."""
         out = []
         while self._inflight and self._inflight[0][0] <= self._rounds:
             _, ev, host, counts = self._inflight.pop(0)
             if ev is not None and not ev.query():
                 ev.synchronize()
                 self.waits += 1
-            out.append((host.tolist(), counts))
+            sums, below = host.tolist()
+            out.append((sums, counts, below))
         return out

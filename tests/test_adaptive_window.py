@@ -29,7 +29,7 @@ def _round_path(rng, bs, budget, D=6, V=200):
 def test_window_counts_only_widths_the_round_covers(rng):
     budgets = [3, 7, 15]
     win = CounterfactualWindow(budgets, device="cpu", every=3, lag=2)
-    want_s, want_c, got = [0] * 3, [0] * 3, []
+    want_s, want_c, want_b, got = [0] * 3, [0] * 3, [0] * 3, []
     py = random.Random(int(torch.randint(0, 2 ** 31, (), generator=rng)))
     windows = []
     for r in range(12):
@@ -47,10 +47,12 @@ def test_window_counts_only_widths_the_round_covers(rng):
         for j in range(n_valid):
             want_s[j] += int(cf[:, j].sum())
             want_c[j] += bs
+            if j:
+                want_b[j] += int(cf[:, j - 1].sum())     # the narrower budget on the same rounds
         win.record(path, n_valid)
         if (r + 1) % 3 == 0:
-            windows.append((want_s, want_c))
-            want_s, want_c = [0] * 3, [0] * 3
+            windows.append((want_s, want_c, want_b))
+            want_s, want_c, want_b = [0] * 3, [0] * 3, [0] * 3
     # window k (closed after round 3k+3) is handed out once 2 more rounds were recorded
     assert got == windows[:3]
     idle = torch.zeros((1, 7), dtype=torch.int32)
@@ -358,11 +360,11 @@ def test_controller_record_drops_wider_widths():
                           window_every=1, window_lag=0)
     path = torch.tensor([[0, 2, 5, 9, -1, -1, -1]], dtype=torch.int32)     # slots 2, 5 <= 7; 9 > 7
     c.record(path, 8)                               # a width-8 round: widths 4 and 8 known, 16 not
-    assert c.window.due() == [([1, 2, 0], [1, 1, 0])]
+    assert c.window.due() == [([1, 2, 0], [1, 1, 0], [0, 1, 0])]
     c.record(path, 1)                               # no-spec: nothing known
-    assert c.window.due() == [([0, 0, 0], [0, 0, 0])]
+    assert c.window.due() == [([0, 0, 0], [0, 0, 0], [0, 0, 0])]
     c.record(path, 16)
-    assert c.window.due() == [([1, 2, 3], [1, 1, 1])]
+    assert c.window.due() == [([1, 2, 3], [1, 1, 1], [0, 1, 2])]
     assert NO_SPEC == 0
 
 
@@ -456,3 +458,44 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
     # nothing measured yet: None (the policy keeps its values)
     fresh = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=BudgetPolicy(t), device="cpu")
     assert fresh._close_window() == {"overhead_ms": None, "prefill_ms": None, "finish_rate": None}
+
+
+def test_paired_gains_remove_the_bias_of_which_rounds_ran_the_wide_tree():
+    """Acceptance that depends on the round (early rounds of a request accept little, late ones a
+    lot) and a wide width measured only on late rounds (H200, s18 run 2: tails of levels): the mean
+    over its own rounds over-reads it; the narrowest width's mean over every round times the
+    same-round gains reads the truth over all rounds."""
+    t = CostTable(verify_ms={8: {16: 10.0}, 16: {16: 12.0}, 32: {16: 20.0}}, base_ms={16: 6.0})
+    early, late = {8: 0.5, 16: 0.6, 32: 0.7}, {8: 2.5, 16: 4.0, 32: 5.2}
+    truth = {w: (early[w] + late[w]) / 2 for w in early}          # half the rounds each
+    marg, pair = BudgetPolicy(t, ema=0.9), BudgetPolicy(t, ema=0.9)
+    for k in range(60):
+        # 16 request-rounds early and 16 late at widths 8 / 16; width 32 only on 4 late ones
+        sums = {8: 16 * early[8] + 16 * late[8], 16: 16 * early[16] + 16 * late[16], 32: 4 * late[32]}
+        counts = {8: 32, 16: 32, 32: 4}
+        below = {8: 0.0, 16: 16 * early[8] + 16 * late[8], 32: 4 * late[16]}
+        marg.update_sums(sums, counts)
+        pair.update_sums(sums, counts, below)
+    assert marg.accept[32] == pytest.approx(late[32])                  # the biased mean: 5.2
+    assert pair.accept[8] == pytest.approx(truth[8]) and pair.accept[16] == pytest.approx(truth[16])
+    # 32: 2.3 * 5.2 / 4.0 = 2.99 against the truth 2.95 (the gain is proportional only roughly)
+    assert pair.accept[32] == pytest.approx(truth[32], rel=0.02)
+    assert marg.choose(16) == 32 and pair.choose(16) == 16             # 5.2+1 / 20 vs 3.3 / 12
+
+
+def test_paired_estimates_equal_the_means_when_every_round_runs_every_width():
+    t = CostTable(verify_ms={4: {1: 1.0}, 8: {1: 1.0}, 16: {1: 1.0}}, base_ms={1: 1.0})
+    rng = random.Random(7)
+    p, q = BudgetPolicy(t, ema=0.8), BudgetPolicy(t, ema=0.8)
+    for _ in range(30):
+        rows = []
+        for _ in range(rng.randint(1, 6)):
+            a = rng.randint(0, 3)
+            b = a + rng.randint(0, 4)
+            rows.append([a, b, b + rng.randint(0, 5)])
+        p.update(rows, [4, 8, 16])
+        q.update_sums({w: sum(r[j] for r in rows) for j, w in enumerate((4, 8, 16))}, {w: len(rows) for w in (4, 8, 16)})
+    for w in (4, 8, 16):
+        assert p.accept[w] == pytest.approx(q.accept[w], rel=1e-9)
+    with pytest.raises(ValueError):
+        p.update_sums({4: 1.0, 8: 1.0}, {4: 1, 8: 1}, {4: 0.0, 8: -1.0})
