@@ -296,7 +296,8 @@ def test_parse_arms_and_commands():
         assert not_want not in s2 and (want is None or want in s2), (pg, s2)
     assert ab.build_parser().parse_args(["--prefill-cuda-graph"]).prefill_cuda_graph == 0
     assert ab.build_parser().parse_args(["--prefill-cuda-graph", "1024"]).prefill_cuda_graph == 1024
-    assert ab.build_parser().parse_args([]).prefill_cuda_graph is None
+    assert ab.build_parser().parse_args([]).prefill_cuda_graph == 512           # SGLang's graph, capped
+    assert ab.build_parser().parse_args(["--no-prefill-cuda-graph"]).prefill_cuda_graph is None
     base = " ".join(ab.build_server_cmd(d["base"], dict(opts, token_ids=False, server_args=""), 31010))
     assert "--speculative" not in base and "--skip-tokenizer-init" not in base
     # with a config, the flags it already sets are not added

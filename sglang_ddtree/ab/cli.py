@@ -24,6 +24,9 @@ from .trace import parse_spec as parse_trace_spec
 DEFAULT_OUT = "ab_serve"  # OUT.json / OUT.md / OUT.png in the current folder (bench/ab_serve.py: bench/results/ab_h200)
 
 
+DEFAULT_PREFILL_GRAPH_TOKENS = 512   # the A/B's prefill-graph cap (SGLang's default graph, fewer sizes)
+
+
 def build_parser(default_out: str = DEFAULT_OUT):
     ap = argparse.ArgumentParser(description=_pkg.__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,12 +73,17 @@ def build_parser(default_out: str = DEFAULT_OUT):
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--warmup", type=int, default=2, help="full-length requests at c=1 after a short "
                                                           "max-concurrency batch (0: no warm-up)")
-    ap.add_argument("--prefill-cuda-graph", type=int, nargs="?", const=0, default=None, metavar="MAX_TOKENS",
-                    help="keep SGLang's prefill CUDA graph (breakable) in every arm, its token sizes capped at "
-                         "MAX_TOKENS (--cuda-graph-max-bs-prefill; none or 0: SGLang's list, up to 8192 tokens, "
-                         "~51 s of capture at the Qwen3-8B shape); without it every server gets "
-                         "--disable-prefill-cuda-graph (shorter start, eager prefills: ~40 ms of host time each "
-                         "at that shape)")
+    ap.add_argument("--prefill-cuda-graph", type=int, nargs="?", const=0, default=DEFAULT_PREFILL_GRAPH_TOKENS,
+                    metavar="MAX_TOKENS",
+                    help="SGLang's prefill CUDA graph (breakable) in every arm, its token sizes capped at MAX_TOKENS "
+                         f"(--cuda-graph-max-bs-prefill; default {DEFAULT_PREFILL_GRAPH_TOKENS}: 30 sizes, 52.8 s of "
+                         "capture at the Qwen3-8B shape on the H200; the flag alone or 0: SGLang's list up to 8192 "
+                         "tokens, 58 sizes, 51.5 s). Measured "
+                         "on the H200 (bench/results/raw/scalechain_ab_qwen3-8b_h200_s18_run1.md): with it no level "
+                         "had a pause of more than 100 ms between rounds; with --no-prefill-cuda-graph every admission "
+                         "was a ~40 ms eager prefill and c=16 moved +-10 %% between runs of equal arms")
+    ap.add_argument("--no-prefill-cuda-graph", dest="prefill_cuda_graph", action="store_const", const=None,
+                    help="every server gets --disable-prefill-cuda-graph (the A/B's default before session 18)")
     ap.add_argument("--freeze-gc", action="store_true",
                     help="every arm: SGLang's /freeze_gc after the warm-up (as if every arm ended in _freezegc)")
     ap.add_argument("--profile-every", type=int, default=16, help="SGLANG_DDTREE_PROFILE_EVERY for DDTREE arms")
