@@ -803,6 +803,10 @@ def test_chain_prompts_for_the_toy_pairs(tmp_path):
     assert ps == mk.chain_prompts(200, seed=3) and ps != mk.chain_prompts(200, seed=4)
     assert all(2 <= len(p) <= 40 and p[0] == 1 and all(3 <= t < 1000 for t in p[1:]) for p in ps)
     assert min(map(len, ps)) <= 5 and max(map(len, ps)) >= 35   # the whole range, not one length
+    longp = mk.chain_prompts(20, seed=3, min_len=8000, max_len=8192)   # a long-context arm's prompts
+    assert all(8000 <= len(p) <= 8192 and p[0] == 1 for p in longp) and len(set(map(len, longp))) > 5
+    with pytest.raises(ValueError):
+        mk.chain_prompts(3, min_len=41, max_len=40)
     out = tmp_path / "p.jsonl"
     with open(out, "w") as f:
         for p in ps[:5]:

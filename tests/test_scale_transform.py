@@ -149,3 +149,15 @@ def test_junk_rows_are_deterministic_and_keep_real_rows():
         T.extend_vocab({"model.embed_tokens.weight": torch.zeros(8, 4), "lm_head.weight": torch.zeros(8, 4)},
                        4, torch.zeros(4), seed=0)
     assert math.isfinite(a.sum().item())
+
+
+def test_production_shapes_carry_qwen3_positions():
+    """The production shapes' configs (target and drafter) allow Qwen3's 40,960 positions, so a
+    long-context arm needs no --context-length override beyond the model's own."""
+    gen = torch.Generator().manual_seed(1)
+    tsd, tcfg, dsd, dcfg = small_pair(gen)
+    for name in ("qwen3-8b", "qwen3-30b-a3b"):
+        shape = T.SHAPES[name]
+        assert T.scaled_target_config(tcfg, shape)["max_position_embeddings"] == 40960
+        assert T.scaled_target_config(tcfg, dict(shape, max_position_embeddings=None)).get(
+            "max_position_embeddings") == tcfg.get("max_position_embeddings")

@@ -160,10 +160,12 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
     scalechain_*)  # bench/scale/chain_pair.py: the chain GQA pair (block-16 toy drafter) at a production shape
                    # (scalechain_qwen3-8b, scalechain_qwen3-30b-a3b; SCALE_LAYERS: fewer layers, e.g. 24 for the MoE
                    # shape's disk), the A/B on chain prompts (token ids), then check-outputs: every arm = the chain
+                   # (AB_PROMPT_LEN=8000-8192: a long-context arm; add AB_EXTRA "--max-input-tokens 8192" and
+                   # AB_SERVER_ARGS "--context-length 9000": the configs allow 40960 positions)
       local shape=${st#scalechain_}; local sd=/tmp/models
       { timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}chain_target | cut -f1)" \
-        && python3 $DEV/mk_chain_prompts.py /tmp/chain_prompts.jsonl --n ${AB_PROMPTS:-128} \
+        && python3 $DEV/mk_chain_prompts.py /tmp/chain_prompts.jsonl --n ${AB_PROMPTS:-128} --len ${AB_PROMPT_LEN:-2-40} \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab \
              --model-path $sd/${shape}chain_target --draft-model-path $sd/${shape}chain_drafter --token-ids \
              --prompts /tmp/chain_prompts.jsonl --arms ${AB_ARMS:-base,dflash,ddtree_b7,ddtree_b15} \

@@ -44,11 +44,12 @@ SHAPES = {
     # Qwen3-8B (config.json of Qwen/Qwen3-8B); drafter: z-lab's DFlash b16 drafters for 8B-class
     # Qwen3 targets have 5 layers at the target's widths.
     "qwen3-8b": dict(kind="dense", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                     intermediate=12288, vocab=151936, drafter_layers=5, drafter_intermediate=12288),
+                     intermediate=12288, vocab=151936, drafter_layers=5, drafter_intermediate=12288,
+                     max_position_embeddings=40960),
     # Qwen3-30B-A3B (48 layers; fewer when disk / memory need it: --layers)
     "qwen3-30b-a3b": dict(kind="moe", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
                           experts=128, top_k=8, moe_intermediate=768, vocab=151936,
-                          drafter_layers=5, drafter_intermediate=6144),
+                          drafter_layers=5, drafter_intermediate=6144, max_position_embeddings=40960),
 }
 
 
@@ -160,6 +161,8 @@ def scaled_target_config(small_cfg, shape):
     cfg.update(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
                num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                head_dim=shape["head_dim"], vocab_size=shape["vocab"])
+    if shape.get("max_position_embeddings"):   # Qwen3's own (long-context arms); RoPE needs no weights
+        cfg["max_position_embeddings"] = shape["max_position_embeddings"]
     if shape["kind"] == "moe":
         cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                    num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
@@ -237,6 +240,8 @@ def scale_drafter(P, small_dcfg, small_tcfg, shape):
                num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
                intermediate_size=dshape["intermediate"], vocab_size=shape["vocab"],
                num_target_layers=shape["layers"])
+    if shape.get("max_position_embeddings"):
+        cfg["max_position_embeddings"] = shape["max_position_embeddings"]
     cfg["dflash_config"] = dict(cfg["dflash_config"], target_layer_ids=new_ids,
                                 num_target_layers=shape["layers"])
     return out, cfg
