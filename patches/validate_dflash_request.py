@@ -14,7 +14,7 @@ untouched.
 A request may pin its rounds' tree budget (``custom_params["ddtree_budget"]``,
 ``sglang_ddtree/adaptive.py``); a value the server does not run (not an integer, not its fixed budget,
 not in ``SGLANG_DDTREE_BUDGETS``) is refused here with a one-line reason, which the scheduler turns
-into an aborted request (HTTP 400), before any round sees it.  The budgets come from this process's
+into an aborted request (status 400), before any round sees it.  The budgets come from this process's
 DDTREE worker (``adaptive.register_served``); without one (DFLASH servers) nothing is checked.
 
 Checked against: SGLang 0.5.16 (``sglang/srt/managers/scheduler.py``: ``from

@@ -104,7 +104,7 @@ def allowed_request_budgets(budget: int, cfg: Optional["AdaptiveConfig"]) -> Lis
 
 def request_budget_error(custom_params, served=None) -> Optional[str]:
     """None when the request names no budget or one this server runs, else the one-line reason
-    (the scheduler aborts the request with it: HTTP 400).  ``served``: ``(algo, budget, cfg)``,
+    (the scheduler aborts the request with it, status 400).  ``served``: ``(algo, budget, cfg)``,
     default what :func:`register_served` recorded (nothing recorded: no check, not a DDTREE worker)."""
     if not isinstance(custom_params, dict) or REQUEST_BUDGET_KEY not in custom_params:
         return None

@@ -195,7 +195,6 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
                     x for x in allp if "t_first" in x and span[0] - 0.05 <= x["t_first"] and x.get("t_last", 0) <= span[1] + 0.05]
                 r["stage_profile_all"] = aggregate_profile(mine)
         for r in recs:
-            r.pop("_span", None)
             for lv in r["levels"]:
                 lv.pop("_window", None)
             r["status"] = "ok" if r["levels"] and all(lv["failed"] == 0 and not lv["partial"]
