@@ -430,12 +430,25 @@ def pick_min_p(Q64, lo=0.05, hi=0.3):
 class MarkovTarget:
     """next-token distribution = adjust(W[last token]) over a small vocabulary.  The per-slot rows
     the kernel reads are built by the worker's own function (``sampling.verify_target_probs``, fp32,
-    from the slots' logits); the expected distribution is ``adjust_probs`` in float64."""
+    from the slots' logits); the expected distribution is ``adjust_probs`` in float64.
 
-    def __init__(self, V, rng, device, temperature=0.8, top_k=None, top_p=None, min_p=None):
+    ``peak``: add this logit to ``W[t, succ[t]]`` for a random derangement ``succ`` (the power tests:
+    every row's likeliest token differs from its context's, so the rows of a context and of its likely
+    successor differ, which a lossy walk's joint shows; a random ``W`` alone sometimes has the two
+    rows peak at the same token, and the test then has little power)."""
+
+    def __init__(self, V, rng, device, temperature=0.8, top_k=None, top_p=None, min_p=None, peak=0.0):
         self.V, self.device = V, device
         self.T, self.top_k = temperature, top_k
         self.W = torch.randn(V, V, generator=rng, dtype=torch.float64) * 1.5
+        self.succ = None
+        if peak:
+            while True:
+                succ = torch.randperm(V, generator=rng)
+                if (succ != torch.arange(V)).all():
+                    break
+            self.succ = succ
+            self.W[torch.arange(V), succ] += peak
         if top_p == "auto":     # joint semantics: the boundaries are those of the unfiltered rows
             top_p = pick_top_p(adjust_probs(self.W, temperature))
         if min_p == "auto":
@@ -532,13 +545,29 @@ def test_chi_square_lossless(mode, rng, device):
         assert (target.Q64[ctx][first] > 0).all()
 
 
+# The power tests' targets: each row's likeliest token is boosted by this logit (MarkovTarget.peak),
+# and the context's row differs from its successor's by at least this total variation.
+POWER_PEAK, POWER_MIN_TV = 3.0, 0.5
+
+
+def power_target(V, rng, device, tries=200):
+    """A fresh random (target, context) on which a lossy walk's joint is far from the target's: the
+    row of the context and the row of its boosted successor differ by TV >= POWER_MIN_TV (a random
+    target alone sometimes has both rows peak at one token: session 19 saw p = 0.03 there)."""
+    for _ in range(tries):
+        target = MarkovTarget(V, rng, device, peak=POWER_PEAK)
+        ctx = int(torch.randint(0, V, (1,), generator=rng))
+        row, succ_row = target.Q64[ctx], target.Q64[target.succ[ctx]]
+        if 0.5 * float((row - succ_row).abs().sum()) >= POWER_MIN_TV:
+            return target, ctx
+    raise AssertionError(f"no power target with TV >= {POWER_MIN_TV} in {tries} draws")
+
+
 @pytest.mark.parametrize("bug", ["shared_coin", "parent_rows"])
 def test_chi_square_has_power(bug, rng, device):
     """Lossy callers of the same kernel (one coin reused at every depth; each slot verified with
     its parent's row) keep the first token right and break the joint: the test must reject."""
-    V = 12
-    target = MarkovTarget(V, rng, device)
-    ctx = int(torch.randint(0, V, (1,), generator=rng))
+    target, ctx = power_target(12, rng, device)
     first, second = simulate(target, N_DRAWS, ctx, BUDGET, DEPTH, rng, device, **{bug: True})
     (p1, _), (pj, _) = fit(target, first, second, ctx)
     print(f"{bug}: first p={p1:.3g} joint p={pj:.3g}")

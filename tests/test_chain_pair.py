@@ -122,8 +122,11 @@ def test_check_outputs(tmp_path):
     (tmp_path / "perm.json").write_text(json.dumps(perm))
     r = CP.check_outputs(str(tmp_path / "ab.json"), str(tmp_path / "perm.json"))
     assert r["checked"] == 3 and r["wrong"] == [("16", 0, 2)]
-    with pytest.raises(SystemExit):
+    assert CP.check_outputs(doc, perm) == r          # loaded content: the same verdict
+    with pytest.raises(SystemExit, match="ab.json: no prompt_ids"):
         CP.check_outputs(str(tmp_path / "ab.json"), str(tmp_path / "perm.json"), arm="dflash")
+    with pytest.raises(SystemExit, match="the A/B JSON: no prompt_ids"):
+        CP.check_outputs(doc, perm, arm="dflash")
 
 
 def test_check_outputs_every_arm(tmp_path):

@@ -199,15 +199,24 @@ def chain_of(perm, last, n):
     return out
 
 
-def check_outputs(ab_json, perm_json, arm="base"):
+def _loaded(obj):
+    """A JSON file's content: ``obj`` itself when already loaded, else the file at that path."""
+    if isinstance(obj, (dict, list)):
+        return obj
+    with open(obj) as f:
+        return json.load(f)
+
+
+def check_outputs(ab_json, perm_json, arm="base", name=None):
     """Every saved output of ``arm`` in an A/B run (``--save-output-ids``, token-id prompts) is the
-    chain of its prompt's last token.  -> {"checked", "wrong": [(c, prompt index, first bad position)]}."""
-    doc = json.load(open(ab_json))
-    perm = json.load(open(perm_json))
+    chain of its prompt's last token.  ``ab_json`` / ``perm_json``: paths, or their loaded content
+    (``name``: the A/B file's name for errors).  -> {"checked", "wrong": [(c, prompt index, first bad position)]}."""
+    doc, perm = _loaded(ab_json), _loaded(perm_json)
     prompts = doc.get("prompt_ids")
     outs = (doc.get("output_ids") or {}).get(arm)
     if not prompts or outs is None:
-        raise SystemExit(f"{ab_json}: no prompt_ids / output_ids of arm {arm!r} (run the A/B with "
+        name = name or (ab_json if isinstance(ab_json, str) else "the A/B JSON")
+        raise SystemExit(f"{name}: no prompt_ids / output_ids of arm {arm!r} (run the A/B with "
                          "--save-output-ids and token-id prompts)")
     checked, wrong = 0, []
     for c, lst in outs.items():
@@ -239,14 +248,15 @@ def main():
     if a.cmd == "write":
         print(json.dumps(write(a.out, a.shape, a.layers, a.drafter, a.block_size, force=a.force)))
         return 0
+    doc, perm = _loaded(a.ab_json), _loaded(a.perm_json)     # read once, checked per arm
     arms = [a.arm]
     if a.arm == "all":   # every arm whose outputs the A/B saved (runs without a base arm too)
-        arms = sorted((json.load(open(a.ab_json)).get("output_ids") or {}))
+        arms = sorted(doc.get("output_ids") or {})
         if not arms:
             raise SystemExit(f"{a.ab_json}: no output_ids (run the A/B with --save-output-ids)")
     bad = 0
     for arm in arms:
-        r = check_outputs(a.ab_json, a.perm_json, arm)
+        r = check_outputs(doc, perm, arm, name=a.ab_json)
         print(json.dumps(dict(r, wrong=r["wrong"][:10], n_wrong=len(r["wrong"]))))
         bad += bool(r["wrong"] or not r["checked"])
     return 1 if bad else 0
