@@ -86,6 +86,27 @@ def test_dry_run_plans_the_servers_and_starts_nothing(tmp_path, monkeypatch, cap
     assert not os.listdir(tmp_path / "work") and not (tmp_path / "ab_serve.json").exists()  # nothing written
 
 
+def test_dry_run_puts_pinned_arms_on_their_adaptive_arms_server(tmp_path, monkeypatch, capsys):
+    """The dry run lists the servers a run starts: a pinned arm (``_pin<B>``) starts none of its own."""
+    from sglang_ddtree.ab import cli, servers
+
+    def no_start(*a, **k):
+        raise AssertionError("a dry run started a process")
+    monkeypatch.setattr(servers, "PopenServer", no_start)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["--model-path", "/models/T", "--draft-model-path", "/models/D", "--num-prompts", "4",
+                   "--arms", "ddtree_auto,ddtree_auto_pin7,base,ddtree_auto_pin15", "--concurrency", "1",
+                   "--dry-run", "--no-env-probe", "--workdir", str(tmp_path / "work"), "--python", "PY"])
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    # (the reference arm base is run first)
+    assert [ln.split("]", 1)[0][1:] for ln in lines] == ["base", "ddtree_auto", "ddtree_auto_pin7",
+                                                        "ddtree_auto_pin15"]
+    assert "--port 31000" in lines[0] and "--port 31010" in lines[1]      # two servers, two ports
+    assert lines[2].endswith("on ddtree_auto's server, every request with custom_params.ddtree_budget=7")
+    assert lines[3].endswith("custom_params.ddtree_budget=15") and "launch_server" not in lines[2] + lines[3]
+
+
 def test_wrapper_runs_the_same_cli():
     """bench/ab_serve.py: the package's parser (only --out's default differs) and the package's functions."""
     ab = load_bench("ab_serve")

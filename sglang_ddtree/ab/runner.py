@@ -430,9 +430,13 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     reserve = args.reserve_s + (args.sweep_s if args.kernel_sweep else 0)
     print(f"ab_serve: {len(arms)} arms x concurrency {levels}, {N} prompts ({doc['prompts']['kind']}), "
           f"max_new_tokens {args.max_new_tokens}, work dir {tmpdir}", flush=True)
-    if args.dry_run:
-        for i, arm in enumerate(arms):
+    if args.dry_run:      # the servers a run starts (ports as _run_arms gives them), pinned arms on theirs
+        for i, group in enumerate(server_groups(arms)):
+            arm = group[0]
             print(f"[{arm['name']}] {shlex.join(build_server_cmd(arm, opts, args.port + 10 * i, cfg_path, cfg_keys))}")
+            for a in group[1:]:
+                print(f"[{a['name']}] on {arm['name']}'s server, every request with "
+                      f"custom_params.{PIN_KEY}={a['pin']}")
         print(json.dumps({k: v for k, v in doc["prompts"].items() if k != "sources"}))
         if cfg_path:
             os.remove(cfg_path)
