@@ -87,3 +87,34 @@ def test_committed_results_render_from_their_json(tmp_path):
     assert float(cells[4]) == pytest.approx(row["ours_us"], abs=0.05)
     got_bw, got_fl = (int(x.strip().rstrip("%")) for x in cells[8].split("/"))
     assert abs(got_bw - bw) <= 1 and abs(got_fl - fl) <= 1, (cells[8], bw, fl)
+
+
+def test_target_verdict_names_what_a_missed_cell_is_short_of():
+    """Issue 13's target per cell: <= 1.3x the floor from a 4k prefix up, faster than each baseline
+    that ran; a miss names the bound and the achieved share of it, or the baseline it did not beat."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import verify_attention as VA
+    finally:
+        sys.path.pop(0)
+    doc = {"copy_gbs": 4000.0, "matmul_tflops": 600.0}
+    base = dict(arch="gqa", bs=1, N=16, prefix=4096, floor_bytes=4e6, flops=6e8,
+                ours_speedup_vs_sglang_extend=3.0, ours_speedup_vs_flashinfer=1.5)
+    # floor 1 us (bytes / bandwidth); 1.2 us is within 1.3x
+    assert VA.target_verdict(doc, dict(base, ours_us=1.2, floor_us=1.0, ours_x_floor=1.2, bound="memory")) == (True, "")
+    ok, why = VA.target_verdict(doc, dict(base, ours_us=2.0, floor_us=1.0, ours_x_floor=2.0, bound="memory"))
+    assert not ok and why == "2.00x the memory floor (50 % of the bandwidth)"
+    ok, why = VA.target_verdict(doc, dict(base, ours_us=4.0, floor_us=1.0, ours_x_floor=4.0, bound="compute"))
+    assert not ok and why == "4.00x the compute floor (25 % of the matmul rate)"
+    # short prefixes are held only to the baselines; a baseline that ran and was not beaten is a miss
+    short = dict(base, prefix=1024, ours_us=5.0, floor_us=1.0, ours_x_floor=5.0, bound="memory")
+    assert VA.target_verdict(doc, short) == (True, "")
+    ok, why = VA.target_verdict(doc, dict(short, ours_speedup_vs_flashinfer=0.8))
+    assert not ok and why == "not faster than flashinfer (0.80x)"
+    assert VA.target_verdict(doc, dict(base, ours_us=None)) == (None, "not timed")
+    # the rendered section counts them and lists the issue's grid cells the file lacks
+    rows = [dict(base, ours_us=1.2, floor_us=1.0, ours_x_floor=1.2, bound="memory"),
+            dict(base, N=64, ours_us=2.0, floor_us=1.0, ours_x_floor=2.0, bound="memory")]
+    md = "\n".join(VA.render_target_md(dict(doc, rows=rows)))
+    assert "Met in 1 of 2 measured cells." in md and "| gqa | 1 | 4096 | 64 | 2.00x the memory floor" in md
+    assert "(34): gqa bs1 P4096 N32, " in md and "gqa bs1 P4096 N16," not in md
