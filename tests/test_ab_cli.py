@@ -228,3 +228,16 @@ def test_long_prompts_for_a_long_context_arm(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError):
         cli.main(["--model-path", "/models/T", "--num-prompts", "1", "--arms", "base", "--dry-run",
                   "--no-env-probe", "--long-prompts", "100", "--prompts", str(f), "--python", "PY"])
+
+
+def test_a_count_per_concurrency_must_list_every_level_before_any_server(tmp_path, monkeypatch):
+    """--requests-per-level C:n,...: a concurrency it leaves out is refused by the CLI, one line, no server."""
+    from sglang_ddtree.ab import cli, servers
+
+    def no_start(*a, **k):
+        raise AssertionError("a server was started")
+    monkeypatch.setattr(servers, "PopenServer", no_start)
+    with pytest.raises(SystemExit, match="no count for concurrency 16"):
+        cli.main(["--model-path", "/models/T", "--arms", "base", "--concurrency", "1,16", "--num-prompts", "4",
+                  "--requests-per-level", "1:8,4:8", "--dry-run", "--no-env-probe",
+                  "--workdir", str(tmp_path / "w")])

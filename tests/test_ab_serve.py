@@ -968,9 +968,14 @@ def test_requests_per_level_specs():
     assert [requests_per_level("auto:32", c, 300) for c in (1, 4, 16, 64)] == [32, 32, 64, 256]
     assert requests_per_level("auto:32", 64, 100) == 100 and requests_per_level("all", 1, 77) == 77
     assert requests_per_level("8", 64, 100) == 8
-    for bad in ("auto:", "auto:0", "auto:x", "autox", "0", "-3", "many"):
+    for bad in ("auto:", "auto:0", "auto:x", "autox", "0", "-3", "many", "1:32,4", "1:0", "4:x,1:3", "0:5"):
         with pytest.raises(ValueError, match="requests-per-level"):
             requests_per_level(bad, 4, 100)
+    per_c = "1:32,4:96, 16:128,64:256"
+    assert [requests_per_level(per_c, c, 300) for c in (1, 4, 16, 64)] == [32, 96, 128, 256]
+    assert requests_per_level(per_c, 64, 200) == 200 and requests_per_level("4:9", 4, 100) == 9
+    with pytest.raises(ValueError, match="no count for concurrency 8"):
+        requests_per_level(per_c, 8, 300)
 
 
 def test_new_tokens_spread_gives_every_arm_the_same_lengths(tmp_path):

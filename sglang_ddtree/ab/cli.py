@@ -16,7 +16,7 @@ from . import checkout
 from .environment import env_info
 from .merge import merge
 from .report import render_markdown, render_summary, write_outputs
-from .runner import run
+from .runner import requests_per_level, run
 from .sweep import SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS, kernel_sweep_child, run_kernel_sweep
 from .servers import DEFAULT_ARMS
 from .trace import parse_spec as parse_trace_spec
@@ -48,7 +48,8 @@ def build_parser(default_out: str = DEFAULT_OUT):
     ap.add_argument("--long-prompts", type=int, default=None, metavar="CHARS",
                     help="long-context prompts: each joins standard-library texts to >= CHARS characters "
                          "(raise --max-input-tokens and the servers' --context-length to match)")
-    ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), auto:M = min(N, max(M, 4c)), all = N, or a number")
+    ap.add_argument("--requests-per-level", default="auto", help="auto = min(N, max(16, 4c)), auto:M = min(N, max(M, 4c)), all = N, a number, "
+                    "or C:n,C:n,... (a count per concurrency, e.g. 1:32,4:96,16:128,64:256)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--new-tokens-spread", type=float, default=0.0, metavar="F",
                     help="0 <= F < 1: prompt i asks round(max_new_tokens * (1 - F + 2 F u_i)) tokens, u_i = "
@@ -116,6 +117,8 @@ def main(argv=None, default_out: str = DEFAULT_OUT):
     args = build_parser(default_out).parse_args(argv)
     try:
         parse_trace_spec(args.torch_profile)
+        for c in args.concurrency or []:      # a bad count spec fails here, before any server starts
+            requests_per_level(args.requests_per_level, c, 1 << 30)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if args.kernel_sweep_child:

@@ -359,16 +359,29 @@ def resolve_inputs(args):
 
 def requests_per_level(spec: str, c: int, n_prompts: int) -> int:
     """Requests run at concurrency c: 'all' = every prompt; 'auto' = min(N, max(16, 4c)); 'auto:M' =
-    min(N, max(M, 4c)) (a larger floor for the low levels, the high ones still run 4 waves); or a number."""
+    min(N, max(M, 4c)) (a larger floor for the low levels, the high ones still run 4 waves); a number;
+    or 'C:n,C:n,...', a count per concurrency (min(N, n); every measured c must be listed: levels of
+    like duration where a fixed count makes some levels a second long)."""
     spec = str(spec)
     if spec == "all":
         return n_prompts
+    if "," in spec or (":" in spec and spec.split(":", 1)[0].isdigit()):
+        table = {}
+        for part in spec.split(","):
+            k, sep, v = part.strip().partition(":")
+            if not (sep and k.isdigit() and v.isdigit() and int(k) >= 1 and int(v) >= 1):
+                raise ValueError(f"--requests-per-level {spec!r}: expected C:n pairs (C, n >= 1), got {part!r}")
+            table[int(k)] = int(v)
+        if c not in table:
+            raise ValueError(f"--requests-per-level {spec!r}: no count for concurrency {c} "
+                             f"(listed: {sorted(table)})")
+        return min(n_prompts, table[c])
     head, sep, m = spec.partition(":")
     if head == "auto" and (not sep or (m.isdigit() and int(m) >= 1)):
         return min(n_prompts, max(int(m) if sep else 16, 4 * c))
     if spec.isdigit() and int(spec) >= 1:
         return min(n_prompts, int(spec))
-    raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1) or a number")
+    raise ValueError(f"--requests-per-level {spec!r}: expected all, auto, auto:M (M >= 1), a number or C:n,C:n,...")
 
 
 def run(args, launcher: Callable = popen_launcher) -> dict:
