@@ -375,20 +375,24 @@ def render_tune_md(rows) -> list:
     return L
 
 
-def achieved(doc, r) -> str:
-    """'B % / F %': the cell's bytes and FLOPs over our time, against the measured copy bandwidth
-    and matmul throughput ('-' without a GPU time)."""
+def achieved_pct(doc, r):
+    """(bandwidth %, matmul %): the cell's bytes and FLOPs over our time, against the measured copy
+    bandwidth and matmul throughput; None without a GPU time."""
     us, bw, tf = r.get("ours_us"), doc.get("copy_gbs"), doc.get("matmul_tflops")
     if not us or not bw or not tf or not r.get("flops"):
-        return "-"
-    b = r["floor_bytes"] / (us * 1e-6) / (bw * 1e9) * 100
-    fl = r["flops"] / (us * 1e-6) / (tf * 1e12) * 100
-    return f"{b:.0f} % / {fl:.0f} %"
+        return None
+    return (r["floor_bytes"] / (us * 1e-6) / (bw * 1e9) * 100, r["flops"] / (us * 1e-6) / (tf * 1e12) * 100)
+
+
+def achieved(doc, r) -> str:
+    """'B % / F %' of :func:`achieved_pct` ('-' without a GPU time)."""
+    pct = achieved_pct(doc, r)
+    return "-" if pct is None else f"{pct[0]:.0f} % / {pct[1]:.0f} %"
 
 
 TARGET_X_FLOOR = 1.3          # issue 13: <= 1.3x the floor from 4k up, and faster than both baselines
 TARGET_MIN_PREFIX = 4096
-ISSUE_GRID = dict(bs=(1, 8, 32, 64), prefix=(4096, 32768, 131072), N=(16, 32, 64))   # issue 13 item 4
+ISSUE_GRID = dict(bs=(1, 8, 32, 64), prefix=(4096, 32768, 131072), N=(16, 32, 64))   # issue 13 item 4; the full grid
 
 
 def target_verdict(doc, r):
@@ -399,9 +403,10 @@ def target_verdict(doc, r):
         return None, "not timed"
     why = []
     if r["prefix"] >= TARGET_MIN_PREFIX and x > TARGET_X_FLOOR:
-        ach = achieved(doc, r)
-        short = ach.split(" / ")[0 if r.get("bound") == "memory" else 1] if ach != "-" else "?"
-        what = "bandwidth" if r.get("bound") == "memory" else "matmul rate"
+        pct = achieved_pct(doc, r)
+        memory = r.get("bound") == "memory"
+        short = "?" if pct is None else f"{pct[0 if memory else 1]:.0f} %"
+        what = "bandwidth" if memory else "matmul rate"
         why.append(f"{x:.2f}x the {r.get('bound', '?')} floor ({short} of the {what})")
     for name, key in (("SGLang extend", "ours_speedup_vs_sglang_extend"), ("flashinfer", "ours_speedup_vs_flashinfer")):
         sp = r.get(key)
@@ -508,7 +513,7 @@ def main(argv=None):
         archs = [dict(GQA, Hq=4, Hkv=2, D=32, Dv=32), dict(MLA, H=4, L=64, R=16)]
     else:
         bss, prefixes, Ns = ((1, 32), (4096, 32768), (16, 64)) if a.quick else \
-            ((1, 8, 32, 64), (4096, 32768, 131072), (16, 32, 64))
+            (ISSUE_GRID["bs"], ISSUE_GRID["prefix"], ISSUE_GRID["N"])
         if a.prefixes:
             prefixes = tuple(int(x) for x in a.prefixes.split(","))
         if a.bss:
