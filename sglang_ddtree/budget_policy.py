@@ -10,9 +10,10 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
 * the **acceptance**: tokens accepted per request-round at each width, from
   ``tree_ops.counterfactual_accept_len`` (one round of the widest tree gives the exact count for
   every smaller budget: a best-first tree is prefix-closed), kept per width as decayed sums
-  ``S_w <- d * S_w + sum``, ``C_w <- d * C_w + count`` (every width decays at every update, ``d`` =
-  ``ema``), read as ``S_w / C_w``: the mean of the recent request-rounds that measured the width,
-  each weighted by its age.  A width measured only by probes (one round in a few dozen) is the mean
+  ``S_w <- d * S_w + sum``, ``C_w <- d * C_w + count`` (every width decays at every window of
+  rounds, measured or not, ``d`` = ``ema``; a measured width's past is first cut to at most
+  ``count / (1 - d)`` request-rounds, see :meth:`BudgetPolicy.update_sums`), read as ``S_w / C_w``:
+  the mean of the recent request-rounds that measured the width, each weighted by its age.  A width measured only by probes (one round in a few dozen) is the mean
   of its recent probes, and a window of many requests weighs more than one of few.  Measured on the
   H200 (Qwen3-8B-shaped chain pair, c = 16, ``raw/scalechain_s15_run4_profile_auto_snapshot.jsonl``)
   with the EMA of window means this replaced: the estimates started from the warm-up windows
@@ -175,8 +176,21 @@ class BudgetPolicy:
                     below: Optional[Mapping[int, float]] = None) -> None:
         """One window: ``sums[w]`` tokens accepted over ``counts[w]`` request-rounds that measured
         verify width ``w`` (a width absent or with count 0 was not measured: a window of narrow
-        rounds says nothing about wider trees).  Every width's sums decay by ``ema`` first; widths
-        outside the table are ignored.  A window that measured no width changes nothing.
+        rounds says nothing about wider trees).  Every width's sums decay by ``ema`` first, in every
+        window, measured or not (the past ages by rounds, not by measurements); widths outside the
+        table are ignored.  A window that measured no width changes no estimate, only the weight of
+        the past.  Then a measured width's past is scaled down (sums and count alike, so its mean
+        stays) to at most ``n / (1 - ema)`` request-rounds, ``n`` this window's count: what the
+        current flow of measurements weighs in steady state.  Why both: measured on the H200
+        (``bench/results/raw/scalechain_ab_qwen3-30b-a3b_h200_s20_logs.tgz``, MoE chain pair) the
+        start-up warm-up batch (49 fresh requests, 11 rounds, ~0.1 accepted) put ~450 request-rounds
+        of near-zero acceptance into the sums; at c = 1 the policy then chose plain decoding, whose
+        windows measured nothing and did not age that past, and the probes (one request-round every
+        ~55 rounds) moved the estimate by ~0.2 % each: 1,100 plain rounds before it speculated
+        again, and the level served 302 tok/s against 484 for a fixed budget.  The dense pair at
+        c = 64 (``..._qwen3-8b_h200_s20_logs.tgz``) did the same from each repeat's first batch of
+        64 fresh requests: plain decoding for most of the level, 5,491 tok/s against 6,763 at
+        budget 7.
 
         Without ``below``: ``accept[w]`` is the age-weighted mean of the request-rounds that measured
         ``w``.  With ``below[w]`` (what the next narrower width of the table accepted on the same
@@ -193,15 +207,26 @@ class BudgetPolicy:
         proportion."""
         known = {int(w): (float(sums.get(w, 0.0)), float(c)) for w, c in counts.items()
                  if int(w) in self.accept and float(c) > 0}
-        if not known:
-            return
         for w, (total, n) in known.items():
             if total < 0:
                 raise ValueError(f"negative acceptance at width {w}: {total}")
-        for w in self.accept:
+        for w in self.accept:          # the past ages by windows (rounds), measured or not
             self.accept_sum[w] *= self.ema
             self.accept_count[w] *= self.ema
             self.below_sum[w] *= self.ema
+        if not known:
+            return
+        if self.ema > 0:
+            # the past weighs at most what the current flow would in steady state (n / (1 - ema)):
+            # a burst of request-rounds (a warm-up batch, a level's fresh requests) cannot outweigh
+            # a narrow batch's or a probe's measurements for long
+            for w, (total, n) in known.items():
+                cap = n / (1.0 - self.ema)
+                if self.accept_count[w] > cap:
+                    f = cap / self.accept_count[w]
+                    self.accept_sum[w] *= f
+                    self.accept_count[w] *= f
+                    self.below_sum[w] *= f
         if below is not None:
             self.paired = True
         for w, (total, n) in known.items():

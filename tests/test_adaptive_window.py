@@ -85,28 +85,58 @@ def test_update_sums_per_width():
 
 
 def test_decayed_acceptance_is_the_age_weighted_mean_of_measured_request_rounds():
-    """Brute force: accept[w] = sum_k d^(K-k) s_k / sum_k d^(K-k) c_k over every window k (the decay
-    counts windows, measured or not); random windows where each width is measured or not."""
+    """Brute force over the list of windows: every window ages every earlier one by d (measured or
+    not); when a width is measured with n request-rounds, its earlier windows' total weight is cut to
+    at most n / (1 - d) (all by one factor); accept[w] = sum of weight x sum / sum of weight x count.
+    Random windows where each width is measured or not, bursts of many request-rounds among few."""
     py = random.Random()
     widths = [4, 8, 16, 32]
     t = CostTable(verify_ms={w: {1: 5.0 + w} for w in widths}, base_ms={1: 4.0})
     d = py.uniform(0.5, 0.95)
     p = BudgetPolicy(t, ema=d)
-    hist = []
+    hist = {w: [] for w in widths}          # per width: [weight, sum, count] of each measured window
     for _ in range(py.randint(20, 60)):
-        counts = {w: (py.randint(1, 64) if py.random() < 0.6 else 0) for w in widths}
+        counts = {w: (py.choice([1, 2, py.randint(1, 64), py.randint(200, 600)]) if py.random() < 0.6 else 0)
+                  for w in widths}
         sums = {w: counts[w] * py.uniform(0, 5) for w in widths}
         p.update_sums(sums, counts)
-        if any(counts.values()):
-            hist.append((sums, counts))
-    K = len(hist)
+        for w in widths:
+            for e in hist[w]:
+                e[0] *= d
+            if counts[w]:
+                past = sum(e[0] * e[2] for e in hist[w])
+                if past > counts[w] / (1 - d):
+                    for e in hist[w]:
+                        e[0] *= counts[w] / (1 - d) / past
+                hist[w].append([1.0, sums[w], counts[w]])
     for w in widths:
-        num = sum(d ** (K - 1 - k) * hist[k][0][w] for k in range(K))
-        den = sum(d ** (K - 1 - k) * hist[k][1][w] for k in range(K))
+        num = sum(e[0] * e[1] for e in hist[w])
+        den = sum(e[0] * e[2] for e in hist[w])
         if den == 0:
             assert p.accept[w] == 0.0 and w not in p.seen
         else:
             assert p.accept[w] == pytest.approx(num / den, rel=1e-9)
+
+
+def test_a_burst_of_request_rounds_does_not_outweigh_later_narrow_measurements():
+    """The H200 failure (MoE chain pair, s20): a warm-up batch of 49 requests x 11 rounds accepting
+    ~0.1, then c = 1 under plain decoding, measured only by a one-request probe every ~55 rounds
+    (windows of 8 rounds).  The estimate must reach the probes' truth (2.1 accepted) within a
+    handful of probes (here: 0.28, 0.57, 0.96, 1.35, ... 2.04 at the 8th); before the fix (no
+    ageing of unmeasured windows, no cap) it read 0.10, 0.11, ... 0.35 at the 20th."""
+    t = CostTable(verify_ms={8: {1: 4.94}}, base_ms={1: 2.06})
+    p = BudgetPolicy(t, ema=0.9)
+    p.update_sums({8: 0.1 * 49 * 8}, {8: 49 * 8})
+    p.update_sums({8: 0.1 * 49 * 3}, {8: 49 * 3})
+    reads = []
+    for k in range(20 * 7):                       # a probe in every 7th window (56 rounds)
+        probe = k % 7 == 6
+        p.update_sums({8: 2.1 if probe else 0.0}, {8: 1 if probe else 0})
+        if probe:
+            reads.append(p.accept[8])
+    assert reads[3] > 1.0 and reads[-1] == pytest.approx(2.1, rel=0.05), reads
+    # the policy leaves plain decoding once the probes say it pays (2.06 ms vs 4.94 for 1 + a tokens)
+    assert p.choose(1) == 8
 
 
 def test_probe_only_width_tracks_a_step_change_in_a_few_probes():
