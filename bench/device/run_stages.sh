@@ -172,6 +172,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-64} \
              --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port --workdir /tmp/abw_${shape}chain \
              --out $OUT/scalechain_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-} \
+             ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} \
         && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/scalechain_ab_${shape}_h200.json \
              $sd/${shape}chain_target/perm.json --arm all; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
