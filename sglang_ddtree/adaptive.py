@@ -581,10 +581,45 @@ class WidthController:
         self._launch((int(bs), w))
         return w
 
-    def record(self, path: torch.Tensor, width: int) -> None:
-        """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``."""
+    def record(self, path: torch.Tensor, width: int, remaining: Optional[torch.Tensor] = None) -> None:
+        """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``;
+        remaining [bs] (device, optional): tokens each request may still emit
+        (:func:`remaining_tokens`; see ``round_stats.CounterfactualWindow``)."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
-        self.window.record(path, n_valid)
+        self.window.record(path, n_valid, remaining)
+
+
+NO_TOKEN_LIMIT = 1 << 40   # a request without max_new_tokens
+
+
+def token_limits(reqs) -> List[int]:
+    """Per request: prompt length + max_new_tokens, the committed length (``seq_lens``) at which it
+    has emitted all its tokens plus one (host values, fixed per request)."""
+    out = []
+    for req in reqs:
+        mnt = getattr(req.sampling_params, "max_new_tokens", None)
+        out.append(len(req.origin_input_ids) + (NO_TOKEN_LIMIT if mnt is None else int(mnt)))
+    return out
+
+
+def remaining_for_batch(reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
+    """:func:`remaining_tokens` for a batch of SGLang requests (the limits copied to the device behind
+    the stream, pinned, no sync); None when the batch's requests do not carry what it needs."""
+    reqs = list(reqs or [])
+    if len(reqs) != seq_lens.shape[0] or not all(hasattr(r, "origin_input_ids") for r in reqs):
+        return None
+    limits = torch.tensor(token_limits(reqs), dtype=torch.int64)
+    if seq_lens.device.type == "cuda":
+        limits = limits.pin_memory().to(seq_lens.device, non_blocking=True)
+    return remaining_tokens(limits, seq_lens)
+
+
+def remaining_tokens(limits: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Tokens each request may still emit in a round that starts at committed length ``seq_lens``:
+    a request of prompt length P has emitted ``seq_lens - P + 1`` tokens then (the KV holds the prompt
+    and every output token but the last, which is the round's root), so ``limits - seq_lens - 1``
+    with ``limits = P + max_new_tokens`` (:func:`token_limits`).  [bs] int64, device, no sync."""
+    return limits.to(torch.int64) - seq_lens.to(torch.int64) - 1
 
 
 _ROOT_ONLY_CONST: Dict[tuple, tuple] = {}

@@ -808,7 +808,10 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._stats is not None:
             self._stats.record(path, accept_len, tree_depth=tree.depth, width=N)
         if self._adaptive is not None:
-            self._adaptive.record(path, N)
+            # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
+            # request one more round) are not counted in the acceptance estimate
+            self._adaptive.record(path, N, adaptive.remaining_for_batch(getattr(batch, "reqs", None),
+                                                                        prefix.view(-1)))
         prof.mark()
 
         # 6) commit: one launch (ddtree.commit_round): the emitted tokens (accepted path tokens, then the

@@ -14,6 +14,8 @@ import types
 import pytest
 import torch
 
+from sglang_ddtree.round_stats import CounterfactualWindow
+
 pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 
 from sglang_ddtree import adaptive as A  # noqa: E402
@@ -226,6 +228,8 @@ def run_round(wd):
                                   return_logprob=False, token_to_kv_pool_allocator=None, out_cache_loc=None,
                                   reqs=[types.SimpleNamespace(sampling_params=types.SimpleNamespace(
                                       custom_params=cp)) for cp in getattr(wd, "custom_params", [None] * bs)])
+    for req, lim in zip(batch.reqs, getattr(wd, "req_limits", None) or []):   # (prompt length, max_new_tokens)
+        req.origin_input_ids, req.sampling_params.max_new_tokens = [0] * lim[0], lim[1]
     wd.cur = dict(drafted=False)
     n_built = len(wd.built)
     res = wd.w._forward_tree_round(batch, None)
@@ -544,3 +548,30 @@ def test_requests_pin_the_budget_narrowest_wins_and_stays_lossless(world):
             assert r["drafted"] and r["budget"] == want - 1
     assert_lossless(wd)
     assert wd.w._adaptive.chosen == {8: 2, 4: 2, 1: 2, 16: 2}
+
+
+def test_request_rounds_past_max_new_tokens_are_not_counted(world):
+    """Under overlap scheduling a request that reached max_new_tokens still runs the next round; the
+    counterfactual window must not count it, and a request's last round counts only what it keeps.
+    Request 0 (prompt 5, max_new_tokens 1) has emitted its only token at prefill: never counted;
+    request 1 (max_new_tokens 4) counts min(accepted, tokens left - 1) until it has 4; request 2
+    (no limit) counts every round."""
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15"}
+    wd = make_worker(world, env)
+    wd.req_limits = [(5, 1), (5, 4), (5, None)]
+    ctl = wd.w._adaptive
+    ctl.window = CounterfactualWindow(ctl.window.budgets, device="cpu", every=1, lag=0)
+    got, due = [], ctl.window.due
+    ctl.window.due = lambda: [got.append(x) or x for x in due()]
+    seq_before = []
+    for _ in range(8):
+        seq_before.append(wd.seq.clone())
+        run_round(wd)
+    ctl.window.due()
+    assert len(got) == 8
+    for (sums, counts, below), seq, log in zip(got, seq_before, wd.log):
+        acc = (log["commit"] - 1).tolist()                          # accepted per request (width 16)
+        left = [5 + 1 - int(seq[0]) - 1, 5 + 4 - int(seq[1]) - 1]   # tokens each may still emit
+        want = [0, min(acc[1], max(left[1] - 1, 0)) if left[1] > 0 else 0, acc[2]]
+        assert counts[1] == (left[1] > 0) + 1 and sums[1] == sum(want), (sums, counts, acc, left)
+    assert_lossless(wd)

@@ -5,6 +5,7 @@ policy) against brute force on random accepted paths (issue 17 item 3)."""
 import collections
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -60,6 +61,56 @@ def test_window_counts_only_widths_the_round_covers(rng):
     assert win.due() == []                       # window 3 closed at round 12: due at 14
     win.record(idle, 0)
     assert win.due() == [windows[3]] and win.due() == [] and win.waits == 0
+
+
+def test_window_skips_finished_requests_and_clips_last_rounds(rng):
+    """``remaining`` (tokens each request may still emit): a request-round with none left is not
+    counted, the others count min(accepted, remaining - 1) at each budget; brute force on random
+    paths and limits (some rounds without ``remaining``: everything counts)."""
+    budgets = [3, 7, 15]
+    win = CounterfactualWindow(budgets, device="cpu", every=2, lag=0)
+    py = random.Random(int(torch.randint(0, 2 ** 31, (), generator=rng)))
+    got, want = [], []
+    s, c, bl = [0] * 3, [0] * 3, [0] * 3
+    for r in range(20):
+        b = py.choice(budgets)
+        bs = py.randint(1, 6)
+        path = _round_path(rng, bs, b)
+        n_valid = budgets.index(b) + 1
+        rem = None if py.random() < 0.25 else torch.tensor([py.randint(-3, 9) for _ in range(bs)])
+        cf = tree_ops.counterfactual_accept_len(path, budgets[:n_valid])
+        for i in range(bs):
+            left = None if rem is None else int(rem[i])
+            if left is not None and left <= 0:
+                continue
+            for j in range(n_valid):
+                v = int(cf[i, j]) if left is None else min(int(cf[i, j]), left - 1)
+                s[j] += v
+                c[j] += 1
+                if j:
+                    bl[j] += int(cf[i, j - 1]) if left is None else min(int(cf[i, j - 1]), left - 1)
+        win.record(path, n_valid, rem)
+        got += win.due()
+        if (r + 1) % 2 == 0:
+            want.append((s, c, bl))
+            s, c, bl = [0] * 3, [0] * 3, [0] * 3
+    assert got == want
+
+
+def test_remaining_tokens_from_prompt_length_and_max_new_tokens():
+    """After prefill a request of prompt P has emitted 1 token and its KV holds P; each round of a
+    accepted tokens adds a + 1 to both.  Requests without the fields: None (nothing is clipped)."""
+    ns = lambda P, m: types.SimpleNamespace(origin_input_ids=[1] * P,
+                                           sampling_params=types.SimpleNamespace(max_new_tokens=m))
+    reqs = [ns(5, 1), ns(5, 4), ns(7, None)]
+    assert A.token_limits(reqs) == [6, 9, 7 + A.NO_TOKEN_LIMIT]
+    seq = torch.tensor([5, 5, 7])
+    assert A.remaining_for_batch(reqs, seq).tolist() == [0, 3, A.NO_TOKEN_LIMIT - 1]
+    seq = seq + torch.tensor([0, 3, 2])                  # request 1 accepted 2 (+ bonus): 1 left
+    assert A.remaining_for_batch(reqs, seq).tolist()[:2] == [0, 0]
+    assert A.remaining_for_batch([types.SimpleNamespace()], torch.tensor([3])) is None
+    assert A.remaining_for_batch(reqs, torch.tensor([5, 5])) is None     # a length mismatch
+    assert A.remaining_for_batch(None, torch.tensor([5])) is None
 
 
 def test_window_argument_checks():
