@@ -360,9 +360,14 @@ class WidthController:
 
     Probes keep the acceptance of widths wider than the chosen one measured (a narrow round says
     nothing about a wider tree).  A probe runs the widest width and is paid from a credit of
-    ``probe_share`` (default 5 %) of each round's table cost: it runs when at least ``probe_every``
-    rounds have passed since the last one and the credit covers its extra cost over the chosen
-    width, which the credit then loses (so probes add at most ~5 % to the rounds' cost).  A
+    ``probe_share`` (default 5 %) of each round's predicted time (``BudgetPolicy.round_ms``: the
+    table's cost + the measured overhead + the expected admission): it runs when at least
+    ``probe_every`` rounds have passed since the last one and the credit covers its extra GPU cost
+    over the chosen width, which the credit then loses (so probes add at most ~5 % to the rounds'
+    time).  Until session 20 the credit was 5 % of the table's GPU cost alone: on the MoE chain
+    pair at c = 1 (H200, ``bench/results/raw/scalechain_ab_qwen3-30b-a3b_h200_s20_logs.tgz``) a plain
+    round's table cost was 2.06 ms and its wall time ~4 ms, so a probe came every ~55 rounds, and
+    after a burst of fresh requests the estimate needed several probes to recover.  A
     width-32 probe at bs 64 costs 15 plain decode steps on the Kimi-widths pair (H200 cost table,
     ``bench/results/raw/ab_h200_kimicost_chain_run1_auto_server_log.txt``); probing it every 16th
     round, as this class did, made the mean round at c = 64 about 65 % longer than the median
@@ -541,8 +546,10 @@ class WidthController:
             return w
         extra = max(self._cost(bs, widest) - cur, 0.0)
         self._since_probe += 1
-        # capped at the probe's cost now: no burst of probes after a long narrow stretch
-        self.probe_credit = min(self.probe_credit + self.probe_share * cur, extra)
+        # a share of the round's predicted wall time (table + overhead + admission), not of its GPU
+        # time alone; capped at the probe's cost now: no burst of probes after a long narrow stretch
+        whole = self.policy.round_ms(bs, self._choice(w)) if self.policy is not None else cur
+        self.probe_credit = min(self.probe_credit + self.probe_share * max(whole, cur), extra)
         if self._since_probe < self.cfg.probe_every or self.probe_credit < extra - 1e-9:
             return w
         self.probe_credit -= extra

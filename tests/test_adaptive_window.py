@@ -278,6 +278,25 @@ def test_controller_cycle_probe_and_policy():
     assert pol.accept[16] == pytest.approx(2.0) and pol.accept[4] == pytest.approx(2.0)
 
 
+def test_probe_credit_is_a_share_of_the_round_wall_time_not_its_gpu_time():
+    """The same table as above (plain step 1 ms on the GPU, probe 49 ms more), but every round takes
+    1 ms more on the host clock than the table says: the measured overhead (1 ms) doubles the
+    credit per round, so the first probe comes after ~490 plain rounds instead of ~980."""
+    t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 50.0}}, base_ms={1: 1.0})
+    firsts = []
+    for extra_ms in (0.0, 1.0):
+        pol = BudgetPolicy(t, allow_no_spec=True)
+        clock = _Clock()
+        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                                   SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
+                              window_every=2, window_lag=0, clock=clock)
+        path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
+        ws = _drive(c, 1100, path, clock=clock,
+                    round_ms=lambda w: t.cost(1, NO_SPEC if w == 1 else w) + extra_ms)
+        firsts.append(next(r for r, w in enumerate(ws) if r >= 2 and w != 1))
+    assert 960 <= firsts[0] <= 1000 and 470 <= firsts[1] <= 510, firsts
+
+
 def test_controller_first_rounds_skip_a_widest_tree_that_costs_over_twice_the_narrowest():
     t = CostTable(verify_ms={4: {1: 10.0}, 8: {1: 19.0}, 16: {1: 21.0}}, base_ms={1: 1.0})
     c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=BudgetPolicy(t), device="cpu",
