@@ -297,6 +297,42 @@ def test_probe_credit_is_a_share_of_the_round_wall_time_not_its_gpu_time():
     assert 960 <= firsts[0] <= 1000 and 470 <= firsts[1] <= 510, firsts
 
 
+def test_controller_recovers_from_a_warm_up_burst_at_c1():
+    """The H200 MoE c=1 failure end to end through the controller (s20: the A/B's warm-up burst, 49
+    requests accepting ~nothing, then c=1 requests accepting 2 / 3 / 4 at widths 8 / 16 / 32; the
+    MoE cost table at bs 1, plain step 2.06 ms, rounds 2 ms over the table): the policy must leave
+    plain decoding for good within 200 rounds.  Before the s20 fixes it had not after 1,500 (1,474
+    plain rounds in this replay); now ~124 plain rounds, 4 probes."""
+    t = CostTable(verify_ms={8: {1: 4.94, 48: 13.77}, 16: {1: 6.50, 48: 17.0}, 32: {1: 8.05, 48: 19.31}},
+                  base_ms={1: 2.06, 48: 3.5})
+    pol = BudgetPolicy(t, allow_no_spec=True)
+    clock = _Clock()
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15,31", "SGLANG_DDTREE_NO_SPEC": "1"}, budget=31,
+                         algo="DDTREE-GPU")
+    c = A.WidthController(cfg, policy=pol, device="cpu", clock=clock)
+
+    def path_for(bs, slots):
+        p = torch.full((bs, 16), -1, dtype=torch.int32)
+        p[:, 0] = 0
+        for i, slot in enumerate(slots):
+            p[:, 1 + i] = slot
+        return p
+
+    def run(bs, path, rounds):
+        ws = []
+        for _ in range(rounds):
+            w = c.next_width(bs)
+            c.record(path, w)
+            clock.ms += t.cost(bs, NO_SPEC if w == 1 else w) + 2.0
+            ws.append(w)
+        return ws
+
+    run(49, path_for(49, []), 11)
+    ws = run(1, path_for(1, [1, 2, 9, 17]), 600)
+    settled = next((i for i in range(len(ws)) if 1 not in ws[i:]), None)
+    assert settled is not None and settled <= 200 and ws.count(1) <= 200, (settled, ws.count(1), c.probes)
+
+
 def test_controller_first_rounds_skip_a_widest_tree_that_costs_over_twice_the_narrowest():
     t = CostTable(verify_ms={4: {1: 10.0}, 8: {1: 19.0}, 16: {1: 21.0}}, base_ms={1: 1.0})
     c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=BudgetPolicy(t), device="cpu",
