@@ -615,10 +615,16 @@ def remaining_for_batch(reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
     reqs = list(reqs or [])
     if len(reqs) != seq_lens.shape[0] or not all(hasattr(r, "origin_input_ids") for r in reqs):
         return None
-    limits = torch.tensor(token_limits(reqs), dtype=torch.int64)
-    if seq_lens.device.type == "cuda":
-        limits = limits.pin_memory().to(seq_lens.device, non_blocking=True)
-    return remaining_tokens(limits, seq_lens)
+    key = (str(seq_lens.device), tuple(token_limits(reqs)))
+    if _LIMITS_CACHE.get("key") != key:      # the batch changed: one copy, reused while it stays
+        limits = torch.tensor(key[1], dtype=torch.int64)
+        if seq_lens.device.type == "cuda":
+            limits = limits.pin_memory().to(seq_lens.device, non_blocking=True)
+        _LIMITS_CACHE.update(key=key, limits=limits)
+    return remaining_tokens(_LIMITS_CACHE["limits"], seq_lens)
+
+
+_LIMITS_CACHE: Dict[str, object] = {}   # the last batch's limits on its device (read-only there)
 
 
 def remaining_tokens(limits: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,11 @@ def test_remaining_tokens_from_prompt_length_and_max_new_tokens():
     assert A.remaining_for_batch([types.SimpleNamespace()], torch.tensor([3])) is None
     assert A.remaining_for_batch(reqs, torch.tensor([5, 5])) is None     # a length mismatch
     assert A.remaining_for_batch(None, torch.tensor([5])) is None
+    A.remaining_for_batch(reqs, seq)
+    held = A._LIMITS_CACHE["limits"]
+    assert A.remaining_for_batch(reqs, seq + 1).tolist()[1] == -1 and A._LIMITS_CACHE["limits"] is held
+    assert A.remaining_for_batch(reqs[:2], seq[:2]).tolist() == [0, 0]          # a new batch: new limits
+    assert A._LIMITS_CACHE["limits"] is not held
 
 
 def test_window_argument_checks():
