@@ -13,8 +13,9 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   ``S_w <- d * S_w + sum``, ``C_w <- d * C_w + count`` (every width decays at every window of
   rounds, measured or not, ``d`` = ``ema``; a measured width's past is first cut to at most
   ``count / (1 - d)`` request-rounds, see :meth:`BudgetPolicy.update_sums`), read as ``S_w / C_w``:
-  the mean of the recent request-rounds that measured the width, each weighted by its age.  A width measured only by probes (one round in a few dozen) is the mean
-  of its recent probes, and a window of many requests weighs more than one of few.  Measured on the
+  the mean of the recent request-rounds that measured the width, each weighted by its age.  A
+  width measured only by probes (one round in a few dozen) is the mean of its recent probes, and a
+  window of many requests weighs more than one of few.  Measured on the
   H200 (Qwen3-8B-shaped chain pair, c = 16, ``raw/scalechain_s15_run4_profile_auto_snapshot.jsonl``)
   with the EMA of window means this replaced: the estimates started from the warm-up windows
   (0.04 accepted), a probe-only width moved only on windows that held a probe, and after ~50 rounds

@@ -321,9 +321,10 @@ class CounterfactualWindow:
     round more per request than SGLang's ``spec_verify_ct`` (412 vs 388 for 24 requests), each at
     the end of a request where acceptance is highest, and the running width's estimate read
     0.5-0.8 tokens above the tokens per round the requests received.  Request-rounds per budget are
-    counted on the device with the sums.  A closed window is copied to pinned memory behind an event and
-    handed out by ``due()`` once ``lag`` more rounds were recorded: at the same round on every TP
-    rank (if the copy is somehow not complete by then, ``due`` waits for it and counts ``waits``)."""
+    counted on the device with the sums.  A closed window is copied to pinned memory behind an event
+    and handed out by ``due()`` once ``lag`` more rounds were recorded: at the same round on every
+    TP rank (if the copy is somehow not complete by then, ``due`` waits for it and counts
+    ``waits``)."""
 
     def __init__(self, budgets: Sequence[int], *, device, every: int = 8, lag: int = 4):
         if not budgets or list(budgets) != sorted(set(budgets)) or min(budgets) < 1:
