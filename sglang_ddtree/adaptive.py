@@ -410,6 +410,7 @@ class WidthController:
         self.probe_share = float(probe_share)
         self.probe_credit = 0.0
         self._since_probe = 0
+        self._limits = None   # (key, [bs] device tensor) of the last batch's token limits
         self._clock = clock
         self._share = share
         self.lag = int(lag)
@@ -548,8 +549,8 @@ class WidthController:
         self._since_probe += 1
         # a share of the round's predicted wall time (table + overhead + admission), not of its GPU
         # time alone; capped at the probe's cost now: no burst of probes after a long narrow stretch
-        whole = self.policy.round_ms(bs, self._choice(w)) if self.policy is not None else cur
-        self.probe_credit = min(self.probe_credit + self.probe_share * max(whole, cur), extra)
+        self.probe_credit = min(self.probe_credit + self.probe_share * self.policy.round_ms(bs, self._choice(w)),
+                                extra)
         if self._since_probe < self.cfg.probe_every or self.probe_credit < extra - 1e-9:
             return w
         self.probe_credit -= extra
@@ -588,12 +589,29 @@ class WidthController:
         self._launch((int(bs), w))
         return w
 
-    def record(self, path: torch.Tensor, width: int, remaining: Optional[torch.Tensor] = None) -> None:
-        """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``;
-        remaining [bs] (device, optional): tokens each request may still emit
-        (:func:`remaining_tokens`; see ``round_stats.CounterfactualWindow``)."""
+    def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None) -> None:
+        """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``; with the
+        batch's SGLang requests and its committed lengths ``seq_lens`` [bs] (device), request-rounds
+        past a request's max_new_tokens are not counted (:meth:`remaining`; see
+        ``round_stats.CounterfactualWindow``)."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
-        self.window.record(path, n_valid, remaining)
+        left = None if reqs is None or seq_lens is None else self.remaining(reqs, seq_lens)
+        self.window.record(path, n_valid, left)
+
+    def remaining(self, reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
+        """:func:`remaining_tokens` for a batch of SGLang requests; None when its requests do not carry
+        what it needs.  The limits go to the device (pinned, behind the stream, no sync) once per batch
+        composition and are reused while it stays."""
+        reqs = list(reqs)
+        if len(reqs) != seq_lens.shape[0] or not all(hasattr(r, "origin_input_ids") for r in reqs):
+            return None
+        key = (str(seq_lens.device), tuple(token_limits(reqs)))
+        if self._limits is None or self._limits[0] != key:
+            limits = torch.tensor(key[1], dtype=torch.int64)
+            if seq_lens.device.type == "cuda":
+                limits = limits.pin_memory().to(seq_lens.device, non_blocking=True)
+            self._limits = (key, limits)
+        return remaining_tokens(self._limits[1], seq_lens)
 
 
 NO_TOKEN_LIMIT = 1 << 40   # a request without max_new_tokens
@@ -607,24 +625,6 @@ def token_limits(reqs) -> List[int]:
         mnt = getattr(req.sampling_params, "max_new_tokens", None)
         out.append(len(req.origin_input_ids) + (NO_TOKEN_LIMIT if mnt is None else int(mnt)))
     return out
-
-
-def remaining_for_batch(reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
-    """:func:`remaining_tokens` for a batch of SGLang requests (the limits copied to the device behind
-    the stream, pinned, no sync); None when the batch's requests do not carry what it needs."""
-    reqs = list(reqs or [])
-    if len(reqs) != seq_lens.shape[0] or not all(hasattr(r, "origin_input_ids") for r in reqs):
-        return None
-    key = (str(seq_lens.device), tuple(token_limits(reqs)))
-    if _LIMITS_CACHE.get("key") != key:      # the batch changed: one copy, reused while it stays
-        limits = torch.tensor(key[1], dtype=torch.int64)
-        if seq_lens.device.type == "cuda":
-            limits = limits.pin_memory().to(seq_lens.device, non_blocking=True)
-        _LIMITS_CACHE.update(key=key, limits=limits)
-    return remaining_tokens(_LIMITS_CACHE["limits"], seq_lens)
-
-
-_LIMITS_CACHE: Dict[str, object] = {}   # the last batch's limits on its device (read-only there)
 
 
 def remaining_tokens(limits: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -810,8 +810,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._adaptive is not None:
             # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
             # request one more round) are not counted in the acceptance estimate
-            self._adaptive.record(path, N, adaptive.remaining_for_batch(getattr(batch, "reqs", None),
-                                                                        prefix.view(-1)))
+            self._adaptive.record(path, N, getattr(batch, "reqs", None), prefix.view(-1))
         prof.mark()
 
         # 6) commit: one launch (ddtree.commit_round): the emitted tokens (accepted path tokens, then the

@@ -14,11 +14,10 @@ import types
 import pytest
 import torch
 
-from sglang_ddtree.round_stats import CounterfactualWindow
-
 pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 
 from sglang_ddtree import adaptive as A  # noqa: E402
+from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable  # noqa: E402

@@ -104,18 +104,18 @@ def test_remaining_tokens_from_prompt_length_and_max_new_tokens():
                                            sampling_params=types.SimpleNamespace(max_new_tokens=m))
     reqs = [ns(5, 1), ns(5, 4), ns(7, None)]
     assert A.token_limits(reqs) == [6, 9, 7 + A.NO_TOKEN_LIMIT]
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=None, device="cpu")
     seq = torch.tensor([5, 5, 7])
-    assert A.remaining_for_batch(reqs, seq).tolist() == [0, 3, A.NO_TOKEN_LIMIT - 1]
+    assert c.remaining(reqs, seq).tolist() == [0, 3, A.NO_TOKEN_LIMIT - 1]
     seq = seq + torch.tensor([0, 3, 2])                  # request 1 accepted 2 (+ bonus): 1 left
-    assert A.remaining_for_batch(reqs, seq).tolist()[:2] == [0, 0]
-    assert A.remaining_for_batch([types.SimpleNamespace()], torch.tensor([3])) is None
-    assert A.remaining_for_batch(reqs, torch.tensor([5, 5])) is None     # a length mismatch
-    assert A.remaining_for_batch(None, torch.tensor([5])) is None
-    A.remaining_for_batch(reqs, seq)
-    held = A._LIMITS_CACHE["limits"]
-    assert A.remaining_for_batch(reqs, seq + 1).tolist()[1] == -1 and A._LIMITS_CACHE["limits"] is held
-    assert A.remaining_for_batch(reqs[:2], seq[:2]).tolist() == [0, 0]          # a new batch: new limits
-    assert A._LIMITS_CACHE["limits"] is not held
+    assert c.remaining(reqs, seq).tolist()[:2] == [0, 0]
+    assert c.remaining([types.SimpleNamespace()], torch.tensor([3])) is None
+    assert c.remaining(reqs, torch.tensor([5, 5])) is None     # a length mismatch
+    c.remaining(reqs, seq)
+    held = c._limits[1]
+    assert c.remaining(reqs, seq + 1).tolist()[1] == -1 and c._limits[1] is held
+    assert c.remaining(reqs[:2], seq[:2]).tolist() == [0, 0]          # a new batch: new limits
+    assert c._limits[1] is not held
 
 
 def test_window_argument_checks():
@@ -253,10 +253,10 @@ class _Clock:
         return self.ms / 1e3
 
 
-def _drive(c, rounds, path, clock=None, round_ms=None):
+def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
     ws = []
     for _ in range(rounds):
-        ws.append(c.next_width(1))
+        ws.append(c.next_width(bs))
         c.record(path, ws[-1])
         if clock is not None:
             clock.ms += round_ms(ws[-1])
@@ -323,17 +323,8 @@ def test_controller_recovers_from_a_warm_up_burst_at_c1():
             p[:, 1 + i] = slot
         return p
 
-    def run(bs, path, rounds):
-        ws = []
-        for _ in range(rounds):
-            w = c.next_width(bs)
-            c.record(path, w)
-            clock.ms += t.cost(bs, NO_SPEC if w == 1 else w) + 2.0
-            ws.append(w)
-        return ws
-
-    run(49, path_for(49, []), 11)
-    ws = run(1, path_for(1, [1, 2, 9, 17]), 600)
+    _drive(c, 11, path_for(49, []), clock, lambda w: t.cost(49, NO_SPEC if w == 1 else w) + 2.0, bs=49)
+    ws = _drive(c, 600, path_for(1, [1, 2, 9, 17]), clock, lambda w: t.cost(1, NO_SPEC if w == 1 else w) + 2.0)
     settled = next((i for i in range(len(ws)) if 1 not in ws[i:]), None)
     assert settled is not None and settled <= 200 and ws.count(1) <= 200, (settled, ws.count(1), c.probes)
 
