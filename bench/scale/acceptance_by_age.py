@@ -1,41 +1,69 @@
-# Acceptance per round vs the request's age on the toy chain pair (the scaled chain pair computes the same
-# function), fp32 CPU, counterfactual budgets 7/15/31/63 from one budget-63 tree per round.
-# usage: PYTHONPATH=. python bench/scale/acceptance_by_age.py N_PROMPTS  -> /tmp/life.json (slow: ~40 s per prompt)
-# Session 21 question: do fresh requests accept less in their first rounds (random-id prompts, chain later)?
-import sys, json, random, collections, torch
-sys.path.insert(0, "bench/device"); sys.path.insert(0, "bench/scale")
-import chain_pair as CP
-from sglang_ddtree import demo, ddtree
-sys.path.insert(0, "bench/device"); import mk_chain_prompts as MCP
-tsd, tcfg, P, dcfg, perm = CP.small_pair()
-import mk_models as M
-class Pair(demo._Pair):
-    pass
-p = Pair(); p.sd, p.P, p.target_cfg, p.drafter_cfg = tsd, P, tcfg, dcfg
-p.block_size, p.mask_id, p.layer_ids, p.vocab = 16, M.MASK_ID, M.TARGET_LAYER_IDS, M.VOCAB
-p._heads()
-prompts = MCP.chain_prompts(int(sys.argv[1]), seed=0)
-budgets = [7, 15, 31, 63]
-by_age = collections.defaultdict(lambda: collections.defaultdict(list))
-for pi, pr in enumerate(prompts):
-    seq = list(pr); gen = 0; r = 0
-    while gen < 64:
-        lg = p.draft_logits(seq)[None].float()
-        lp, ids = ddtree.topk_logprobs(lg, 63)
-        tree = ddtree.build_tree(lp, ids, 63, root_tokens=torch.tensor([seq[-1]]))
-        tok, dep, vis = tree.tokens, tree.depth, tree.visibility
-        tgt = p.verify(seq, tok[0], dep[0], vis[0])[None]
-        acc = ddtree.accept_greedy(tree, tgt)
-        path = acc.path[0].tolist(); a = int(acc.accept_len[0])
-        for b in budgets:  # counterfactual: accepted prefix restricted to node index <= b
-            k = 0
-            for node in path[1:a + 1]:
-                if node <= b: k += 1
-                else: break
-            by_age[r][b].append(k)
-        new = [t for t in acc.new_tokens(tree)[0].tolist() if t >= 0]
-        seq.extend(new); gen += len(new); r += 1
-    print(pi, len(pr), r, flush=True)
-out = {r: {b: sum(v) / len(v) for b, v in d.items()} | {"n": len(d[7])} for r, d in sorted(by_age.items())}
-json.dump(out, open("/tmp/life.json", "w"))
-for r, d in out.items(): print(r, d)
+"""Accepted tokens per round vs the round's index in the request's life, on the toy chain pair.
+
+    PYTHONPATH=. python bench/scale/acceptance_by_age.py [--prompts 24] [--new-tokens 64] [--out F.json]
+
+Why (session 21): at the start of every c=64 repeat the adaptive controller's counterfactual
+acceptance halves, even with the width pinned, while SGLang counts no penalty per request.  Question:
+does a request accept less in its first rounds (a random-id prompt, the chain only after it), so that a
+burst of fresh requests is truly low for a while?  The scaled chain pair computes the toy pair's
+function (``chain_pair.py``), so the toy pair (fp32, CPU) answers it: the A/B's prompts
+(``mk_chain_prompts.chain_prompts``), one budget-63 tree per round, the counterfactual accept length
+of budgets 7/15/31/63 (``tree_ops.counterfactual_accept_len``) per round index.  Slow (the plain-torch
+forwards recompute the whole sequence: ~40 s per prompt); the JSON is rewritten after every prompt.
+"""
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "device"))
+sys.path.insert(0, HERE)
+
+import chain_pair as CP  # noqa: E402
+import mk_chain_prompts as MCP  # noqa: E402
+import mk_models as M  # noqa: E402
+from sglang_ddtree import ddtree, demo, tree_ops  # noqa: E402
+
+BUDGETS = (7, 15, 31, 63)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="/tmp/acceptance_by_age.json")
+    a = ap.parse_args()
+    pair = demo.TinyPair(CP.DEFAULT_DRAFTER)         # the toy chain target + the block-16 drafter
+    pair.block_size, pair.drafter_cfg = CP.DEFAULT_BLOCK, M.drafter_config(CP.DEFAULT_BLOCK)
+    pair.depth = pair.block_size - 1
+    sums = collections.defaultdict(lambda: [0, [0] * len(BUDGETS)])   # round index -> [n, sums]
+    for i, prompt in enumerate(MCP.chain_prompts(a.prompts, seed=0)):
+        seq, emitted, r = list(prompt), 0, 0
+        while emitted < a.new_tokens:
+            lp, ids = ddtree.topk_logprobs(pair.draft_logits(seq)[None].float(), max(BUDGETS))
+            tree = ddtree.build_tree(lp, ids, max(BUDGETS), root_tokens=torch.tensor([seq[-1]]))
+            target = pair.verify(seq, tree.tokens[0], tree.depth[0], tree.visibility[0])[None]
+            acc = ddtree.accept_greedy(tree, target)
+            cf = tree_ops.counterfactual_accept_len(acc.path, BUDGETS)[0].tolist()
+            s = sums[r]
+            s[0] += 1
+            s[1] = [x + y for x, y in zip(s[1], cf)]
+            new = [t for t in acc.new_tokens(tree)[0].tolist() if t >= 0]
+            seq += new
+            emitted += len(new)
+            r += 1
+        out = {str(k): dict(n=n, **{f"b{b}": round(v / n, 3) for b, v in zip(BUDGETS, tot)})
+               for k, (n, tot) in sorted(sums.items())}
+        with open(a.out, "w") as f:
+            json.dump(dict(prompts_done=i + 1, new_tokens=a.new_tokens, by_round=out), f, indent=1)
+        print(f"prompt {i} (len {len(prompt)}): {r} rounds -> {a.out}", flush=True)
+    for k, v in out.items():
+        print(k, v)
+
+
+if __name__ == "__main__":
+    main()
