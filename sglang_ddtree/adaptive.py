@@ -10,6 +10,10 @@ at most every k-th round runs a wider tree than the chosen one (a probe, paid fr
 rounds' cost; :class:`WidthController`) so the counterfactual acceptance of wider widths stays
 measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the budgets round by round
 (``0`` = no speculation; each must be in the set), for the GPU lossless check.
+``SGLANG_DDTREE_AGE_BUCKETS``: the request-age buckets (output tokens emitted) the acceptance is
+estimated in (``budget_policy.BudgetPolicy.update_window``): ``default`` (:data:`DEFAULT_AGE_EDGES`),
+``off`` (one bucket: every request-round pooled, the behaviour before session 22) or ascending
+edges, e.g. ``16,64,256``.
 
 A request may pin its rounds' budget: ``"custom_params": {"ddtree_budget": 15}`` in its sampling
 parameters (one of the server's budgets; 0 = no speculation where allowed; anything else is refused
@@ -52,6 +56,13 @@ ENV_NO_SPEC = "SGLANG_DDTREE_NO_SPEC"
 ENV_PROBE_EVERY = "SGLANG_DDTREE_PROBE_EVERY"
 ENV_TEST_CYCLE = "SGLANG_DDTREE_TEST_BUDGET_CYCLE"
 ENV_OVERHEAD = "SGLANG_DDTREE_ROUND_OVERHEAD"   # measured (default) | off: the policy's per-round overhead term
+ENV_AGE_BUCKETS = "SGLANG_DDTREE_AGE_BUCKETS"   # default | off | ascending edges (output tokens)
+
+# request-age bucket edges (output tokens): x1.5 from 4.  Fine at young ages, where acceptance moves
+# most (toy chain pair: nothing for ~10 tokens, then rising over the next ~50: bench/results/
+# acceptance_by_age_chain_cpu.md); the pooled estimate fills buckets with few request-rounds
+DEFAULT_AGE_EDGES = (4, 6, 9, 14, 20, 30, 45, 68, 100, 150, 230, 340, 510, 770, 1150, 1730, 2600, 3900,
+                     5800, 8800, 13000, 20000, 30000, 45000, 68000, 100000)
 DEFAULT_PROBE_EVERY = 16
 
 
@@ -64,6 +75,7 @@ class AdaptiveConfig:
     probe_every: int
     cycle: Optional[Tuple[int, ...]] = None
     overhead: bool = True   # measure the per-round overhead outside the cost table (ENV_OVERHEAD)
+    age_edges: Tuple[int, ...] = DEFAULT_AGE_EDGES   # request-age buckets (ENV_AGE_BUCKETS)
 
     @property
     def widths(self) -> Tuple[int, ...]:
@@ -184,6 +196,16 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
     raw_oh = (env.get(ENV_OVERHEAD) or "measured").strip()
     if raw_oh not in ("measured", "off"):
         raise ValueError(f"{algo}: {ENV_OVERHEAD} must be 'measured' or 'off', got {raw_oh!r}")
+    raw_age = (env.get(ENV_AGE_BUCKETS) or "default").strip()
+    if raw_age == "default":
+        age_edges = DEFAULT_AGE_EDGES
+    elif raw_age == "off":
+        age_edges = ()
+    else:
+        age_edges = tuple(_int_list(algo, ENV_AGE_BUCKETS, raw_age))
+        if list(age_edges) != sorted(set(age_edges)) or age_edges[0] < 1:
+            raise ValueError(f"{algo}: {ENV_AGE_BUCKETS}={raw_age}: edges must be distinct, ascending "
+                             f"and >= 1 (or 'default' / 'off')")
     cycle = None
     if raw_cycle:
         cycle = tuple(_int_list(algo, ENV_TEST_CYCLE, raw_cycle))
@@ -195,7 +217,7 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
     if not no_spec and len(budgets) == 1 and cycle is None:
         return None   # one budget, no alternative: the fixed path
     return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle,
-                          overhead=raw_oh == "measured")
+                          overhead=raw_oh == "measured", age_edges=age_edges)
 
 
 # ------------------------------------------------------------------ verify states per width
@@ -403,14 +425,14 @@ class WidthController:
         self.policy = policy
         self.spec_widths = [b + 1 for b in cfg.budgets]
         self.window = CounterfactualWindow(list(cfg.budgets), device=device, every=window_every,
-                                           lag=window_lag)
+                                           lag=window_lag, age_edges=policy.age_edges if policy else ())
         self.round = 0
         self.chosen: Dict[int, int] = {}
         self.probes = 0
         self.probe_share = float(probe_share)
         self.probe_credit = 0.0
         self._since_probe = 0
-        self._limits = None   # (key, [bs] device tensor) of the last batch's token limits
+        self._limits = None   # (key, [2, bs] device tensor) of the last batch: token limits, prompt lengths
         self._clock = clock
         self._share = share
         self.lag = int(lag)
@@ -516,7 +538,8 @@ class WidthController:
 
     def snapshot(self) -> dict:
         """The policy's state for the round profiler's records (host values, no device work): the
-        acceptance averages per width, their weights (decayed request-round counts), the shared
+        acceptance averages per width (pooled, for the last choice's batch, per age bucket), their
+        weights (decayed request-round counts), the shared
         overhead and this rank's sample count, the rounds per width, probes and the interval counts."""
         out = {"chosen": {str(w): n for w, n in sorted(self.chosen.items())}, "probes": self.probes,
                "intervals": dict(self.intervals), "lag": self.lag}
@@ -524,6 +547,13 @@ class WidthController:
             pol = self.policy
             out["accept"] = {str(w): round(a, 4) for w, a in sorted(pol.accept.items())}
             out["accept_weight"] = {str(w): round(c, 2) for w, c in sorted(pol.accept_count.items())}
+            if pol.batch_accept is not None:      # the last choice's batch, weighed by its ages
+                out["accept_batch"] = {str(w): round(x, 4) for w, x in sorted(pol.batch_accept.items())}
+            if pol.buckets > 1:                   # per age bucket (its lower edge) with any weight
+                lows = (0,) + pol.age_edges
+                out["accept_by_age"] = {
+                    str(lows[b]): {str(w): round(x, 3) for w, x in sorted(pol.bucket_accept[b].items())}
+                    for b in range(pol.buckets) if max(pol.bucket_count[b].values()) >= 1.0}
             out["overhead_ms"] = round(float(pol.overhead_ms), 3)
             out["overhead_samples"] = len(self._local_overhead)
             out["prefill_ms"] = round(float(pol.prefill_ms), 3)
@@ -558,14 +588,17 @@ class WidthController:
         self.probes += 1
         return widest
 
-    def next_width(self, bs: int, requested: Optional[int] = None) -> int:
+    def next_width(self, bs: int, requested: Optional[int] = None, reqs=None) -> int:
         """The verify width of this round (1 = no speculation).  ``requested``: the width the batch's
         requests pin (:func:`requested_width`; a width of this controller's set), used instead of
-        the policy's choice (the forced test cycle still wins)."""
+        the policy's choice (the forced test cycle still wins).  ``reqs``: the batch's SGLang
+        requests; with age buckets the policy weighs them by their ages (output tokens so far, the
+        host's view: one round behind under overlap scheduling)."""
         for sums, counts, below in self.window.due():
             if self.policy is not None:
-                self.policy.update_sums(dict(zip(self.spec_widths, sums)), dict(zip(self.spec_widths, counts)),
-                                        dict(zip(self.spec_widths, below)))
+                ws = self.spec_widths
+                self.policy.update_window([dict(zip(ws, x)) for x in sums], [dict(zip(ws, x)) for x in counts],
+                                          [dict(zip(ws, x)) for x in below])
                 local = self._close_window()
                 shared = self._share(local) if self._share else local
                 for key, val in shared.items():
@@ -583,7 +616,10 @@ class WidthController:
         elif self.policy is None or self.policy.rounds_seen == 0:
             w = self._first_width(bs)
         else:
-            c = self.policy.choose(bs)
+            ages = None
+            if reqs is not None and self.policy.buckets > 1 and all(hasattr(r, "output_ids") for r in reqs):
+                ages = [len(r.output_ids) for r in reqs]
+            c = self.policy.choose(bs, ages)
             w = self._probe_or(bs, 1 if c == NO_SPEC else c)
         self.chosen[w] = self.chosen.get(w, 0) + 1
         self._launch((int(bs), w))
@@ -593,25 +629,34 @@ class WidthController:
         """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``; with the
         batch's SGLang requests and its committed lengths ``seq_lens`` [bs] (device), request-rounds
         past a request's max_new_tokens are not counted (:meth:`remaining`; see
-        ``round_stats.CounterfactualWindow``)."""
+        ``round_stats.CounterfactualWindow``) and each counts in its request's age bucket."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
-        left = None if reqs is None or seq_lens is None else self.remaining(reqs, seq_lens)
-        self.window.record(path, n_valid, left)
+        left = age = None
+        if reqs is not None and seq_lens is not None:
+            left, age = self.remaining_and_age(reqs, seq_lens)
+        self.window.record(path, n_valid, left, age)
 
-    def remaining(self, reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
-        """:func:`remaining_tokens` for a batch of SGLang requests; None when its requests do not carry
-        what it needs.  The limits go to the device (pinned, behind the stream, no sync) once per batch
+    def remaining_and_age(self, reqs, seq_lens: torch.Tensor):
+        """(:func:`remaining_tokens`, :func:`output_tokens`) for a batch of SGLang requests, [bs] each
+        on the device; (None, None) when its requests do not carry what they need.  The limits and
+        prompt lengths go to the device (pinned, behind the stream, no sync) once per batch
         composition and are reused while it stays."""
         reqs = list(reqs)
         if len(reqs) != seq_lens.shape[0] or not all(hasattr(r, "origin_input_ids") for r in reqs):
-            return None
-        key = (str(seq_lens.device), tuple(token_limits(reqs)))
+            return None, None
+        key = (str(seq_lens.device), tuple(token_limits(reqs)), tuple(len(r.origin_input_ids) for r in reqs))
         if self._limits is None or self._limits[0] != key:
-            limits = torch.tensor(key[1], dtype=torch.int64)
+            consts = torch.tensor([key[1], key[2]], dtype=torch.int64).reshape(2, len(reqs))
             if seq_lens.device.type == "cuda":
-                limits = limits.pin_memory().to(seq_lens.device, non_blocking=True)
-            self._limits = (key, limits)
-        return remaining_tokens(self._limits[1], seq_lens)
+                consts = consts.pin_memory().to(seq_lens.device, non_blocking=True)
+            self._limits = (key, consts)
+        consts = self._limits[1]
+        return remaining_tokens(consts[0], seq_lens), output_tokens(consts[1], seq_lens)
+
+    def remaining(self, reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
+        """:func:`remaining_tokens` for a batch of SGLang requests (None when its requests do not carry
+        what it needs); see :meth:`remaining_and_age`."""
+        return self.remaining_and_age(reqs, seq_lens)[0]
 
 
 NO_TOKEN_LIMIT = 1 << 40   # a request without max_new_tokens
@@ -633,6 +678,12 @@ def remaining_tokens(limits: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tens
     and every output token but the last, which is the round's root), so ``limits - seq_lens - 1``
     with ``limits = P + max_new_tokens`` (:func:`token_limits`).  [bs] int64, device, no sync."""
     return limits.to(torch.int64) - seq_lens.to(torch.int64) - 1
+
+
+def output_tokens(prompt_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Output tokens each request has emitted before a round that starts at committed length
+    ``seq_lens`` (see :func:`remaining_tokens`): ``seq_lens - P + 1``.  [bs] int64, device, no sync."""
+    return seq_lens.to(torch.int64) - prompt_lens.to(torch.int64) + 1
 
 
 _ROOT_ONLY_CONST: Dict[tuple, tuple] = {}

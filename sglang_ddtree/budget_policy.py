@@ -62,11 +62,12 @@ so the round itself stays free of host synchronisation).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 NO_SPEC = 0   # the choice "no speculation this round": a plain decode step
 
@@ -138,11 +139,17 @@ class BudgetPolicy:
     rounds_seen: int = 0
     current: Optional[int] = None
     seen: Set[int] = field(default_factory=set)   # widths with a measured round
-    accept_sum: Dict[int, float] = field(default_factory=dict)     # decayed sums of accepted tokens
-    accept_count: Dict[int, float] = field(default_factory=dict)   # decayed request-round counts
-    below_sum: Dict[int, float] = field(default_factory=dict)      # the next narrower width's tokens, same rounds
     paired: bool = False        # an update carried ``below``: estimates chain same-round gains
     samples: Deque[float] = field(default=None)   # this policy's own overhead samples (newest last)
+    age_edges: Tuple[int, ...] = ()   # request-age buckets (output tokens; see update_window)
+    shrink: float = 4.0         # request-rounds of the pooled mean in each bucket's estimate
+    # decayed sums per age bucket and width: accepted tokens, request-rounds, and what the next
+    # narrower width accepted on the same request-rounds
+    bucket_sum: List[Dict[int, float]] = field(default=None)
+    bucket_count: List[Dict[int, float]] = field(default=None)
+    bucket_below: List[Dict[int, float]] = field(default=None)
+    bucket_accept: List[Dict[int, float]] = field(default=None)   # per-bucket estimates
+    batch_accept: Optional[Dict[int, float]] = None   # the last choice's batch (choose with ages)
 
     def __post_init__(self):
         if not 0.0 <= self.ema < 1.0:
@@ -151,18 +158,49 @@ class BudgetPolicy:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
         if int(self.overhead_window) < 1:
             raise ValueError(f"overhead_window must be >= 1, got {self.overhead_window}")
-        for w in self.costs.widths:
+        edges = [int(e) for e in self.age_edges]
+        if edges != sorted(set(edges)) or (edges and edges[0] < 1):
+            raise ValueError(f"age_edges must be distinct, ascending and >= 1, got {list(self.age_edges)}")
+        if not self.shrink >= 0:
+            raise ValueError(f"shrink must be >= 0, got {self.shrink}")
+        self.age_edges = tuple(edges)
+        nb = len(edges) + 1
+        ws = self.costs.widths
+        for w in ws:
             self.accept.setdefault(w, float(self.prior_accept))
-            self.accept_sum.setdefault(w, 0.0)
-            self.accept_count.setdefault(w, 0.0)
-            self.below_sum.setdefault(w, 0.0)
+        self.bucket_sum = [dict.fromkeys(ws, 0.0) for _ in range(nb)]
+        self.bucket_count = [dict.fromkeys(ws, 0.0) for _ in range(nb)]
+        self.bucket_below = [dict.fromkeys(ws, 0.0) for _ in range(nb)]
+        self.bucket_accept = [dict(self.accept) for _ in range(nb)]
         if self.samples is None:
             self.samples = deque(maxlen=int(self.overhead_window))
+
+    @property
+    def buckets(self) -> int:
+        return len(self.age_edges) + 1
+
+    def bucket_of(self, age: int) -> int:
+        """The age bucket of a request that has emitted ``age`` output tokens."""
+        return bisect.bisect_right(self.age_edges, int(age))
+
+    def _pooled(self, table: List[Dict[int, float]]) -> Dict[int, float]:
+        return {w: sum(t[w] for t in table) for w in self.accept}
+
+    @property
+    def accept_sum(self) -> Dict[int, float]:
+        """Decayed accepted tokens per width, every age bucket together."""
+        return self._pooled(self.bucket_sum)
+
+    @property
+    def accept_count(self) -> Dict[int, float]:
+        """Decayed request-rounds per width, every age bucket together."""
+        return self._pooled(self.bucket_count)
 
     def update(self, counterfactual: Sequence[Sequence[int]], widths: Sequence[int]) -> None:
         """One round: ``counterfactual[r][j]`` = tokens request r would have accepted at verify width
         ``widths[j]`` (``tree_ops.counterfactual_accept_len`` with budgets ``w - 1``).  Widths not in
-        the cost table are ignored; a width of the table missing here keeps its average."""
+        the cost table are ignored; a width of the table missing here keeps its average.  One age
+        bucket only."""
         rows = [list(map(float, r)) for r in counterfactual]
         if not rows:
             return
@@ -175,7 +213,18 @@ class BudgetPolicy:
 
     def update_sums(self, sums: Mapping[int, float], counts: Mapping[int, float],
                     below: Optional[Mapping[int, float]] = None) -> None:
-        """One window: ``sums[w]`` tokens accepted over ``counts[w]`` request-rounds that measured
+        """One window of a policy without age buckets: :meth:`update_window` with one bucket."""
+        if self.buckets != 1:
+            raise ValueError(f"this policy has {self.buckets} age buckets: use update_window")
+        self.update_window([sums], [counts], None if below is None else [below])
+
+    def update_window(self, sums: Sequence[Mapping[int, float]], counts: Sequence[Mapping[int, float]],
+                      below: Optional[Sequence[Mapping[int, float]]] = None) -> None:
+        """One window, per age bucket ``b`` (``round_stats.CounterfactualWindow`` with this policy's
+        ``age_edges``): ``sums[b][w]`` tokens accepted over ``counts[b][w]`` request-rounds of
+        requests in bucket ``b`` that measured verify width ``w``.  What follows holds per bucket.
+
+        ``sums[w]`` tokens accepted over ``counts[w]`` request-rounds that measured
         verify width ``w`` (a width absent or with count 0 was not measured: a window of narrow
         rounds says nothing about wider trees).  Every width's sums decay by ``ema`` first, in every
         window, measured or not (the past ages by rounds, not by measurements); widths outside the
@@ -205,62 +254,117 @@ class BudgetPolicy:
         (``bench/results/raw/scalechain_ab_qwen3-8b_h200_s18_run2_pins_logs.tgz``), and the policy
         chose it where width 16 served 1.12x the tokens per second.  The gain measured on the same
         rounds does not depend on which rounds those were, as long as wider trees gain in
-        proportion."""
-        known = {int(w): (float(sums.get(w, 0.0)), float(c)) for w, c in counts.items()
-                 if int(w) in self.accept and float(c) > 0}
-        for w, (total, n) in known.items():
-            if total < 0:
-                raise ValueError(f"negative acceptance at width {w}: {total}")
-        for w in self.accept:          # the past ages by windows (rounds), measured or not
-            self.accept_sum[w] *= self.ema
-            self.accept_count[w] *= self.ema
-            self.below_sum[w] *= self.ema
-        if not known:
+        proportion.
+
+        **Age buckets** (``age_edges``: output tokens a request has emitted; one bucket without
+        edges): acceptance depends on a request's age, so a width's mean over the request-rounds that
+        measured it depends on which ages those were, and the rounds a width runs see different ages
+        from those another width would see.  Measured on the H200 (MoE chain pair, c = 1,
+        ``raw/scalechain_ab_qwen3-30b-a3b_h200_s21_logs.tgz``, profile records of the pinned arms):
+        with every round at width 16 the width-8 counterfactual read 1.65 accepted tokens, rounds
+        pinned at width 8 read 2.1; on the CPU (toy chain pair, ``bench/scale/acceptance_by_age.py
+        --run-budget 7 / 15``, 12 prompts) width 8's counterfactual from width-16 rounds says 2.74
+        tokens per round, width-8 rounds emit 3.27: a request's first ~10 tokens accept almost
+        nothing and acceptance keeps rising with age, and a wider tree spends fewer rounds at the
+        late, high ages.  So the estimate is kept per bucket (``bucket_accept[b][w]``: the chain
+        below on the bucket's sums, each shrunk towards the pooled mean by ``shrink`` request-rounds
+        so a sparse bucket reads the pooled value) and :meth:`choose` weighs the buckets by the ages
+        of the batch it chooses for.  That is also what a burst of fresh requests needs: their
+        low-acceptance rounds land in the young buckets and leave the older ones' estimates alone.
+        ``accept`` (no batch mix given) is the pooled estimate over every bucket."""
+        nb = self.buckets
+        if len(sums) != nb or len(counts) != nb or (below is not None and len(below) != nb):
+            raise ValueError(f"sums, counts and below need one entry per age bucket ({nb})")
+        known = []
+        for b in range(nb):
+            kb = {int(w): (float(sums[b].get(w, 0.0)), float(c)) for w, c in counts[b].items()
+                  if int(w) in self.accept and float(c) > 0}
+            for w, (total, n) in kb.items():
+                if total < 0:
+                    raise ValueError(f"negative acceptance at width {w}: {total}")
+                if below is not None and float(below[b].get(w, 0.0)) < 0:
+                    raise ValueError(f"negative acceptance below width {w}: {below[b].get(w)}")
+            known.append(kb)
+        for table in (self.bucket_sum, self.bucket_count, self.bucket_below):   # the past ages by windows
+            for t in table:
+                for w in t:
+                    t[w] *= self.ema
+        if not any(known):
             return
-        if self.ema > 0:
-            # the past weighs at most what the current flow would in steady state (n / (1 - ema)):
-            # a burst of request-rounds (a warm-up batch, a level's fresh requests) cannot outweigh
-            # a narrow batch's or a probe's measurements for long
-            for w, (total, n) in known.items():
-                cap = n / (1.0 - self.ema)
-                if self.accept_count[w] > cap:
-                    f = cap / self.accept_count[w]
-                    self.accept_sum[w] *= f
-                    self.accept_count[w] *= f
-                    self.below_sum[w] *= f
         if below is not None:
             self.paired = True
-        for w, (total, n) in known.items():
-            self.accept_sum[w] += total
-            self.accept_count[w] += n
-            if below is not None:
-                b = float(below.get(w, 0.0))
-                if b < 0:
-                    raise ValueError(f"negative acceptance below width {w}: {b}")
-                self.below_sum[w] += b
-            self.seen.add(w)
+        for b, kb in enumerate(known):
+            S, C, B = self.bucket_sum[b], self.bucket_count[b], self.bucket_below[b]
+            for w, (total, n) in kb.items():
+                # the past weighs at most what the current flow would in steady state (n / (1 - ema)):
+                # a burst of request-rounds (a warm-up batch, a level's fresh requests) cannot
+                # outweigh a narrow batch's or a probe's measurements for long
+                cap = n / (1.0 - self.ema) if self.ema > 0 else 0.0
+                if C[w] > cap:
+                    f = cap / C[w]
+                    S[w] *= f
+                    C[w] *= f
+                    B[w] *= f
+                S[w] += total
+                C[w] += n
+                if below is not None:
+                    B[w] += float(below[b].get(w, 0.0))
+                self.seen.add(w)
         self._estimate()
         self.rounds_seen += 1
 
-    def _estimate(self) -> None:
-        """``accept`` from the decayed sums (see :meth:`update_sums`)."""
+    def _chain(self, S: Mapping[int, float], C: Mapping[int, float], B: Mapping[int, float]) -> Dict[int, float]:
+        """Estimates of the seen widths from decayed sums (see :meth:`update_window`)."""
+        out = {}
         if not self.paired:
             for w in self.seen:
-                self.accept[w] = self.accept_sum[w] / self.accept_count[w]
-            return
+                if C[w] > 0:
+                    out[w] = S[w] / C[w]
+            return out
         prev = None
         for w in sorted(self.accept):
-            if w not in self.seen:
+            if w not in self.seen or C[w] <= 0:
                 prev = None            # a gap: the next measured width starts its own chain
                 continue
-            mean = self.accept_sum[w] / self.accept_count[w]
+            mean = S[w] / C[w]
             if prev is None:
-                self.accept[w] = mean
-            elif self.below_sum[w] > 1e-9:
-                self.accept[w] = self.accept[prev] * (self.accept_sum[w] / self.below_sum[w])
+                out[w] = mean
+            elif B[w] > 1e-9:
+                out[w] = out[prev] * (S[w] / B[w])
             else:                      # the narrower width accepted nothing on these rounds: its gain
-                self.accept[w] = self.accept[prev] + mean
+                out[w] = out[prev] + mean
             prev = w
+        return out
+
+    def _estimate(self) -> None:
+        """``accept`` (pooled) and ``bucket_accept`` from the decayed sums (see :meth:`update_window`)."""
+        S, C = self.accept_sum, self.accept_count
+        B = self._pooled(self.bucket_below)
+        self.accept.update(self._chain(S, C, B))
+        if self.buckets == 1:
+            self.bucket_accept[0] = dict(self.accept)
+            return
+        k = float(self.shrink)
+        for b in range(self.buckets):
+            Sb, Cb, Bb = {}, {}, {}
+            for w in self.accept:
+                n = C[w]
+                Sb[w] = self.bucket_sum[b][w] + (k * S[w] / n if n > 0 else 0.0)
+                Bb[w] = self.bucket_below[b][w] + (k * B[w] / n if n > 0 else 0.0)
+                Cb[w] = self.bucket_count[b][w] + (k if n > 0 else 0.0)
+            est = dict(self.accept)
+            est.update(self._chain(Sb, Cb, Bb))
+            self.bucket_accept[b] = est
+
+    def mix_accept(self, ages: Sequence[int]) -> Dict[int, float]:
+        """Expected accepted tokens per request at each width for requests of these ages (output
+        tokens emitted): the mean of their buckets' estimates (the pooled estimate without ages or
+        without buckets)."""
+        if self.buckets == 1 or not ages:
+            return dict(self.accept)
+        hist = collections.Counter(self.bucket_of(a) for a in ages)
+        n = float(len(ages))
+        return {w: sum(c * self.bucket_accept[b][w] for b, c in hist.items()) / n for w in self.accept}
 
     def overhead(self, bs: int) -> float:
         """Per-round ms outside the cost table (0 until observed; never below 0).  One value for
@@ -268,8 +372,11 @@ class BudgetPolicy:
         return max(0.0, float(self.overhead_ms))
 
     def tokens_per_request(self, width: int) -> float:
-        """Tokens a request emits in a round at ``width`` (accepted + the bonus; 1 without speculation)."""
-        return 1.0 if width == NO_SPEC else 1.0 + self.accept[width]
+        """Tokens a request emits in a round at ``width`` (accepted + the bonus; 1 without speculation):
+        for the batch of the last :meth:`choose` given ages, else the pooled estimate."""
+        if width == NO_SPEC:
+            return 1.0
+        return 1.0 + (self.accept if self.batch_accept is None else self.batch_accept)[width]
 
     def admission_ms(self, bs: int, width: int) -> float:
         """Expected ms of prefill per round of ``bs`` requests at ``width``: ``prefill_ms`` times the
@@ -316,10 +423,13 @@ class BudgetPolicy:
     def candidates(self) -> List[int]:
         return ([NO_SPEC] if self.allow_no_spec else []) + self.costs.widths
 
-    def choose(self, bs: int) -> int:
-        """The verify width for the next round of ``bs`` requests (NO_SPEC: plain decode)."""
+    def choose(self, bs: int, ages: Optional[Sequence[int]] = None) -> int:
+        """The verify width for the next round of ``bs`` requests (NO_SPEC: plain decode); ``ages``:
+        the output tokens each of them has emitted (the acceptance is then :meth:`mix_accept` of
+        them, kept in ``batch_accept`` until the next choice; without: the pooled estimate)."""
         if bs < 1:
             raise ValueError(f"batch size must be >= 1, got {bs}")
+        self.batch_accept = None if not ages or self.buckets == 1 else self.mix_accept(ages)
         scores = {w: self.tokens_per_ms(bs, w) for w in self.candidates()}
         best = max(scores, key=lambda w: (scores[w], -w))   # ties: the narrower (cheaper) width
         if self.current in scores and scores[best] <= scores[self.current] * (1 + self.hysteresis):

@@ -308,9 +308,10 @@ def make_round_observers(server_args, *, algo: str, budget: int, block_size: int
 
 class CounterfactualWindow:
     """Counterfactual accepted tokens per budget for the adaptive choice (``adaptive.WidthController``),
-    summed over windows of ``every`` rounds on the device, no host sync in a round.
+    summed over windows of ``every`` rounds on the device, no host sync in a round, per request-age
+    bucket.
 
-    ``record(path, n_valid, remaining=None)``: path [bs, W] of a round whose tree holds the
+    ``record(path, n_valid, remaining=None, age=None)``: path [bs, W] of a round whose tree holds the
     ``n_valid`` smallest ``budgets`` (the others are wider than the round's tree: unknown, not
     counted).  ``remaining`` [bs] (device, optional): tokens each request may still emit before this
     round (its max_new_tokens minus its output so far); a request-round with none left is not counted
@@ -321,41 +322,63 @@ class CounterfactualWindow:
     round more per request than SGLang's ``spec_verify_ct`` (412 vs 388 for 24 requests), each at
     the end of a request where acceptance is highest, and the running width's estimate read
     0.5-0.8 tokens above the tokens per round the requests received.  Request-rounds per budget are
-    counted on the device with the sums.  A closed window is copied to pinned memory behind an event
-    and handed out by ``due()`` once ``lag`` more rounds were recorded: at the same round on every
-    TP rank (if the copy is somehow not complete by then, ``due`` waits for it and counts
-    ``waits``)."""
+    counted on the device with the sums.
 
-    def __init__(self, budgets: Sequence[int], *, device, every: int = 8, lag: int = 4):
+    ``age`` [bs] (device, optional): output tokens each request has emitted before this round; every
+    count goes to the bucket of ``age_edges`` it falls in (bucket k holds ``edges[k-1] <= age <
+    edges[k]``; no edges or no ``age``: one bucket).  Why (``budget_policy.BudgetPolicy``):
+    acceptance depends on a request's age, and which ages a width's rounds see depends on the width.
+
+    A closed window is copied to pinned memory behind an event and handed out by ``due()`` once
+    ``lag`` more rounds were recorded: at the same round on every TP rank (if the copy is somehow
+    not complete by then, ``due`` waits for it and counts ``waits``)."""
+
+    def __init__(self, budgets: Sequence[int], *, device, every: int = 8, lag: int = 4,
+                 age_edges: Sequence[int] = ()):
         if not budgets or list(budgets) != sorted(set(budgets)) or min(budgets) < 1:
             raise ValueError(f"budgets must be distinct, ascending and >= 1, got {list(budgets)}")
         if every < 1 or lag < 0:
             raise ValueError(f"every must be >= 1 and lag >= 0, got {every}, {lag}")
+        edges = [int(e) for e in age_edges]
+        if edges != sorted(set(edges)) or (edges and edges[0] < 1):
+            raise ValueError(f"age_edges must be distinct, ascending and >= 1, got {list(age_edges)}")
         self.budgets, self.every, self.lag = list(budgets), int(every), int(lag)
+        self.age_edges = tuple(edges)
         self.device = torch.device(device)
         self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=self.device)
-        # [0]: accepted tokens per budget (request-rounds whose tree holds it); [1]: at budget k >= 1,
-        # what budget k - 1 accepted on those same request-rounds (the pair a gain is measured on)
-        # [2]: request-rounds counted per budget
-        self._acc = torch.zeros(3, len(self.budgets), dtype=torch.int64, device=self.device)
+        self._edges_dev = torch.tensor(edges, dtype=torch.int64, device=self.device)
+        nb, nk = len(edges) + 1, len(self.budgets)
+        # [0]: accepted tokens per (age bucket, budget) over the request-rounds whose tree holds the
+        # budget; [1]: at budget k >= 1, what budget k - 1 accepted on those same request-rounds (the
+        # pair a gain is measured on); [2]: request-rounds counted
+        self._acc = torch.zeros(3, nb, nk, dtype=torch.int64, device=self.device)
         self._rounds = 0
         self._inflight = []   # (due round, event or None, host copy of _acc)
         self.waits = 0
 
-    def record(self, path: torch.Tensor, n_valid: int, remaining: Optional[torch.Tensor] = None) -> None:
+    @property
+    def buckets(self) -> int:
+        return len(self.age_edges) + 1
+
+    def record(self, path: torch.Tensor, n_valid: int, remaining: Optional[torch.Tensor] = None,
+               age: Optional[torch.Tensor] = None) -> None:
         bs = path.shape[0]
         if n_valid > 0 and bs:
+            if age is None or not self.age_edges:
+                bucket = torch.zeros(bs, dtype=torch.int64, device=path.device)
+            else:
+                bucket = torch.bucketize(age.reshape(bs).to(torch.int64), self._edges_dev, right=True)
             cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid]).to(torch.int64)
             if remaining is None:
-                self._acc[2, :n_valid] += bs
+                ones = torch.ones_like(cf)
             else:
                 left = remaining.reshape(bs, 1).to(torch.int64)
                 live = left > 0
                 cf = torch.minimum(cf, (left - 1).clamp(min=0)) * live   # [bs, n_valid]
-                self._acc[2, :n_valid] += live.sum()
-            tot = cf.sum(0)
-            self._acc[0, :n_valid] += tot
-            self._acc[1, 1:n_valid] += tot[:n_valid - 1]
+                ones = live.to(torch.int64).expand(bs, n_valid)
+            self._acc[2, :, :n_valid].index_add_(0, bucket, ones)
+            self._acc[0, :, :n_valid].index_add_(0, bucket, cf)
+            self._acc[1, :, 1:n_valid].index_add_(0, bucket, cf[:, :n_valid - 1])
         self._rounds += 1
         if self._rounds % self.every == 0:
             ev, host = _async_host_copy(self._acc)
@@ -363,10 +386,10 @@ class CounterfactualWindow:
             self._inflight.append((self._rounds + self.lag, ev, host))
 
     def due(self) -> List[tuple]:
-        """Windows whose hand-out round has come: [(sums per budget, request-rounds per budget,
-        below)], ``below[k]`` (k >= 1) = what budget k - 1 accepted on the request-rounds counted at
-        budget k (``below[0]`` = 0): the same rounds, so ``sums[k] / below[k]`` is budget k's gain over
-        budget k - 1 free of which rounds happened to run the wider tree."""
+        """Windows whose hand-out round has come: [(sums, counts, below)], each [age bucket][budget],
+        ``below[b][k]`` (k >= 1) = what budget k - 1 accepted on the request-rounds counted at budget
+        k (``below[b][0]`` = 0): the same rounds, so ``sums[b][k] / below[b][k]`` is budget k's gain
+        over budget k - 1 free of which rounds happened to run the wider tree."""
         out = []
         while self._inflight and self._inflight[0][0] <= self._rounds:
             _, ev, host = self._inflight.pop(0)

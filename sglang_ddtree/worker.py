@@ -457,7 +457,7 @@ class DDTreeWorker(DFlashWorkerV2):
         policy = None
         if cfg.cycle is None:
             table = self._tp_shared(self._measure_cost_table(states, cfg))
-            policy = BudgetPolicy(table, allow_no_spec=cfg.no_spec)
+            policy = BudgetPolicy(table, allow_no_spec=cfg.no_spec, age_edges=cfg.age_edges)
             if self.ps.tp_rank == 0:
                 logger.info("%s adaptive budget: cost table (ms) verify=%s base=%s", algo,
                             table.verify_ms, table.base_ms)
@@ -679,7 +679,8 @@ class DDTreeWorker(DFlashWorkerV2):
         D = self.block_size - 1
         # verify width of this round: the server's, or the adaptive choice (host values only)
         ctl = self._adaptive
-        N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive.requested_width(batch.reqs))
+        N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive.requested_width(batch.reqs),
+                                                               batch.reqs)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
 

@@ -9,6 +9,7 @@ The fake target is a deterministic "language model" over a hidden token sequence
 whose path (read back from the verify mask the round wrote) spells ``T`` from the root on, its argmax
 is ``T``'s next token, else a wrong one; the fake drafter proposes ``T`` at a random rank or not at
 all."""
+import bisect
 import types
 
 import pytest
@@ -554,12 +555,15 @@ def test_request_rounds_past_max_new_tokens_are_not_counted(world):
     counterfactual window must not count it, and a request's last round counts only what it keeps.
     Request 0 (prompt 5, max_new_tokens 1) has emitted its only token at prefill: never counted;
     request 1 (max_new_tokens 4) counts min(accepted, tokens left - 1) until it has 4; request 2
-    (no limit) counts every round."""
+    (no limit) counts every round.  Each counts in the age bucket of its output so far (seq_lens -
+    prompt + 1 before the round; the default edges)."""
     env = {"SGLANG_DDTREE_BUDGETS": "3,15"}
     wd = make_worker(world, env)
     wd.req_limits = [(5, 1), (5, 4), (5, None)]
     ctl = wd.w._adaptive
-    ctl.window = CounterfactualWindow(ctl.window.budgets, device="cpu", every=1, lag=0)
+    edges = ctl.cfg.age_edges
+    assert edges == A.DEFAULT_AGE_EDGES
+    ctl.window = CounterfactualWindow(ctl.window.budgets, device="cpu", every=1, lag=0, age_edges=edges)
     got, due = [], ctl.window.due
     ctl.window.due = lambda: [got.append(x) or x for x in due()]
     seq_before = []
@@ -572,5 +576,10 @@ def test_request_rounds_past_max_new_tokens_are_not_counted(world):
         acc = (log["commit"] - 1).tolist()                          # accepted per request (width 16)
         left = [5 + 1 - int(seq[0]) - 1, 5 + 4 - int(seq[1]) - 1]   # tokens each may still emit
         want = [0, min(acc[1], max(left[1] - 1, 0)) if left[1] > 0 else 0, acc[2]]
-        assert counts[1] == (left[1] > 0) + 1 and sums[1] == sum(want), (sums, counts, acc, left)
+        live = [False, left[1] > 0, True]
+        bucket = [bisect.bisect_right(edges, int(seq[i]) - 5 + 1) for i in range(3)]
+        for k in range(len(edges) + 1):
+            mine = [i for i in range(3) if live[i] and bucket[i] == k]
+            assert counts[k][1] == len(mine) and sums[k][1] == sum(want[i] for i in mine), (k, sums, counts)
+    assert bisect.bisect_right(edges, int(seq_before[-1][2]) - 4) > 1    # request 2 crossed buckets
     assert_lossless(wd)

@@ -52,7 +52,7 @@ def test_window_counts_only_widths_the_round_covers(rng):
                 want_b[j] += int(cf[:, j - 1].sum())     # the narrower budget on the same rounds
         win.record(path, n_valid)
         if (r + 1) % 3 == 0:
-            windows.append((want_s, want_c, want_b))
+            windows.append(([want_s], [want_c], [want_b]))      # one age bucket
             want_s, want_c, want_b = [0] * 3, [0] * 3, [0] * 3
     # window k (closed after round 3k+3) is handed out once 2 more rounds were recorded
     assert got == windows[:3]
@@ -63,37 +63,44 @@ def test_window_counts_only_widths_the_round_covers(rng):
     assert win.due() == [windows[3]] and win.due() == [] and win.waits == 0
 
 
-def test_window_skips_finished_requests_and_clips_last_rounds(rng):
+def test_window_skips_finished_requests_clips_last_rounds_and_counts_per_age_bucket(rng):
     """``remaining`` (tokens each request may still emit): a request-round with none left is not
-    counted, the others count min(accepted, remaining - 1) at each budget; brute force on random
-    paths and limits (some rounds without ``remaining``: everything counts)."""
+    counted, the others count min(accepted, remaining - 1) at each budget; ``age`` (output tokens so
+    far): each request-round counts in the bucket of the edges (3, 8) it falls in (< 3, 3-7, >= 8);
+    brute force on random paths, limits and ages (some rounds without ``remaining``: everything
+    counts; without ``age``: bucket 0)."""
     budgets = [3, 7, 15]
-    win = CounterfactualWindow(budgets, device="cpu", every=2, lag=0)
+    edges = (3, 8)
+    win = CounterfactualWindow(budgets, device="cpu", every=2, lag=0, age_edges=edges)
+    assert win.buckets == 3
     py = random.Random(int(torch.randint(0, 2 ** 31, (), generator=rng)))
     got, want = [], []
-    s, c, bl = [0] * 3, [0] * 3, [0] * 3
-    for r in range(20):
+    new = lambda: ([[0] * 3 for _ in range(3)], [[0] * 3 for _ in range(3)], [[0] * 3 for _ in range(3)])
+    s, c, bl = new()
+    for r in range(24):
         b = py.choice(budgets)
         bs = py.randint(1, 6)
         path = _round_path(rng, bs, b)
         n_valid = budgets.index(b) + 1
         rem = None if py.random() < 0.25 else torch.tensor([py.randint(-3, 9) for _ in range(bs)])
+        age = None if py.random() < 0.2 else torch.tensor([py.randint(1, 12) for _ in range(bs)])
         cf = tree_ops.counterfactual_accept_len(path, budgets[:n_valid])
         for i in range(bs):
             left = None if rem is None else int(rem[i])
             if left is not None and left <= 0:
                 continue
+            k = 0 if age is None else sum(int(age[i]) >= e for e in edges)
             for j in range(n_valid):
                 v = int(cf[i, j]) if left is None else min(int(cf[i, j]), left - 1)
-                s[j] += v
-                c[j] += 1
+                s[k][j] += v
+                c[k][j] += 1
                 if j:
-                    bl[j] += int(cf[i, j - 1]) if left is None else min(int(cf[i, j - 1]), left - 1)
-        win.record(path, n_valid, rem)
+                    bl[k][j] += int(cf[i, j - 1]) if left is None else min(int(cf[i, j - 1]), left - 1)
+        win.record(path, n_valid, rem, age)
         got += win.due()
         if (r + 1) % 2 == 0:
             want.append((s, c, bl))
-            s, c, bl = [0] * 3, [0] * 3, [0] * 3
+            s, c, bl = new()
     assert got == want
 
 
@@ -124,6 +131,9 @@ def test_window_argument_checks():
             CounterfactualWindow(bad, device="cpu")
     with pytest.raises(ValueError):
         CounterfactualWindow([3], device="cpu", every=0)
+    for bad in ((8, 3), (3, 3), (0, 4)):
+        with pytest.raises(ValueError):
+            CounterfactualWindow([3], device="cpu", age_edges=bad)
 
 
 def test_update_sums_per_width():
@@ -492,11 +502,11 @@ def test_controller_record_drops_wider_widths():
                           window_every=1, window_lag=0)
     path = torch.tensor([[0, 2, 5, 9, -1, -1, -1]], dtype=torch.int32)     # slots 2, 5 <= 7; 9 > 7
     c.record(path, 8)                               # a width-8 round: widths 4 and 8 known, 16 not
-    assert c.window.due() == [([1, 2, 0], [1, 1, 0], [0, 1, 0])]
+    assert c.window.due() == [([[1, 2, 0]], [[1, 1, 0]], [[0, 1, 0]])]
     c.record(path, 1)                               # no-spec: nothing known
-    assert c.window.due() == [([0, 0, 0], [0, 0, 0], [0, 0, 0])]
+    assert c.window.due() == [([[0, 0, 0]], [[0, 0, 0]], [[0, 0, 0]])]
     c.record(path, 16)
-    assert c.window.due() == [([1, 2, 3], [1, 1, 1], [0, 1, 2])]
+    assert c.window.due() == [([[1, 2, 3]], [[1, 1, 1]], [[0, 1, 2]])]
     assert NO_SPEC == 0
 
 
