@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp
+from .budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp, check_age_edges
 from .config import MAX_BUDGET, MIN_BUDGET
 from .round_stats import CounterfactualWindow
 
@@ -202,10 +202,11 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
     elif raw_age == "off":
         age_edges = ()
     else:
-        age_edges = tuple(_int_list(algo, ENV_AGE_BUCKETS, raw_age))
-        if list(age_edges) != sorted(set(age_edges)) or age_edges[0] < 1:
-            raise ValueError(f"{algo}: {ENV_AGE_BUCKETS}={raw_age}: edges must be distinct, ascending "
-                             f"and >= 1 (or 'default' / 'off')")
+        listed = _int_list(algo, ENV_AGE_BUCKETS, raw_age)
+        try:
+            age_edges = check_age_edges(listed)
+        except ValueError as e:
+            raise ValueError(f"{algo}: {ENV_AGE_BUCKETS}={raw_age}: {e} (or 'default' / 'off')") from None
     cycle = None
     if raw_cycle:
         cycle = tuple(_int_list(algo, ENV_TEST_CYCLE, raw_cycle))
@@ -628,7 +629,7 @@ class WidthController:
     def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None) -> None:
         """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``; with the
         batch's SGLang requests and its committed lengths ``seq_lens`` [bs] (device), request-rounds
-        past a request's max_new_tokens are not counted (:meth:`remaining`; see
+        past a request's max_new_tokens are not counted (:meth:`remaining_and_age`; see
         ``round_stats.CounterfactualWindow``) and each counts in its request's age bucket."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
         left = age = None
@@ -652,11 +653,6 @@ class WidthController:
             self._limits = (key, consts)
         consts = self._limits[1]
         return remaining_tokens(consts[0], seq_lens), output_tokens(consts[1], seq_lens)
-
-    def remaining(self, reqs, seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
-        """:func:`remaining_tokens` for a batch of SGLang requests (None when its requests do not carry
-        what it needs); see :meth:`remaining_and_age`."""
-        return self.remaining_and_age(reqs, seq_lens)[0]
 
 
 NO_TOKEN_LIMIT = 1 << 40   # a request without max_new_tokens

@@ -72,6 +72,15 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 NO_SPEC = 0   # the choice "no speculation this round": a plain decode step
 
 
+def check_age_edges(edges: Sequence[int]) -> Tuple[int, ...]:
+    """Request-age bucket edges (output tokens) as a tuple: distinct, ascending, each >= 1 (empty: one
+    bucket).  Raises ValueError."""
+    out = tuple(int(e) for e in edges)
+    if list(out) != sorted(set(out)) or (out and out[0] < 1):
+        raise ValueError(f"age_edges must be distinct, ascending and >= 1, got {list(edges)}")
+    return out
+
+
 def _interp(table: Mapping[int, float], bs: int) -> float:
     """Linear interpolation of a {batch size: ms} table at bs (clamped outside its range)."""
     if not table:
@@ -158,13 +167,10 @@ class BudgetPolicy:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
         if int(self.overhead_window) < 1:
             raise ValueError(f"overhead_window must be >= 1, got {self.overhead_window}")
-        edges = [int(e) for e in self.age_edges]
-        if edges != sorted(set(edges)) or (edges and edges[0] < 1):
-            raise ValueError(f"age_edges must be distinct, ascending and >= 1, got {list(self.age_edges)}")
+        self.age_edges = check_age_edges(self.age_edges)
         if not self.shrink >= 0:
             raise ValueError(f"shrink must be >= 0, got {self.shrink}")
-        self.age_edges = tuple(edges)
-        nb = len(edges) + 1
+        nb = len(self.age_edges) + 1
         ws = self.costs.widths
         for w in ws:
             self.accept.setdefault(w, float(self.prior_accept))

@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import tree_ops
+from .budget_policy import check_age_edges
 from .profiling import STAGES, RoundProfiler
 
 ENV_FILE = "SGLANG_DDTREE_STATS_FILE"
@@ -339,11 +340,9 @@ class CounterfactualWindow:
             raise ValueError(f"budgets must be distinct, ascending and >= 1, got {list(budgets)}")
         if every < 1 or lag < 0:
             raise ValueError(f"every must be >= 1 and lag >= 0, got {every}, {lag}")
-        edges = [int(e) for e in age_edges]
-        if edges != sorted(set(edges)) or (edges and edges[0] < 1):
-            raise ValueError(f"age_edges must be distinct, ascending and >= 1, got {list(age_edges)}")
+        edges = check_age_edges(age_edges)
         self.budgets, self.every, self.lag = list(budgets), int(every), int(lag)
-        self.age_edges = tuple(edges)
+        self.age_edges = edges
         self.device = torch.device(device)
         self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=self.device)
         self._edges_dev = torch.tensor(edges, dtype=torch.int64, device=self.device)

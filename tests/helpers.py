@@ -8,6 +8,16 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class Clock:
+    """A host clock the test advances (``ms``); called, it returns seconds."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    def __call__(self):
+        return self.ms / 1e3
+
+
 def load_bench(name):
     """bench/<name>.py as a fresh module."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))

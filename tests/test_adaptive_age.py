@@ -16,6 +16,8 @@ import torch
 from sglang_ddtree import adaptive as A
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 
+from helpers import Clock as _Clock
+
 
 def _two_bucket_policy(**kw):
     t = CostTable(verify_ms={8: {64: 13.9}, 16: {64: 16.7}}, base_ms={64: 6.0})
@@ -131,13 +133,6 @@ def _path_slots(acc):
             nxt += 1
         nxt = max(nxt, hi + 1)
     return slots
-
-
-class _Clock:
-    ms = 0.0
-
-    def __call__(self):
-        return self.ms / 1e3
 
 
 def _level(ctl, clock, c, n_req, rng, pin=None):

@@ -15,7 +15,7 @@ from sglang_ddtree import ddtree, tree_ops
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 from sglang_ddtree.round_stats import CounterfactualWindow
 
-from helpers import drafter_logits, logprobs_from_logits
+from helpers import Clock as _Clock, drafter_logits, logprobs_from_logits
 
 
 def _round_path(rng, bs, budget, D=6, V=200):
@@ -113,15 +113,15 @@ def test_remaining_tokens_from_prompt_length_and_max_new_tokens():
     assert A.token_limits(reqs) == [6, 9, 7 + A.NO_TOKEN_LIMIT]
     c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=None, device="cpu")
     seq = torch.tensor([5, 5, 7])
-    assert c.remaining(reqs, seq).tolist() == [0, 3, A.NO_TOKEN_LIMIT - 1]
+    assert c.remaining_and_age(reqs, seq)[0].tolist() == [0, 3, A.NO_TOKEN_LIMIT - 1]
     seq = seq + torch.tensor([0, 3, 2])                  # request 1 accepted 2 (+ bonus): 1 left
-    assert c.remaining(reqs, seq).tolist()[:2] == [0, 0]
-    assert c.remaining([types.SimpleNamespace()], torch.tensor([3])) is None
-    assert c.remaining(reqs, torch.tensor([5, 5])) is None     # a length mismatch
-    c.remaining(reqs, seq)
+    assert c.remaining_and_age(reqs, seq)[0].tolist()[:2] == [0, 0]
+    assert c.remaining_and_age([types.SimpleNamespace()], torch.tensor([3])) == (None, None)
+    assert c.remaining_and_age(reqs, torch.tensor([5, 5]))[0] is None     # a length mismatch
+    c.remaining_and_age(reqs, seq)
     held = c._limits[1]
-    assert c.remaining(reqs, seq + 1).tolist()[1] == -1 and c._limits[1] is held
-    assert c.remaining(reqs[:2], seq[:2]).tolist() == [0, 0]          # a new batch: new limits
+    assert c.remaining_and_age(reqs, seq + 1)[0].tolist()[1] == -1 and c._limits[1] is held
+    assert c.remaining_and_age(reqs[:2], seq[:2])[0].tolist() == [0, 0]          # a new batch: new limits
     assert c._limits[1] is not held
 
 
@@ -251,16 +251,6 @@ def test_overhead_is_the_median_of_recent_samples_and_ignores_rare_spikes():
 
 def _cfg(**env):
     return A.parse_config(env, budget=15, algo="DDTREE-GPU")
-
-
-class _Clock:
-    """A host clock the test advances (ms)."""
-
-    def __init__(self):
-        self.ms = 0.0
-
-    def __call__(self):
-        return self.ms / 1e3
 
 
 def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
