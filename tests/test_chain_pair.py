@@ -143,3 +143,61 @@ def test_check_outputs_every_arm(tmp_path):
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert r.returncode == 1 and [x["arm"] for x in lines] == ["ddtree_auto", "ddtree_auto_pin7"]
     assert [x["n_wrong"] for x in lines] == [0, 1]
+
+
+
+def test_identity_record_fills_a_run_without_a_reference_arm():
+    """The chain verdicts become the run's identity when no base arm ran (the report then says
+    'identical (n)' / 'k of n differ', not '-'), and sit beside a measured base identity otherwise."""
+    from sglang_ddtree.ab.report import _identity_cell, _lossless
+    perm = list(range(1, 1024)) + [0]
+    doc = {"prompt_ids": [[1, 5], [2, 9]],
+           "output_ids": {"ddtree_auto": {"1": [[6, 7], [10, 11]], "4": [[6, 7], [10, 11]]},
+                          "ddtree_auto_pin7": {"1": [[6, 8], [10, 11]], "4": [[6, 7], None]}},
+           "identity": {"reference": "base", "arms": {}, "note": "reference arm 'base' was not measured"}}
+    got = CP.identity_record(json.loads(json.dumps(doc)),
+                             [CP.check_outputs(doc, perm, a) for a in ("ddtree_auto", "ddtree_auto_pin7")])
+    idn = got["identity"]
+    assert idn["reference"] == "chain" and set(idn["arms"]) == {"ddtree_auto", "ddtree_auto_pin7"}
+    assert idn["arms"]["ddtree_auto"] == {"compared": 4, "mismatched": 0, "errors": 0,
+                                          "by_concurrency": {"1": 0, "4": 0}, "examples": [], "identical": True}
+    pin = idn["arms"]["ddtree_auto_pin7"]
+    assert (pin["compared"], pin["mismatched"], pin["by_concurrency"]) == (3, 1, {"1": 1, "4": 0})
+    assert pin["examples"] == [{"concurrency": "1", "prompt": 0, "first_diff": 1}] and not pin["identical"]
+    assert _identity_cell(got, "ddtree_auto") == "identical vs chain (4)" and _lossless(got, "ddtree_auto")
+    assert _identity_cell(got, "ddtree_auto_pin7") == "1 of 3 differ vs chain" and not _lossless(got, "ddtree_auto_pin7")
+    # a run with a measured reference arm keeps its identity; the chain verdicts go beside it
+    base_idn = {"reference": "base", "arms": {"ddtree_auto": {"compared": 2, "mismatched": 0, "errors": 0,
+                                                              "by_concurrency": {"1": 0}, "examples": [],
+                                                              "identical": True}}}
+    doc2 = CP.identity_record(dict(doc, identity=json.loads(json.dumps(base_idn))),
+                              [CP.check_outputs(doc, perm, "ddtree_auto")])
+    assert doc2["identity"]["reference"] == "base" and doc2["identity"]["arms"] == base_idn["arms"]
+    assert doc2["identity"]["chain"]["arms"]["ddtree_auto"]["compared"] == 4
+
+
+RUN7 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    "bench", "results", "raw", "scalechain_ab_qwen3-8b_h200_s23.json")
+
+
+@pytest.mark.skipif(not os.path.exists(RUN7), reason="the committed H200 run 7 is not in this checkout")
+def test_record_on_a_committed_run_without_base(tmp_path):
+    """check-outputs --record on a copy of a committed H200 run of the adaptive server only (no base arm):
+    every arm's saved outputs are the chain (the toy target's perm, rebuilt here), and the rewritten
+    report says so instead of '-'."""
+    import subprocess
+    import sys
+    doc = json.load(open(RUN7))
+    doc["identity"] = {"reference": "base", "arms": {}, "note": "reference arm 'base' was not measured"}
+    (tmp_path / "ab.json").write_text(json.dumps(doc))
+    _, perm = CP.M.qwen3_target_state()
+    (tmp_path / "perm.json").write_text(json.dumps(perm.tolist()))
+    script = os.path.join(os.path.dirname(CP.__file__), "chain_pair.py")
+    r = subprocess.run([sys.executable, script, "check-outputs", str(tmp_path / "ab.json"), str(tmp_path / "perm.json"),
+                        "--arm", "all", "--record"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    idn = json.loads((tmp_path / "ab.json").read_text())["identity"]
+    assert idn["reference"] == "chain" and len(idn["arms"]) == 5
+    assert all(d["identical"] and d["compared"] == 472 for d in idn["arms"].values())
+    md = (tmp_path / "ab.md").read_text()
+    assert "Token identity against `chain`" in md and "| ddtree_auto_b7-15-31-63 | 472 | 0 | 0 |" in md

@@ -174,7 +174,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              --out $OUT/scalechain_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-} \
              ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} \
         && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/scalechain_ab_${shape}_h200.json \
-             $sd/${shape}chain_target/perm.json --arm all; } > $LOG/$st.log 2>&1; rc=$?
+             $sd/${shape}chain_target/perm.json --arm all --record; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
       grep -a -E "^\{|^written|^chain|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):

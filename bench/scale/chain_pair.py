@@ -1,7 +1,7 @@
 """The test bed's permutation-chain GQA pair at a production Qwen3 shape, with a block-16 drafter.
 
     python bench/scale/chain_pair.py write --shape qwen3-8b --out DIR [--layers L] [--drafter F]
-    python bench/scale/chain_pair.py check-outputs AB.json PERM.json [--arm base|all]
+    python bench/scale/chain_pair.py check-outputs AB.json PERM.json [--arm base|all] [--record]
 
 Why: the text pair (``transform.py``) gives production cost but its drafter accepts 1.2 tokens a
 round, so every speculative arm loses to plain decoding there.  This pair has the same production
@@ -230,6 +230,30 @@ def check_outputs(ab_json, perm_json, arm="base", name=None):
     return {"arm": arm, "checked": checked, "wrong": wrong}
 
 
+def identity_record(doc, verdicts):
+    """Write chain-check verdicts (``check_outputs`` results) into an A/B document's ``identity``, so
+    its report shows them: under ``identity["chain"]`` always, and as the run's identity
+    (reference ``chain``) when the run measured no reference arm (runs of the adaptive server only),
+    whose identity would otherwise say nothing.  Returns ``doc``."""
+    arms = {}
+    for v in verdicts:
+        by_c = {c: 0 for c in ((doc.get("output_ids") or {}).get(v["arm"]) or {})}
+        for c, _, _ in v["wrong"]:
+            by_c[c] = by_c.get(c, 0) + 1
+        arms[v["arm"]] = {"compared": v["checked"], "mismatched": len(v["wrong"]), "errors": 0,
+                          "by_concurrency": by_c,
+                          "examples": [{"concurrency": c, "prompt": i, "first_diff": k} for c, i, k in v["wrong"][:10]],
+                          "identical": not v["wrong"] and v["checked"] > 0}
+    idn = doc.setdefault("identity", {})
+    idn["chain"] = {"note": "every saved output compared with the chain of its prompt's last token "
+                            "(bench/scale/chain_pair.py check-outputs)", "arms": arms}
+    if not idn.get("arms"):
+        idn.update(reference="chain", arms=arms,
+                   note="no reference arm in this run: outputs checked against the permutation chain, "
+                        "the target's greedy output by construction (bench/scale/chain_pair.py)")
+    return doc
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -244,6 +268,8 @@ def main():
     c.add_argument("ab_json")
     c.add_argument("perm_json")
     c.add_argument("--arm", default="base", help="an arm, or 'all': every arm with saved outputs")
+    c.add_argument("--record", action="store_true", help="write the verdicts into AB.json's identity "
+                   "(identity_record) and re-render its .md next to it")
     a = ap.parse_args()
     if a.cmd == "write":
         print(json.dumps(write(a.out, a.shape, a.layers, a.drafter, a.block_size, force=a.force)))
@@ -254,11 +280,15 @@ def main():
         arms = sorted(doc.get("output_ids") or {})
         if not arms:
             raise SystemExit(f"{a.ab_json}: no output_ids (run the A/B with --save-output-ids)")
-    bad = 0
+    bad, verdicts = 0, []
     for arm in arms:
         r = check_outputs(doc, perm, arm, name=a.ab_json)
+        verdicts.append(r)
         print(json.dumps(dict(r, wrong=r["wrong"][:10], n_wrong=len(r["wrong"]))))
         bad += bool(r["wrong"] or not r["checked"])
+    if a.record:
+        from sglang_ddtree.ab.report import write_outputs
+        write_outputs(identity_record(doc, verdicts), os.path.splitext(a.ab_json)[0], plot=False)
     return 1 if bad else 0
 
 

@@ -60,9 +60,11 @@ def _identity_cell(run, arm_name):
         return "reference"
     if not d or not d.get("compared"):
         return "-"
+    ref = (run.get("identity") or {}).get("reference")
+    against = "" if ref in (None, "base") else f" vs {ref}"   # e.g. runs of the chain pairs without a base arm
     if not d["mismatched"]:
-        return f"identical ({d['compared']})"
-    txt = f"{d['mismatched']} of {d['compared']} differ"
+        return f"identical{against} ({d['compared']})"
+    txt = f"{d['mismatched']} of {d['compared']} differ{against}"
     if c:
         txt += (f": all {c['near_tie']} near ties" if not c["error"] else
                 f": {c['near_tie']} near ties, **{c['error']} errors**")
@@ -218,7 +220,8 @@ def render_markdown(doc: dict) -> str:
         L += ["# A/B serving benchmark", "", f"{len(runs)} runs merged by `python bench/ab_serve.py --merge`. "
               "Output tokens per second at each concurrency (x the base arm of the same run: runs are never "
               "compared with each other), accepted tokens per verify round, and whether every output equals "
-              "the base arm's. Details of each run follow the summary.", ""]
+              "the base arm's (in a run without one, the reference it names, e.g. `chain`: the chain pairs' greedy "
+              "output by construction). Details of each run follow the summary.", ""]
         L += ["## Summary", ""] + render_summary(doc, h="###")
     for run in runs:
         L += _render_run(run, top=doc.get("kind") != "ab_serve_merged")
