@@ -604,6 +604,10 @@ def test_interrupt_stops_the_server_and_writes(tmp_path, monkeypatch):
     assert st["base"]["status"] == "ok" and st["dflash"]["status"] == "partial"
     assert [lv["concurrency"] for lv in st["dflash"]["levels"]] == [1]
     assert doc["identity"]["arms"]["dflash"]["compared"] == 16
+    for lv in st["base"]["levels"]:   # each repeat's wall-clock window, in run order (round_gaps.py)
+        w = lv["repeat_windows"]
+        assert len(w) == lv["repeats"] == 3 and all(a[0] <= a[1] <= b[0] for a, b in zip(w, w[1:]))
+        assert w[-1][0] <= w[-1][1] and "_window" not in lv
     saved = json.load(open(str(tmp_path / "res" / "ab.json")))
     assert saved["interrupted"] and len(saved["arms"]) == 2
 

@@ -258,6 +258,9 @@ def _measure_levels(rec, outputs, arm, base_url, prompts, levels, per_level, arg
             if partial:
                 break
         lv, outputs[c] = pick_repeat(reps)
+        # every repeat's wall-clock window, in run order: the round-profile records of one repeat are
+        # those inside it (bench/scale/round_gaps.py splits a level's rounds per repeat with them)
+        lv["repeat_windows"] = [[round(r[0]["_window"][0], 3), round(r[0]["_window"][1], 3)] for r in reps]
         if prof_spec and c == prof_spec[0] and not (deadline_at is not None and time.time() > deadline_at - 30):
             lv["torch_profile"] = _traced_pass(arm, base_url, prompts[:n], c, args, tmpdir, prof_spec[1],
                                                deadline_at, cpu=prof_spec[2])

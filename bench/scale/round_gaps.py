@@ -1,0 +1,198 @@
+"""Where a repeat's wall time goes: the plugin's rounds against the time between them, per A/B repeat.
+
+    python bench/scale/round_gaps.py AB.json LOGS.tgz [--levels 16] [--arms a,b] [--out PREFIX]
+
+AB.json: one A/B run (``python -m sglang_ddtree.ab``, not a merged file); LOGS.tgz: that run's logs
+(the ``scalechain_logs_<shape>.tgz`` / ``ab_logs_<tag>.tgz`` a device call returns, holding each
+DDTREE server's round-profile records ``profile_<server arm>.jsonl``).  For every DDTREE arm, level
+and repeat: the rounds and request-rounds the profiler recorded, the sum of their round times (CUDA
+events), the wall span of those rounds, and what is left of the span ("outside": prefills, the
+scheduler between rounds, idle), the widest pause between two records, the verify widths run, and
+the client's output tok/s of that repeat.
+
+Which records belong to which repeat: the level's ``repeat_windows`` (wall clock, recorded by the A/B
+since session 23) when present; for older runs a sequential split: the records of a server are
+walked in time order through its warm-up (burst, then single requests) and then every arm served by
+it, level by level, repeat by repeat.  A record never spans two repeats (the profiler closes one at
+an idle gap, and the A/B flushes the cache and sleeps 0.2 s between repeats), so a repeat ends at a
+record edge: the one whose running request-rounds come closest to the expected count (the reported
+repeat's ``spec_verify_ct`` plus one round per request: the profiler also counts each request's
+last round), preferring edges followed by a pause of at least ``--gap`` seconds.  The output says
+which split each row used, and the request-rounds it got against that expectation.
+
+A record's ``t_first`` / ``t_last`` are taken at the end of its first / last round, so a repeat's
+span misses its first round: outside = span - (round-time sum - the first record's mean round).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tarfile
+from typing import Dict, List, Optional
+
+
+def read_profiles(tgz: str) -> Dict[str, List[dict]]:
+    """{server arm name: its round-profile records sorted by t_first} from a logs tgz (or folder)."""
+    out: Dict[str, List[dict]] = {}
+
+    def add(name, text):
+        base = os.path.basename(name)
+        if base.startswith("profile_") and base.endswith(".jsonl"):
+            recs = [json.loads(x) for x in text.splitlines() if x.strip()]
+            out[base[len("profile_"):-len(".jsonl")]] = sorted(
+                (r for r in recs if "t_first" in r and "t_last" in r), key=lambda r: r["t_first"])
+
+    if os.path.isdir(tgz):
+        for root, _, files in os.walk(tgz):
+            for f in files:
+                with open(os.path.join(root, f)) as fh:
+                    add(f, fh.read())
+    else:
+        with tarfile.open(tgz) as tf:
+            for m in tf.getmembers():
+                if m.isfile():
+                    add(m.name, tf.extractfile(m).read().decode())
+    return out
+
+
+def _segments(doc: dict, server: str) -> List[dict]:
+    """The run-order segments of one server: warm-up burst / single, then (arm, level, repeat)."""
+    arms = [a for a in doc["arms"] if (a.get("server_of") or a["name"]) == server]
+    segs = []
+    head = next((a for a in arms if a["name"] == server), None)
+    for key in ("burst", "single"):
+        w = ((head or {}).get("warmup") or {}).get(key)
+        if w and w.get("spec_verify_ct"):
+            segs.append(dict(arm=server, level=f"warm-up {key}", repeat=0,
+                             expected=w["spec_verify_ct"] + (w.get("completed") or w.get("num_requests") or 0),
+                             window=None, tok_s=None))
+    for a in arms:
+        for lv in a.get("levels") or []:
+            reps = lv.get("output_throughput_repeats") or [lv.get("output_throughput")]
+            wins = lv.get("repeat_windows") or [None] * len(reps)
+            for i, tput in enumerate(reps):
+                exp = lv.get("spec_verify_ct")
+                if exp is not None:
+                    exp += lv.get("completed") or lv.get("num_requests") or 0
+                segs.append(dict(arm=a["name"], level=lv["concurrency"], repeat=i + 1,
+                                 expected=exp, window=wins[i] if i < len(wins) else None, tok_s=tput))
+    return segs
+
+
+def _request_rounds(r: dict) -> float:
+    return r["rounds"] * r["bs_mean"]
+
+
+def assign(segs: List[dict], recs: List[dict], gap_s: float = 0.15, pause_bonus: float = 0.05) -> None:
+    """Give each segment its records (``seg["recs"]``, ``seg["split"]``): by window where every
+    segment has one, else sequentially (module docstring): the end edge minimising
+    |request-rounds - expected| / expected, + ``pause_bonus`` for an edge not followed by a pause."""
+    if segs and all(s["window"] for s in segs if not str(s["level"]).startswith("warm-up")):
+        for s in segs:
+            w = s["window"]
+            s["split"] = "window" if w else "none"
+            s["recs"] = [] if not w else [r for r in recs if w[0] - 0.05 <= r["t_first"] and r["t_last"] <= w[1] + 0.05]
+        return
+    i = 0
+    for s in segs:
+        s["split"] = "sequential"
+        want = float(s["expected"] or 0)
+        best, best_j, acc = None, i, 0.0
+        for j in range(i, len(recs)):
+            acc += _request_rounds(recs[j])
+            paused = j + 1 == len(recs) or recs[j + 1]["t_first"] - recs[j]["t_last"] >= gap_s
+            score = abs(acc - want) / max(want, 1.0) + (0.0 if paused else pause_bonus)
+            if best is None or score < best:
+                best, best_j = score, j + 1
+            if acc > 1.5 * want:
+                break
+        s["recs"] = recs[i:best_j]
+        i = best_j
+
+
+def summarize(seg: dict) -> dict:
+    recs = seg["recs"]
+    row = {k: seg[k] for k in ("arm", "level", "repeat", "split", "expected", "tok_s")}
+    if not recs:
+        return dict(row, records=0)
+    rounds = sum(r["rounds"] for r in recs)
+    round_ms = sum(r["rounds"] * r["round_ms"]["mean"] for r in recs)
+    host_ms = sum(r["rounds"] * r["host_ms"]["mean"] for r in recs)
+    span_ms = (recs[-1]["t_last"] - recs[0]["t_first"]) * 1000.0
+    gaps = [(b["t_first"] - a["t_last"]) * 1000.0 for a, b in zip(recs, recs[1:])]
+    widths: Dict[str, int] = {}
+    for r in recs:
+        for w, v in (r.get("by_width") or {}).items():
+            widths[w] = widths.get(w, 0) + v["rounds"]
+    return dict(row, records=len(recs), rounds=rounds, request_rounds=round(sum(map(_request_rounds, recs))),
+                round_ms=round(round_ms, 1), host_ms=round(host_ms, 1), span_ms=round(span_ms, 1),
+                outside_ms=round(span_ms - (round_ms - recs[0]["round_ms"]["mean"]), 1),
+                max_gap_ms=round(max(gaps), 1) if gaps else 0.0,
+                widths=dict(sorted(widths.items(), key=lambda kv: int(kv[0]))))
+
+
+def analyse(doc: dict, profiles: Dict[str, List[dict]], arms: Optional[List[str]] = None,
+            levels: Optional[List[int]] = None, gap_s: float = 0.15) -> List[dict]:
+    rows = []
+    for server, recs in profiles.items():
+        segs = _segments(doc, server)
+        if not segs:
+            continue
+        assign(segs, recs, gap_s)
+        for s in segs:
+            if arms and s["arm"] not in arms:
+                continue
+            if levels and s["level"] not in levels:
+                continue
+            rows.append(summarize(s))
+    return rows
+
+
+def render(rows: List[dict], title: str) -> str:
+    L = [f"# Round time against the time between rounds: {title}", "",
+         "Made by `bench/scale/round_gaps.py` (see its docstring). ms summed over the repeat; outside = "
+         "the wall span of the repeat's rounds minus their round time (prefills, scheduling, pauses).", "",
+         "| arm | c | repeat | split | request-rounds (expected) | rounds | round ms | host ms | span ms | "
+         "outside ms | widest pause ms | widths | client tok/s |",
+         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        if not r.get("records"):
+            L.append(f"| {r['arm']} | {r['level']} | {r['repeat']} | {r['split']} | 0 ({r['expected']}) | - | - | - | - "
+                     f"| - | - | - | {r['tok_s'] or '-'} |")
+            continue
+        w = ", ".join(f"{k}:{v}" for k, v in r["widths"].items())
+        tok = "-" if r["tok_s"] is None else f"{r['tok_s']:.0f}"
+        L.append(f"| {r['arm']} | {r['level']} | {r['repeat']} | {r['split']} | {r['request_rounds']} "
+                 f"({r['expected']}) | {r['rounds']} | {r['round_ms']:.0f} | {r['host_ms']:.0f} | {r['span_ms']:.0f} | "
+                 f"{r['outside_ms']:.0f} | {r['max_gap_ms']:.0f} | {w} | {tok} |")
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("ab_json")
+    ap.add_argument("logs", help="the run's logs tgz (or an extracted folder)")
+    ap.add_argument("--arms", default=None, help="comma-separated arm names (default: every DDTREE arm)")
+    ap.add_argument("--levels", default=None, help="comma-separated concurrencies (default: all)")
+    ap.add_argument("--gap", type=float, default=0.15, help="seconds of pause that may end a repeat (sequential split)")
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    a = ap.parse_args(argv)
+    with open(a.ab_json) as f:
+        doc = json.load(f)
+    if doc.get("kind") == "ab_serve_merged":
+        raise SystemExit(f"{a.ab_json}: a merged report; give one run's JSON (bench/results/raw/...)")
+    rows = analyse(doc, read_profiles(a.logs), a.arms.split(",") if a.arms else None,
+                   [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap)
+    md = render(rows, os.path.basename(a.ab_json))
+    print(md, end="")
+    if a.out:
+        with open(a.out + ".md", "w") as f:
+            f.write(md)
+        with open(a.out + ".json", "w") as f:
+            json.dump(dict(source=os.path.basename(a.ab_json), logs=os.path.basename(a.logs), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
