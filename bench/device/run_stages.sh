@@ -181,19 +181,21 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
               # transform.py writes it, exactness.py checks its greedy tokens, then the A/B on it through
               # python -m sglang_ddtree.ab (the installed sglang-ddtree-ab command's code path)
               # (SCALE_LAYERS: fewer layers; DRAFTER_RUN: a bench/textpair/train.py output folder whose
-              # drafter replaces the shipped one; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*)
+              # drafter replaces the shipped one; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*;
+              # EXACT_DTYPE=float32: exactness.py serves both targets in fp32; AB_ARMS=none: no A/B)
       local shape=${st#scale_}; local sd=/tmp/models
       { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
         ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py --model-path $sd/${shape}_target \
-             --out $OUT/scale_exactness_${shape}_h200 --small-dir $sd/small_ext_target \
+             --out $OUT/scale_exactness_${shape}_h200${EXACT_DTYPE:+_$EXACT_DTYPE} --small-dir $sd/small_ext_target \
+             ${EXACT_DTYPE:+--dtype $EXACT_DTYPE} \
         && echo "exactness done at $(( $(date +%s) - ts ))s" \
-        && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab --pair text \
+        && { [ "${AB_ARMS:-}" = none ] || timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab --pair text \
              --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \
              --arms ${AB_ARMS:-base,dflash,ddtree_b16} --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
              --max-new-tokens ${AB_NEW:-96} --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port \
-             --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-}; } > $LOG/$st.log 2>&1; rc=$?
+             --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-}; }; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scale_logs_$shape.tgz -C /tmp abw_$shape 2>/dev/null
       grep -a -E "^\{\"target|^written|^exactness|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     soak_*)  # bench/soak.py on the text pair: the mixed 1,000-request load on a DDTREE-GPU HTTP server, then a
