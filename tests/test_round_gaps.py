@@ -108,6 +108,13 @@ def test_main_reads_a_logs_tgz_and_refuses_merged_files(tmp_path):
     assert [(r["arm"], r["level"], r["repeat"]) for r in rows] == [
         ("auto", 4, 1), ("auto", 4, 2), ("auto_pin15", 4, 1), ("auto_pin15", 4, 2)]
     assert "| auto_pin15 | 4 | 2 | window |" in open(out + ".md").read()
+    levels = json.load(open(out + ".json"))["levels"]
+    assert [(x["arm"], x["level"], x["repeats"]) for x in levels] == [("auto", 4, 2), ("auto_pin15", 4, 2)]
+    for x in levels:
+        mine = [r for r in rows if (r["arm"], r["level"]) == (x["arm"], x["level"])]
+        assert x["round_ms"] == pytest.approx(sum(r["round_ms"] for r in mine) / 2, abs=0.1)   # median of two
+        calm = [r for r in mine if r["max_gap_ms"] < 250]
+        assert x["calm"] == len(calm)
     (tmp_path / "m.json").write_text(json.dumps({"kind": "ab_serve_merged", "runs": []}))
     with pytest.raises(SystemExit, match="merged"):
         RG.main([str(tmp_path / "m.json"), str(tmp_path / "logs.tgz")])

@@ -149,7 +149,28 @@ def analyse(doc: dict, profiles: Dict[str, List[dict]], arms: Optional[List[str]
     return rows
 
 
-def render(rows: List[dict], title: str) -> str:
+def level_summary(rows: List[dict], pause_ms: float = 250.0) -> List[dict]:
+    """Per (arm, level) over its repeats: medians of round ms, outside ms and client tok/s, over every
+    repeat and over the repeats whose widest pause is below ``pause_ms`` (a drained batch)."""
+    import statistics
+    out, groups = [], {}
+    for r in rows:
+        if r.get("records") and not str(r["level"]).startswith("warm-up"):
+            groups.setdefault((r["arm"], r["level"]), []).append(r)
+    for (arm, level), rs in groups.items():
+        calm = [r for r in rs if r["max_gap_ms"] < pause_ms]
+
+        def med(xs, key):
+            vals = [x[key] for x in xs if x.get(key) is not None]
+            return round(statistics.median(vals), 1) if vals else None
+        out.append(dict(arm=arm, level=level, repeats=len(rs), calm=len(calm),
+                        round_ms=med(rs, "round_ms"), outside_ms=med(rs, "outside_ms"), tok_s=med(rs, "tok_s"),
+                        calm_round_ms=med(calm, "round_ms"), calm_outside_ms=med(calm, "outside_ms"),
+                        calm_tok_s=med(calm, "tok_s")))
+    return out
+
+
+def render(rows: List[dict], title: str, summary: Optional[List[dict]] = None, pause_ms: float = 250.0) -> str:
     L = [f"# Round time against the time between rounds: {title}", "",
          "Made by `bench/scale/round_gaps.py` (see its docstring). ms summed over the repeat; outside = "
          "the wall span of the repeat's rounds minus their round time (prefills, scheduling, pauses).", "",
@@ -166,6 +187,15 @@ def render(rows: List[dict], title: str) -> str:
         L.append(f"| {r['arm']} | {r['level']} | {r['repeat']} | {r['split']} | {r['request_rounds']} "
                  f"({r['expected']}) | {r['rounds']} | {r['round_ms']:.0f} | {r['host_ms']:.0f} | {r['span_ms']:.0f} | "
                  f"{r['outside_ms']:.0f} | {r['max_gap_ms']:.0f} | {w} | {tok} |")
+    if summary:
+        f = lambda v: "-" if v is None else f"{v:.0f}"   # noqa: E731
+        L += ["", f"## Per level: medians over the repeats (all / the repeats whose widest pause is under "
+                  f"{pause_ms:.0f} ms)", "",
+              "| arm | c | repeats (calm) | round ms | outside ms | client tok/s |", "|---|---:|---:|---:|---:|---:|"]
+        for r in summary:
+            L.append(f"| {r['arm']} | {r['level']} | {r['repeats']} ({r['calm']}) | {f(r['round_ms'])} / "
+                     f"{f(r['calm_round_ms'])} | {f(r['outside_ms'])} / {f(r['calm_outside_ms'])} | "
+                     f"{f(r['tok_s'])} / {f(r['calm_tok_s'])} |")
     return "\n".join(L) + "\n"
 
 
@@ -176,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--arms", default=None, help="comma-separated arm names (default: every DDTREE arm)")
     ap.add_argument("--levels", default=None, help="comma-separated concurrencies (default: all)")
     ap.add_argument("--gap", type=float, default=0.15, help="seconds of pause that may end a repeat (sequential split)")
+    ap.add_argument("--pause-ms", type=float, default=250.0,
+                    help="a repeat whose widest pause reaches this is left out of the 'calm' medians")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     a = ap.parse_args(argv)
     with open(a.ab_json) as f:
@@ -184,13 +216,15 @@ def main(argv=None):
         raise SystemExit(f"{a.ab_json}: a merged report; give one run's JSON (bench/results/raw/...)")
     rows = analyse(doc, read_profiles(a.logs), a.arms.split(",") if a.arms else None,
                    [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap)
-    md = render(rows, os.path.basename(a.ab_json))
+    summary = level_summary(rows, a.pause_ms)
+    md = render(rows, os.path.basename(a.ab_json), summary, a.pause_ms)
     print(md, end="")
     if a.out:
         with open(a.out + ".md", "w") as f:
             f.write(md)
         with open(a.out + ".json", "w") as f:
-            json.dump(dict(source=os.path.basename(a.ab_json), logs=os.path.basename(a.logs), rows=rows), f, indent=1)
+            json.dump(dict(source=os.path.basename(a.ab_json), logs=os.path.basename(a.logs), pause_ms=a.pause_ms,
+                           rows=rows, levels=summary), f, indent=1)
     return 0
 
 
