@@ -98,16 +98,30 @@ def test_main_reads_a_logs_tgz_and_refuses_merged_files(tmp_path):
     doc, recs, _ = _run(random.Random(1), True)
     (tmp_path / "ab.json").write_text(json.dumps(doc))
     data = "\n".join(json.dumps(r) for r in recs).encode()
+    # the server log: warm-up prefills (before any flush: not counted), then per measured repeat a
+    # cache flush and k prefill batches (8 repeats: 2 arms x 2 levels x 2)
+    lines = ["[t] Prefill batch, #new-seq: 8, #new-token: 99, #cached-token: 0"]
+    for k in range(8):
+        lines.append("[t] Cache flushed successfully!")
+        lines += [f"[t] Prefill batch, #new-seq: 2, #new-token: {10 + k}, #cached-token: 0"] * (k + 1)
+        lines.append("[t] Decode batch, #running-req: 2")
+    log = "\n".join(lines).encode()
     with tarfile.open(tmp_path / "logs.tgz", "w:gz") as tf:
-        info = tarfile.TarInfo("abw_x/profile_auto.jsonl")
-        info.size = len(data)
-        tf.addfile(info, io.BytesIO(data))
+        for name, blob in (("abw_x/profile_auto.jsonl", data), ("abw_x/server_auto.log", log)):
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tf.addfile(info, io.BytesIO(blob))
     out = str(tmp_path / "gaps")
     assert RG.main([str(tmp_path / "ab.json"), str(tmp_path / "logs.tgz"), "--levels", "4", "--out", out]) == 0
     rows = json.load(open(out + ".json"))["rows"]
     assert [(r["arm"], r["level"], r["repeat"]) for r in rows] == [
         ("auto", 4, 1), ("auto", 4, 2), ("auto_pin15", 4, 1), ("auto_pin15", 4, 2)]
     assert "| auto_pin15 | 4 | 2 | window |" in open(out + ".md").read()
+    # run order: auto c1 r1, r2, auto c4 r1, r2, pin15 c1 r1, r2, pin15 c4 r1, r2 -> flushes 2, 3, 6, 7
+    assert [r["prefill_batches"] for r in rows] == [3, 4, 7, 8]
+    assert [r["prefill_tokens"] for r in rows] == [3 * 12, 4 * 13, 7 * 16, 8 * 17]
+    assert all(r["outside_per_prefill_ms"] == pytest.approx(r["outside_ms"] / r["prefill_batches"], abs=0.01)
+               for r in rows)
     levels = json.load(open(out + ".json"))["levels"]
     assert [(x["arm"], x["level"], x["repeats"]) for x in levels] == [("auto", 4, 2), ("auto_pin15", 4, 2)]
     for x in levels:

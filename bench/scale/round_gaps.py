@@ -8,7 +8,8 @@ DDTREE server's round-profile records ``profile_<server arm>.jsonl``).  For ever
 and repeat: the rounds and request-rounds the profiler recorded, the sum of their round times (CUDA
 events), the wall span of those rounds, and what is left of the span ("outside": prefills, the
 scheduler between rounds, idle), the widest pause between two records, the verify widths run, and
-the client's output tok/s of that repeat.
+the client's output tok/s of that repeat, and the prefill batches the server logged in it (its
+log, between the cache flushes the A/B sends before every repeat) with the outside time per batch.
 
 Which records belong to which repeat: the level's ``repeat_windows`` (wall clock, recorded by the A/B
 since session 23) when present; for older runs a sequential split: the records of a server are
@@ -28,8 +29,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tarfile
 from typing import Dict, List, Optional
+
+
+PREFILL_RE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+)")
+
+
+def read_prefills(tgz: str) -> Dict[str, List[dict]]:
+    """{server arm name: per cache flush, the prefill batches logged until the next flush} from the
+    SGLang server logs (``server_<arm>.log``) in a logs tgz (or folder).  The A/B flushes the radix
+    cache before every measured repeat, so the k-th entry is the server's k-th measured repeat (the
+    last one also holds the short request that closes the round profile after the last level)."""
+    out: Dict[str, List[dict]] = {}
+
+    def add(name, text):
+        base = os.path.basename(name)
+        if not (base.startswith("server_") and base.endswith(".log")):
+            return
+        segs, cur = [], None
+        for line in text.splitlines():
+            if "Cache flushed successfully" in line:
+                cur = {"batches": 0, "requests": 0, "tokens": 0}
+                segs.append(cur)
+                continue
+            m = PREFILL_RE.search(line)
+            if m and cur is not None:
+                cur["batches"] += 1
+                cur["requests"] += int(m.group(1))
+                cur["tokens"] += int(m.group(2))
+        out[base[len("server_"):-len(".log")]] = segs
+
+    if os.path.isdir(tgz):
+        for root, _, files in os.walk(tgz):
+            for f in files:
+                with open(os.path.join(root, f), errors="replace") as fh:
+                    add(f, fh.read())
+    else:
+        with tarfile.open(tgz) as tf:
+            for m in tf.getmembers():
+                if m.isfile():
+                    add(m.name, tf.extractfile(m).read().decode("utf-8", "replace"))
+    return out
 
 
 def read_profiles(tgz: str) -> Dict[str, List[dict]]:
@@ -133,19 +175,30 @@ def summarize(seg: dict) -> dict:
 
 
 def analyse(doc: dict, profiles: Dict[str, List[dict]], arms: Optional[List[str]] = None,
-            levels: Optional[List[int]] = None, gap_s: float = 0.15) -> List[dict]:
+            levels: Optional[List[int]] = None, gap_s: float = 0.15,
+            prefills: Optional[Dict[str, List[dict]]] = None) -> List[dict]:
     rows = []
     for server, recs in profiles.items():
         segs = _segments(doc, server)
         if not segs:
             continue
         assign(segs, recs, gap_s)
+        measured = [s for s in segs if not str(s["level"]).startswith("warm-up")]
+        flushes = (prefills or {}).get(server) or []
+        if len(flushes) == len(measured):    # one cache flush per measured repeat, in run order
+            for s, f in zip(measured, flushes):
+                s["prefill"] = f
         for s in segs:
             if arms and s["arm"] not in arms:
                 continue
             if levels and s["level"] not in levels:
                 continue
-            rows.append(summarize(s))
+            row = summarize(s)
+            if s.get("prefill"):
+                row.update(prefill_batches=s["prefill"]["batches"], prefill_tokens=s["prefill"]["tokens"])
+                if row.get("outside_ms") is not None and s["prefill"]["batches"]:
+                    row["outside_per_prefill_ms"] = round(row["outside_ms"] / s["prefill"]["batches"], 2)
+            rows.append(row)
     return rows
 
 
@@ -166,7 +219,8 @@ def level_summary(rows: List[dict], pause_ms: float = 250.0) -> List[dict]:
         out.append(dict(arm=arm, level=level, repeats=len(rs), calm=len(calm),
                         round_ms=med(rs, "round_ms"), outside_ms=med(rs, "outside_ms"), tok_s=med(rs, "tok_s"),
                         calm_round_ms=med(calm, "round_ms"), calm_outside_ms=med(calm, "outside_ms"),
-                        calm_tok_s=med(calm, "tok_s")))
+                        calm_tok_s=med(calm, "tok_s"), prefill_batches=med(rs, "prefill_batches"),
+                        calm_outside_per_prefill_ms=med(calm, "outside_per_prefill_ms")))
     return out
 
 
@@ -175,27 +229,33 @@ def render(rows: List[dict], title: str, summary: Optional[List[dict]] = None, p
          "Made by `bench/scale/round_gaps.py` (see its docstring). ms summed over the repeat; outside = "
          "the wall span of the repeat's rounds minus their round time (prefills, scheduling, pauses).", "",
          "| arm | c | repeat | split | request-rounds (expected) | rounds | round ms | host ms | span ms | "
-         "outside ms | widest pause ms | widths | client tok/s |",
-         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+         "outside ms | widest pause ms | prefill batches (ms outside each) | widths | client tok/s |",
+         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         if not r.get("records"):
             L.append(f"| {r['arm']} | {r['level']} | {r['repeat']} | {r['split']} | 0 ({r['expected']}) | - | - | - | - "
-                     f"| - | - | - | {r['tok_s'] or '-'} |")
+                     f"| - | - | - | - | {r['tok_s'] or '-'} |")
             continue
         w = ", ".join(f"{k}:{v}" for k, v in r["widths"].items())
         tok = "-" if r["tok_s"] is None else f"{r['tok_s']:.0f}"
+        pf = "-" if r.get("prefill_batches") is None else (
+            f"{r['prefill_batches']} ({r['outside_per_prefill_ms']:.1f})" if r.get("outside_per_prefill_ms") is not None
+            else str(r["prefill_batches"]))
         L.append(f"| {r['arm']} | {r['level']} | {r['repeat']} | {r['split']} | {r['request_rounds']} "
                  f"({r['expected']}) | {r['rounds']} | {r['round_ms']:.0f} | {r['host_ms']:.0f} | {r['span_ms']:.0f} | "
-                 f"{r['outside_ms']:.0f} | {r['max_gap_ms']:.0f} | {w} | {tok} |")
+                 f"{r['outside_ms']:.0f} | {r['max_gap_ms']:.0f} | {pf} | {w} | {tok} |")
     if summary:
         f = lambda v: "-" if v is None else f"{v:.0f}"   # noqa: E731
         L += ["", f"## Per level: medians over the repeats (all / the repeats whose widest pause is under "
                   f"{pause_ms:.0f} ms)", "",
-              "| arm | c | repeats (calm) | round ms | outside ms | client tok/s |", "|---|---:|---:|---:|---:|---:|"]
+              "| arm | c | repeats (calm) | round ms | outside ms | client tok/s | prefill batches (all) | "
+              "outside ms per prefill batch (calm) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        g = lambda v: "-" if v is None else f"{v:.1f}"   # noqa: E731
         for r in summary:
             L.append(f"| {r['arm']} | {r['level']} | {r['repeats']} ({r['calm']}) | {f(r['round_ms'])} / "
                      f"{f(r['calm_round_ms'])} | {f(r['outside_ms'])} / {f(r['calm_outside_ms'])} | "
-                     f"{f(r['tok_s'])} / {f(r['calm_tok_s'])} |")
+                     f"{f(r['tok_s'])} / {f(r['calm_tok_s'])} | {f(r['prefill_batches'])} | "
+                     f"{g(r['calm_outside_per_prefill_ms'])} |")
     return "\n".join(L) + "\n"
 
 
@@ -215,7 +275,7 @@ def main(argv=None):
     if doc.get("kind") == "ab_serve_merged":
         raise SystemExit(f"{a.ab_json}: a merged report; give one run's JSON (bench/results/raw/...)")
     rows = analyse(doc, read_profiles(a.logs), a.arms.split(",") if a.arms else None,
-                   [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap)
+                   [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap, read_prefills(a.logs))
     summary = level_summary(rows, a.pause_ms)
     md = render(rows, os.path.basename(a.ab_json), summary, a.pause_ms)
     print(md, end="")
