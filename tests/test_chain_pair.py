@@ -145,7 +145,6 @@ def test_check_outputs_every_arm(tmp_path):
     assert [x["n_wrong"] for x in lines] == [0, 1]
 
 
-
 def test_identity_record_fills_a_run_without_a_reference_arm():
     """The chain verdicts become the run's identity when no base arm ran (the report then says
     'identical (n)' / 'k of n differ', not '-'), and sit beside a measured base identity otherwise."""

@@ -30,72 +30,59 @@ import argparse
 import json
 import os
 import re
+import statistics
 import tarfile
-from typing import Dict, List, Optional
-
+from typing import Dict, List, Optional, Tuple
 
 PREFILL_RE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+)")
 
 
-def read_prefills(tgz: str) -> Dict[str, List[dict]]:
-    """{server arm name: per cache flush, the prefill batches logged until the next flush} from the
-    SGLang server logs (``server_<arm>.log``) in a logs tgz (or folder).  The A/B flushes the radix
-    cache before every measured repeat, so the k-th entry is the server's k-th measured repeat (the
-    last one also holds the short request that closes the round profile after the last level)."""
-    out: Dict[str, List[dict]] = {}
-
-    def add(name, text):
-        base = os.path.basename(name)
-        if not (base.startswith("server_") and base.endswith(".log")):
-            return
-        segs, cur = [], None
-        for line in text.splitlines():
-            if "Cache flushed successfully" in line:
-                cur = {"batches": 0, "requests": 0, "tokens": 0}
-                segs.append(cur)
-                continue
-            m = PREFILL_RE.search(line)
-            if m and cur is not None:
-                cur["batches"] += 1
-                cur["requests"] += int(m.group(1))
-                cur["tokens"] += int(m.group(2))
-        out[base[len("server_"):-len(".log")]] = segs
-
-    if os.path.isdir(tgz):
-        for root, _, files in os.walk(tgz):
+def _log_files(path: str):
+    """(base name, text) of every file in a logs tgz or an extracted folder."""
+    if os.path.isdir(path):
+        for root, _, files in os.walk(path):
             for f in files:
                 with open(os.path.join(root, f), errors="replace") as fh:
-                    add(f, fh.read())
+                    yield f, fh.read()
     else:
-        with tarfile.open(tgz) as tf:
+        with tarfile.open(path) as tf:
             for m in tf.getmembers():
                 if m.isfile():
-                    add(m.name, tf.extractfile(m).read().decode("utf-8", "replace"))
-    return out
+                    yield os.path.basename(m.name), tf.extractfile(m).read().decode("utf-8", "replace")
 
 
-def read_profiles(tgz: str) -> Dict[str, List[dict]]:
-    """{server arm name: its round-profile records sorted by t_first} from a logs tgz (or folder)."""
-    out: Dict[str, List[dict]] = {}
+def _prefills_of(text: str) -> List[dict]:
+    """Per cache flush in one SGLang server log, the prefill batches logged until the next flush."""
+    segs, cur = [], None
+    for line in text.splitlines():
+        if "Cache flushed successfully" in line:
+            cur = {"batches": 0, "requests": 0, "tokens": 0}
+            segs.append(cur)
+            continue
+        m = PREFILL_RE.search(line)
+        if m and cur is not None:
+            cur["batches"] += 1
+            cur["requests"] += int(m.group(1))
+            cur["tokens"] += int(m.group(2))
+    return segs
 
-    def add(name, text):
-        base = os.path.basename(name)
+
+def read_logs(path: str) -> Tuple[Dict[str, List[dict]], Dict[str, List[dict]]]:
+    """One pass over a logs tgz (or folder): ({server arm: its round-profile records
+    (``profile_<arm>.jsonl``) sorted by t_first}, {server arm: per cache flush, the prefill batches its
+    SGLang log (``server_<arm>.log``) shows until the next flush}).  The A/B flushes the radix cache
+    before every measured repeat, so the k-th flush entry is the server's k-th measured repeat (the
+    last one also holds the short request that closes the round profile after the last level)."""
+    profiles: Dict[str, List[dict]] = {}
+    prefills: Dict[str, List[dict]] = {}
+    for base, text in _log_files(path):
         if base.startswith("profile_") and base.endswith(".jsonl"):
             recs = [json.loads(x) for x in text.splitlines() if x.strip()]
-            out[base[len("profile_"):-len(".jsonl")]] = sorted(
+            profiles[base[len("profile_"):-len(".jsonl")]] = sorted(
                 (r for r in recs if "t_first" in r and "t_last" in r), key=lambda r: r["t_first"])
-
-    if os.path.isdir(tgz):
-        for root, _, files in os.walk(tgz):
-            for f in files:
-                with open(os.path.join(root, f)) as fh:
-                    add(f, fh.read())
-    else:
-        with tarfile.open(tgz) as tf:
-            for m in tf.getmembers():
-                if m.isfile():
-                    add(m.name, tf.extractfile(m).read().decode())
-    return out
+        elif base.startswith("server_") and base.endswith(".log"):
+            prefills[base[len("server_"):-len(".log")]] = _prefills_of(text)
+    return profiles, prefills
 
 
 def _segments(doc: dict, server: str) -> List[dict]:
@@ -205,7 +192,6 @@ def analyse(doc: dict, profiles: Dict[str, List[dict]], arms: Optional[List[str]
 def level_summary(rows: List[dict], pause_ms: float = 250.0) -> List[dict]:
     """Per (arm, level) over its repeats: medians of round ms, outside ms and client tok/s, over every
     repeat and over the repeats whose widest pause is below ``pause_ms`` (a drained batch)."""
-    import statistics
     out, groups = [], {}
     for r in rows:
         if r.get("records") and not str(r["level"]).startswith("warm-up"):
@@ -274,8 +260,9 @@ def main(argv=None):
         doc = json.load(f)
     if doc.get("kind") == "ab_serve_merged":
         raise SystemExit(f"{a.ab_json}: a merged report; give one run's JSON (bench/results/raw/...)")
-    rows = analyse(doc, read_profiles(a.logs), a.arms.split(",") if a.arms else None,
-                   [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap, read_prefills(a.logs))
+    profiles, prefills = read_logs(a.logs)
+    rows = analyse(doc, profiles, a.arms.split(",") if a.arms else None,
+                   [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap, prefills)
     summary = level_summary(rows, a.pause_ms)
     md = render(rows, os.path.basename(a.ab_json), summary, a.pause_ms)
     print(md, end="")
