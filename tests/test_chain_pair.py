@@ -146,31 +146,32 @@ def test_check_outputs_every_arm(tmp_path):
 
 
 def test_identity_record_fills_a_run_without_a_reference_arm():
-    """The chain verdicts become the run's identity when no base arm ran (the report then says
-    'identical (n)' / 'k of n differ', not '-'), and sit beside a measured base identity otherwise."""
+    """The chain identity (the A/B's identity_check format) becomes the run's identity when no base arm
+    ran (the report then says 'identical vs chain (n)' / 'k of n differ vs chain', not '-'), and sits
+    beside a measured base identity otherwise; a failed request is an error, as against base."""
     from sglang_ddtree.ab.report import _identity_cell, _lossless
     perm = list(range(1, 1024)) + [0]
     doc = {"prompt_ids": [[1, 5], [2, 9]],
            "output_ids": {"ddtree_auto": {"1": [[6, 7], [10, 11]], "4": [[6, 7], [10, 11]]},
                           "ddtree_auto_pin7": {"1": [[6, 8], [10, 11]], "4": [[6, 7], None]}},
            "identity": {"reference": "base", "arms": {}, "note": "reference arm 'base' was not measured"}}
-    got = CP.identity_record(json.loads(json.dumps(doc)),
-                             [CP.check_outputs(doc, perm, a) for a in ("ddtree_auto", "ddtree_auto_pin7")])
+    got = CP.identity_record(json.loads(json.dumps(doc)), perm, ["ddtree_auto", "ddtree_auto_pin7"])
     idn = got["identity"]
     assert idn["reference"] == "chain" and set(idn["arms"]) == {"ddtree_auto", "ddtree_auto_pin7"}
     assert idn["arms"]["ddtree_auto"] == {"compared": 4, "mismatched": 0, "errors": 0,
                                           "by_concurrency": {"1": 0, "4": 0}, "examples": [], "identical": True}
     pin = idn["arms"]["ddtree_auto_pin7"]
     assert (pin["compared"], pin["mismatched"], pin["by_concurrency"]) == (3, 1, {"1": 1, "4": 0})
-    assert pin["examples"] == [{"concurrency": "1", "prompt": 0, "first_diff": 1}] and not pin["identical"]
+    assert pin["errors"] == 1                       # the failed request at c=4
+    assert pin["examples"] == [{"concurrency": "1", "prompt": 0, "first_diff": 1, "len_arm": 2, "len_ref": 2}]
+    assert not pin["identical"]
     assert _identity_cell(got, "ddtree_auto") == "identical vs chain (4)" and _lossless(got, "ddtree_auto")
     assert _identity_cell(got, "ddtree_auto_pin7") == "1 of 3 differ vs chain" and not _lossless(got, "ddtree_auto_pin7")
     # a run with a measured reference arm keeps its identity; the chain verdicts go beside it
     base_idn = {"reference": "base", "arms": {"ddtree_auto": {"compared": 2, "mismatched": 0, "errors": 0,
                                                               "by_concurrency": {"1": 0}, "examples": [],
                                                               "identical": True}}}
-    doc2 = CP.identity_record(dict(doc, identity=json.loads(json.dumps(base_idn))),
-                              [CP.check_outputs(doc, perm, "ddtree_auto")])
+    doc2 = CP.identity_record(dict(doc, identity=json.loads(json.dumps(base_idn))), perm, ["ddtree_auto"])
     assert doc2["identity"]["reference"] == "base" and doc2["identity"]["arms"] == base_idn["arms"]
     assert doc2["identity"]["chain"]["arms"]["ddtree_auto"]["compared"] == 4
 

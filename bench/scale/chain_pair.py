@@ -230,25 +230,29 @@ def check_outputs(ab_json, perm_json, arm="base", name=None):
     return {"arm": arm, "checked": checked, "wrong": wrong}
 
 
-def identity_record(doc, verdicts):
-    """Write chain-check verdicts (``check_outputs`` results) into an A/B document's ``identity``, so
-    its report shows them: under ``identity["chain"]`` always, and as the run's identity
-    (reference ``chain``) when the run measured no reference arm (runs of the adaptive server only),
-    whose identity would otherwise say nothing.  Returns ``doc``."""
-    arms = {}
-    for v in verdicts:
-        by_c = {c: 0 for c in ((doc.get("output_ids") or {}).get(v["arm"]) or {})}
-        for c, _, _ in v["wrong"]:
-            by_c[c] = by_c.get(c, 0) + 1
-        arms[v["arm"]] = {"compared": v["checked"], "mismatched": len(v["wrong"]), "errors": 0,
-                          "by_concurrency": by_c,
-                          "examples": [{"concurrency": c, "prompt": i, "first_diff": k} for c, i, k in v["wrong"][:10]],
-                          "identical": not v["wrong"] and v["checked"] > 0}
+CHAIN = "chain"
+
+
+def identity_record(doc, perm, arms):
+    """Write each arm's identity against the chain into an A/B document (``--save-output-ids``, token-id
+    prompts), in the A/B's own format (``sglang_ddtree.ab.stats.identity_check`` with the chain of each
+    saved output's length as the reference; a failed request counts as an error): under
+    ``identity["chain"]`` always, and as the run's identity (reference ``chain``) when the run measured
+    no reference arm (runs of the adaptive server only), whose identity would otherwise say nothing.
+    Returns ``doc``."""
+    from sglang_ddtree.ab.stats import identity_check
+    prompts, saved = doc.get("prompt_ids") or [], doc.get("output_ids") or {}
+    checked = {}
+    for arm in arms:
+        outs = saved[arm]
+        chain = {c: [None if x is None else chain_of(perm, prompts[i][-1], len(x)) for i, x in enumerate(lst)]
+                 for c, lst in outs.items()}
+        checked.update(identity_check({arm: outs, CHAIN: chain}, CHAIN)["arms"])
     idn = doc.setdefault("identity", {})
-    idn["chain"] = {"note": "every saved output compared with the chain of its prompt's last token "
-                            "(bench/scale/chain_pair.py check-outputs)", "arms": arms}
+    idn[CHAIN] = {"note": "every saved output compared with the chain of its prompt's last token "
+                          "(bench/scale/chain_pair.py check-outputs)", "arms": checked}
     if not idn.get("arms"):
-        idn.update(reference="chain", arms=arms,
+        idn.update(reference=CHAIN, arms=checked,
                    note="no reference arm in this run: outputs checked against the permutation chain, "
                         "the target's greedy output by construction (bench/scale/chain_pair.py)")
     return doc
@@ -280,15 +284,14 @@ def main():
         arms = sorted(doc.get("output_ids") or {})
         if not arms:
             raise SystemExit(f"{a.ab_json}: no output_ids (run the A/B with --save-output-ids)")
-    bad, verdicts = 0, []
+    bad = 0
     for arm in arms:
         r = check_outputs(doc, perm, arm, name=a.ab_json)
-        verdicts.append(r)
         print(json.dumps(dict(r, wrong=r["wrong"][:10], n_wrong=len(r["wrong"]))))
         bad += bool(r["wrong"] or not r["checked"])
     if a.record:
         from sglang_ddtree.ab.report import write_outputs
-        write_outputs(identity_record(doc, verdicts), os.path.splitext(a.ab_json)[0], plot=False)
+        write_outputs(identity_record(doc, perm, arms), os.path.splitext(a.ab_json)[0], plot=False)
     return 1 if bad else 0
 
 
