@@ -19,7 +19,11 @@ an idle gap, and the A/B flushes the cache and sleeps 0.2 s between repeats), so
 record edge: the one whose running request-rounds come closest to the expected count (the reported
 repeat's ``spec_verify_ct`` plus one round per request: the profiler also counts each request's
 last round), preferring edges followed by a pause of at least ``--gap`` seconds.  The output says
-which split each row used, and the request-rounds it got against that expectation.
+which split each row used, and the request-rounds it got against that expectation.  This split is
+sound while the repeats of a level differ in request-rounds by less than about half a record; a
+mid-repeat pause (a drained batch) next to a repeat's edge, with repeats further apart than that,
+can shift a boundary by one record (the request-rounds column shows it).  Runs with
+``repeat_windows`` do not need it.
 
 A record's ``t_first`` / ``t_last`` are taken at the end of its first / last round, so a repeat's
 span misses its first round: outside = span - (round-time sum - the first record's mean round).
