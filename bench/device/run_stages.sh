@@ -95,8 +95,8 @@ python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;pr
 # (skipped when every stage is scalechain_* or verify_attn*: those write their own pair from the
 # checkout or use synthetic tensors; saves ~35 s)
 SELF_CONTAINED=1
-for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == verify_attn* ]] || SELF_CONTAINED=0; done
-if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scalechain / verify_attn stages only)" | tee -a $S; else
+for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == scale_* || "${st%@*}" == verify_attn* ]] || SELF_CONTAINED=0; done
+if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scale / scalechain / verify_attn stages only)" | tee -a $S; else
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
 # the MLA target with INT4 (compressed-tensors W4A16) experts + its dequantized bf16 reference: pairs
@@ -183,8 +183,11 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
               # (SCALE_LAYERS: fewer layers; DRAFTER_RUN: a bench/textpair/train.py output folder whose
               # drafter replaces the shipped one; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*;
               # EXACT_DTYPE=float32: exactness.py serves both targets in fp32; AB_ARMS=none: no A/B)
-      local shape=${st#scale_}; local sd=/tmp/models
-      { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
+              # (a name ending in _l<N>, e.g. scale_qwen3-30b-a3b_l24: N layers for that stage only, over SCALE_LAYERS;
+              # AB_ARMS=none also deletes the written pair at the end: the next stage's disk)
+      local shape=${st#scale_}; local sd=/tmp/models; local nl=${SCALE_LAYERS:-}
+      if [[ "$shape" =~ ^(.*)_l([0-9]+)$ ]]; then shape=${BASH_REMATCH[1]}; nl=${BASH_REMATCH[2]}; fi
+      { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${nl:+--layers $nl} \
         ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py --model-path $sd/${shape}_target \
@@ -196,8 +199,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              --arms ${AB_ARMS:-base,dflash,ddtree_b16} --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
              --max-new-tokens ${AB_NEW:-96} --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port \
              --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-}; }; } > $LOG/$st.log 2>&1; rc=$?
-      tar -czf $OUT/scale_logs_$shape.tgz -C /tmp abw_$shape 2>/dev/null
-      grep -a -E "^\{\"target|^written|^exactness|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
+      [ "${AB_ARMS:-}" = none ] && rm -rf $sd/${shape}_target $sd/${shape}_drafter $sd/small_ext_target
+      [ -d /tmp/abw_$shape ] && tar -czf $OUT/scale_logs_$shape.tgz -C /tmp abw_$shape 2>/dev/null
+      grep -a -E "^\{\"target|^written|^reference rows|^exactness|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     soak_*)  # bench/soak.py on the text pair: the mixed 1,000-request load on a DDTREE-GPU HTTP server, then a
              # plain server replays the greedy requests (SOAK_EXTRA: e.g. "--requests 300 --budget 32")
       timeout -k 10 $lim python3 $REPO/bench/soak.py run --model-path /tmp/models/text_target \
