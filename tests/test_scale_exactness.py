@@ -67,3 +67,13 @@ def test_damaged_copy_fails_the_bar(written, tmp_path, monkeypatch):
     r = doc["scaled_fp32ref_vs_small_fp32"]
     assert r["errors"] > 0 and not doc["passes"] and not doc["passes_reference"]
     assert "NO" in open(tmp_path / "ex.md").read()
+
+
+def test_float32_serving_is_refused_with_the_reason(monkeypatch, capsys, tmp_path):
+    """SGLang 0.5.16 cannot serve Qwen3 in fp32 (measured on the H200): a clear error before any work."""
+    monkeypatch.setattr(sys, "argv", ["exactness.py", "--model-path", str(tmp_path), "--out", str(tmp_path / "x"),
+                                      "--dtype", "float32"])
+    with pytest.raises(SystemExit) as e:
+        E.main()
+    assert e.value.code == 2 and "--no-serve" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

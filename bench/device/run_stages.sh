@@ -182,7 +182,8 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
               # python -m sglang_ddtree.ab (the installed sglang-ddtree-ab command's code path)
               # (SCALE_LAYERS: fewer layers; DRAFTER_RUN: a bench/textpair/train.py output folder whose
               # drafter replaces the shipped one; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW as for ab_*;
-              # EXACT_DTYPE=float32: exactness.py serves both targets in fp32; AB_ARMS=none: no A/B)
+              # EXACT_NO_SERVE=1: exactness.py's fp32 reference rows only (SGLang 0.5.16 cannot serve Qwen3 in
+              # fp32: sgl_kernel's rmsnorm has no float kernel); AB_ARMS=none: no A/B)
               # (a name ending in _l<N>, e.g. scale_qwen3-30b-a3b_l24: N layers for that stage only, over SCALE_LAYERS;
               # AB_ARMS=none also deletes the written pair at the end: the next stage's disk)
       local shape=${st#scale_}; local sd=/tmp/models; local nl=${SCALE_LAYERS:-}
@@ -191,8 +192,8 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py --model-path $sd/${shape}_target \
-             --out $OUT/scale_exactness_${shape}_h200${EXACT_DTYPE:+_$EXACT_DTYPE} --small-dir $sd/small_ext_target \
-             ${EXACT_DTYPE:+--dtype $EXACT_DTYPE} \
+             --out $OUT/scale_exactness_${shape}_h200${EXACT_NO_SERVE:+_fp32ref} --small-dir $sd/small_ext_target \
+             ${EXACT_NO_SERVE:+--no-serve} \
         && echo "exactness done at $(( $(date +%s) - ts ))s" \
         && { [ "${AB_ARMS:-}" = none ] || timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab --pair text \
              --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \

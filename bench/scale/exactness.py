@@ -10,8 +10,9 @@ are written first, so a run cut short keeps them). Every position where the two 
 classified with the fp32 logits: a near tie (the fp32 top-2 are the two tokens and their gap is
 <= 0.15, a few bf16 spacings) or an error. The issue's bar: >= 99.5 % of positions equal, the rest
 near ties.  In bf16 the small target alone moves 0.95 % of its greedy tokens against its fp32 self
-(session 16), more than the bar allows; ``--dtype float32`` serves both targets in fp32, which leaves
-only summation-order noise between two functions that are equal in real arithmetic.
+(session 16), more than the bar allows; the reference rows (fp32) leave only summation-order noise
+between two functions that are equal in real arithmetic.  SGLang 0.5.16 cannot serve Qwen3 in fp32
+on CUDA (sgl_kernel's rmsnorm has no float kernel), so ``--dtype float32`` needs ``--no-serve``.
 
     python bench/scale/exactness.py --model-path DIR --out bench/results/scale_exactness_h200 [--dtype float32]
         [--no-serve] [--max-prompts N]
@@ -179,6 +180,8 @@ def write_report(doc, out):
                       f"{r['near_ties']} | {r['errors']} |")
     for what, err in doc.get("served_errors", {}).items():
         md.append(f"\nServing the {what} target failed: `{err[:300]}`")
+    if doc.get("annotated"):
+        md.append(f"\nAnnotated: {doc['annotated']}.")
     if doc.get("pending"):
         md.append(f"\nNot measured (the run ended first): {doc['pending']}")
     md.append(f"\nPasses the bar (>= 99.5 % equal, every other position a near tie), judged on "
@@ -203,6 +206,11 @@ def main():
                     help="the reference rows only (no SGLang): the written target in fp32 vs the small one")
     ap.add_argument("--max-prompts", type=int, default=None, help="the first N held-out prompts only")
     a = ap.parse_args()
+    if a.dtype == "float32" and not a.no_serve:
+        # measured on the H200 (2026-12-04, bench/results/raw/scale_exactness_s24_summary.txt): the
+        # scheduler fails in its first forward and SGLang's SIGQUIT then kills this process
+        ap.error("SGLang 0.5.16 cannot serve Qwen3 in float32 on CUDA (sgl_kernel's rmsnorm has no float "
+                 "kernel: 'failed to dispatch data type Float'); --no-serve gives the fp32 reference rows")
     from sglang_ddtree import textpair as TP
     prompts = [p["ids"] for p in TP.heldout_prompts()][:a.max_prompts]
     t0 = time.time()
