@@ -378,7 +378,8 @@ def render_tune_md(rows) -> list:
 def achieved_pct(doc, r):
     """(bandwidth %, matmul %): the cell's bytes and FLOPs over our time, against the measured copy
     bandwidth and matmul throughput; None without a GPU time."""
-    us, bw, tf = r.get("ours_us"), doc.get("copy_gbs"), doc.get("matmul_tflops")
+    # a merged file's rows carry their own run's measured peaks (--merge)
+    us, bw, tf = r.get("ours_us"), r.get("copy_gbs") or doc.get("copy_gbs"), r.get("matmul_tflops") or doc.get("matmul_tflops")
     if not us or not bw or not tf or not r.get("flops"):
         return None
     return (r["floor_bytes"] / (us * 1e-6) / (bw * 1e9) * 100, r["flops"] / (us * 1e-6) / (tf * 1e12) * 100)
@@ -435,6 +436,61 @@ def render_target_md(doc) -> list:
     return L
 
 
+def cell_key(r) -> tuple:
+    return (r["arch"], r["bs"], r["prefix"], r["N"])
+
+
+def merge(paths) -> dict:
+    """One report from several runs of this bench (the issue's grid measured in parts, e.g. by
+    ``--archs`` / ``--bss``): rows in the order given, a cell measured twice keeps the later file's
+    row (listed under ``replaced``); each row keeps its own run's copy bandwidth and matmul rate, so
+    its floor and achieved shares stay those of the run that timed it.  Every part must be a GPU run
+    of the same card and timing mode."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("kind") != "verify_attention":
+            raise ValueError(f"{path}: not a bench/verify_attention.py result")
+        docs.append((path, doc))
+    if not docs:
+        raise ValueError("--merge needs at least one JSON")
+    for key in ("timing",):
+        vals = {d.get(key) for _, d in docs}
+        if len(vals) > 1:
+            raise ValueError(f"parts differ in {key}: {sorted(map(str, vals))}")
+    gpus = {json.dumps(d["env"].get("gpu")) for _, d in docs}
+    if len(gpus) > 1:
+        raise ValueError(f"parts ran on different GPUs: {sorted(map(str, gpus))}")
+    rows, where, replaced = {}, {}, []
+    for path, d in docs:
+        for r in d["rows"]:
+            k = cell_key(r)
+            if k in rows:
+                replaced.append(f"{k[0]} bs{k[1]} P{k[2]} N{k[3]}: {os.path.basename(where[k])} -> "
+                                f"{os.path.basename(path)}")
+            rows[k] = dict(r, copy_gbs=r.get("copy_gbs") or d.get("copy_gbs"),
+                           matmul_tflops=r.get("matmul_tflops") or d.get("matmul_tflops"))
+            where[k] = path
+    have = {f"{a} bs{b} P{p} N{n}" for a, b, p, n in rows}
+    first = docs[-1][1]
+    out = dict(kind="verify_attention", env=first["env"],
+               copy_gbs=first.get("copy_gbs"), matmul_tflops=first.get("matmul_tflops"),
+               timing=first.get("timing"), rows=list(rows.values()),
+               tune=[t for _, d in docs for t in d.get("tune", [])],
+               cut=sorted({c for _, d in docs for c in d.get("cut", [])} - have),
+               skipped=sorted({c for _, d in docs for c in d.get("skipped", [])} - have),
+               tolerance=first.get("tolerance"),
+               # a merged part brings its own parts (merging is associative)
+               parts=[q for p, d in docs for q in (d.get("parts") or [
+                   dict(file=os.path.basename(p), date=d["env"].get("date"), commit=d["env"].get("git_commit"),
+                        copy_gbs=d.get("copy_gbs"), matmul_tflops=d.get("matmul_tflops"), rows=len(d["rows"]))])],
+               replaced=[x for _, d in docs for x in d.get("replaced", [])] + replaced)
+    out["ok"] = all(r.get("ok") for r in out["rows"]) and all(t.get("ok") is not False for r in out["tune"]
+                                                               for t in r["trials"])
+    return out
+
+
 def render_md(doc) -> str:
     e = doc["env"]
     L = [f"# Tree-verify attention: ours vs the floor, SGLang's triton extend, flashinfer", "",
@@ -451,6 +507,14 @@ def render_md(doc) -> str:
          "| arch | bs | prefix | N | ours | floor | bound | ours / floor | achieved BW / FLOPs | SGLang extend | x | "
          "flashinfer | x | ok |",
          "|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---|"]
+    if doc.get("parts"):
+        L[2:2] = [f"Merged from {len(doc['parts'])} runs (`--merge`; each row's floor and achieved shares use "
+                  "its own run's copy bandwidth and matmul rate; the header's are the last run's): "
+                  + "; ".join(f"{p['file']} ({p['date']}, commit {p['commit']}, {p['rows']} cells, "
+                              f"{p['copy_gbs'] and round(p['copy_gbs'])} GB/s, "
+                              f"{p['matmul_tflops'] and round(p['matmul_tflops'])} TFLOP/s)" for p in doc["parts"])
+                  + "." + (" Measured again, the later run's row kept: " + "; ".join(doc["replaced"]) + "."
+                           if doc.get("replaced") else ""), ""]
 
     def f(v, nd=1):
         return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
@@ -494,9 +558,25 @@ def main(argv=None):
     ap.add_argument("--tune-only", action="store_true", help="only the tuning part (no grid)")
     ap.add_argument("--prefixes", default=None, help="comma list overriding the grid's prefixes")
     ap.add_argument("--bss", default=None, help="comma list overriding the grid's batch sizes")
+    ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"),
+                    help="OUT a.json b.json ...: one report (OUT.json / OUT.md) from runs of parts of the grid")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds: cells not started by then are listed as cut, and the files still written")
     a = ap.parse_args(argv)
+    if a.merge:
+        if len(a.merge) < 2:
+            ap.error("--merge OUT a.json [b.json ...]")
+        try:
+            doc = merge(a.merge[1:])
+        except (ValueError, OSError, KeyError) as e:
+            ap.error(f"--merge: {e}")
+        out = a.merge[0][:-5] if a.merge[0].endswith(".json") else a.merge[0]
+        with open(out + ".json", "w") as f:
+            json.dump(doc, f, indent=1)
+        with open(out + ".md", "w") as f:
+            f.write(render_md(doc))
+        print(f"wrote {out}.json, {out}.md ({len(doc['rows'])} cells from {len(doc['parts'])} runs)")
+        return 0
     if a.render:
         with open(a.render) as f:
             doc = json.load(f)

@@ -118,3 +118,47 @@ def test_target_verdict_names_what_a_missed_cell_is_short_of():
     md = "\n".join(VA.render_target_md(dict(doc, rows=rows)))
     assert "Met in 1 of 2 measured cells." in md and "| gqa | 1 | 4096 | 64 | 2.00x the memory floor" in md
     assert "(34): gqa bs1 P4096 N32, " in md and "gqa bs1 P4096 N16," not in md
+
+
+def test_merge_keeps_each_rows_own_run_and_reports_the_grid(tmp_path):
+    """--merge: the grid measured in parts becomes one report; a cell measured twice keeps the later
+    run's row; each row's achieved shares use its own run's copy bandwidth / matmul rate; parts of
+    another card or timing mode are refused with a clear error."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import verify_attention as VA
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(REPO, "bench", "results", "verify_attention_h200.json")) as f:
+        doc = json.load(f)
+    gqa = dict(doc, rows=[r for r in doc["rows"] if r["arch"] == "gqa"], tune=[])
+    mla = dict(doc, rows=[r for r in doc["rows"] if r["arch"] == "mla"], tune=[],
+               copy_gbs=doc["copy_gbs"] / 2, matmul_tflops=doc["matmul_tflops"] / 2,
+               env=dict(doc["env"], git_commit="abc1234"))
+    again = dict(gqa, rows=[dict(gqa["rows"][0], ours_us=gqa["rows"][0]["ours_us"] * 2)],
+                 env=dict(doc["env"], git_commit="def5678"))
+    paths = []
+    for name, d in (("a", gqa), ("b", mla), ("c", again)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+        paths.append(str(tmp_path / f"{name}.json"))
+    out = str(tmp_path / "m")
+    assert VA.main(["--merge", out] + paths) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert len(m["rows"]) == len(doc["rows"]) and [p["rows"] for p in m["parts"]] == [8, 8, 1]
+    first = gqa["rows"][0]
+    kept = next(r for r in m["rows"] if VA.cell_key(r) == VA.cell_key(first))
+    assert kept["ours_us"] == first["ours_us"] * 2 and len(m["replaced"]) == 1
+    r_mla = next(r for r in m["rows"] if r["arch"] == "mla")
+    bw, fl = VA.achieved_pct(m, r_mla)
+    assert fl == pytest.approx(100 * r_mla["flops"] / (r_mla["ours_us"] * 1e-6) / (mla["matmul_tflops"] * 1e12))
+    md = (tmp_path / "m.md").read_text()
+    assert "Merged from 3 runs" in md and "abc1234" in md and "Measured again" in md
+    assert f"Cells of the issue's grid not in this file ({72 - 16}):" in md
+    # merging a merged file keeps every part
+    assert VA.main(["--merge", str(tmp_path / "m2"), out + ".json"]) == 0
+    assert len(json.loads((tmp_path / "m2.json").read_text())["parts"]) == 3
+    other = dict(mla, env=dict(mla["env"], gpu=["NVIDIA B200, 183359 MiB"]))
+    (tmp_path / "o.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit):
+        VA.main(["--merge", str(tmp_path / "x"), paths[0], str(tmp_path / "o.json")])
+    assert not (tmp_path / "x.json").exists()
