@@ -429,7 +429,7 @@ def render_target_md(doc) -> list:
         L += [f"| {r['arch']} | {r['bs']} | {r['prefix']} | {r['N']} | {why} |" for r, why in missed]
     done = {(r["arch"], r["bs"], r["prefix"], r["N"]) for r in doc["rows"]}
     archs = sorted({r["arch"] for r in doc["rows"]})
-    todo = [f"{a} bs{bs} P{p} N{n}" for a in archs for bs in ISSUE_GRID["bs"] for p in ISSUE_GRID["prefix"]
+    todo = [cell_label(a, bs, p, n) for a in archs for bs in ISSUE_GRID["bs"] for p in ISSUE_GRID["prefix"]
             for n in ISSUE_GRID["N"] if (a, bs, p, n) not in done]
     if todo:
         L += ["", f"Cells of the issue's grid not in this file ({len(todo)}): " + ", ".join(todo)]
@@ -438,6 +438,16 @@ def render_target_md(doc) -> list:
 
 def cell_key(r) -> tuple:
     return (r["arch"], r["bs"], r["prefix"], r["N"])
+
+
+def cell_label(arch: str, bs: int, prefix: int, N: int) -> str:
+    """How the reports name a cell (cut / skipped / not-in-file lists)."""
+    return f"{arch} bs{bs} P{prefix} N{N}"
+
+
+def all_ok(rows, tune) -> bool:
+    """Every row within tolerance and no tuning trial wrong."""
+    return all(r.get("ok") for r in rows) and all(t.get("ok") is not False for r in tune for t in r["trials"])
 
 
 def merge(paths) -> dict:
@@ -455,10 +465,9 @@ def merge(paths) -> dict:
         docs.append((path, doc))
     if not docs:
         raise ValueError("--merge needs at least one JSON")
-    for key in ("timing",):
-        vals = {d.get(key) for _, d in docs}
-        if len(vals) > 1:
-            raise ValueError(f"parts differ in {key}: {sorted(map(str, vals))}")
+    timings = {d.get("timing") for _, d in docs}
+    if len(timings) > 1:
+        raise ValueError(f"parts differ in timing: {sorted(map(str, timings))}")
     gpus = {json.dumps(d["env"].get("gpu")) for _, d in docs}
     if len(gpus) > 1:
         raise ValueError(f"parts ran on different GPUs: {sorted(map(str, gpus))}")
@@ -467,27 +476,26 @@ def merge(paths) -> dict:
         for r in d["rows"]:
             k = cell_key(r)
             if k in rows:
-                replaced.append(f"{k[0]} bs{k[1]} P{k[2]} N{k[3]}: {os.path.basename(where[k])} -> "
+                replaced.append(f"{cell_label(*k)}: {os.path.basename(where[k])} -> "
                                 f"{os.path.basename(path)}")
             rows[k] = dict(r, copy_gbs=r.get("copy_gbs") or d.get("copy_gbs"),
                            matmul_tflops=r.get("matmul_tflops") or d.get("matmul_tflops"))
             where[k] = path
-    have = {f"{a} bs{b} P{p} N{n}" for a, b, p, n in rows}
-    first = docs[-1][1]
-    out = dict(kind="verify_attention", env=first["env"],
-               copy_gbs=first.get("copy_gbs"), matmul_tflops=first.get("matmul_tflops"),
-               timing=first.get("timing"), rows=list(rows.values()),
+    have = {cell_label(*k) for k in rows}
+    last = docs[-1][1]
+    out = dict(kind="verify_attention", env=last["env"],
+               copy_gbs=last.get("copy_gbs"), matmul_tflops=last.get("matmul_tflops"),
+               timing=last.get("timing"), rows=list(rows.values()),
                tune=[t for _, d in docs for t in d.get("tune", [])],
                cut=sorted({c for _, d in docs for c in d.get("cut", [])} - have),
                skipped=sorted({c for _, d in docs for c in d.get("skipped", [])} - have),
-               tolerance=first.get("tolerance"),
+               tolerance=last.get("tolerance"),
                # a merged part brings its own parts (merging is associative)
                parts=[q for p, d in docs for q in (d.get("parts") or [
                    dict(file=os.path.basename(p), date=d["env"].get("date"), commit=d["env"].get("git_commit"),
                         copy_gbs=d.get("copy_gbs"), matmul_tflops=d.get("matmul_tflops"), rows=len(d["rows"]))])],
                replaced=[x for _, d in docs for x in d.get("replaced", [])] + replaced)
-    out["ok"] = all(r.get("ok") for r in out["rows"]) and all(t.get("ok") is not False for r in out["tune"]
-                                                               for t in r["trials"])
+    out["ok"] = all_ok(out["rows"], out["tune"])
     return out
 
 
@@ -614,7 +622,7 @@ def main(argv=None):
             cells = [(1, 5, 40)] if a.smoke else TUNE_CELLS[arch["arch"]]
             for bs, N, prefix in cells:
                 if deadline_at is not None and time.time() > deadline_at:
-                    cut.append(f"tune {arch['arch']} bs{bs} P{prefix} N{N}")
+                    cut.append("tune " + cell_label(arch["arch"], bs, prefix, N))
                     continue
                 r = tune_cell(arch, bs, N, prefix, g, device, a.quick, deadline_at)
                 print(json.dumps({k: v for k, v in r.items() if k != "trials"}), flush=True)
@@ -622,10 +630,10 @@ def main(argv=None):
     for arch in archs:
         for bs, N, prefix in grid:
             if make_cell_size(arch, bs, N, prefix) * 1.0 > a.max_pool_gb * 1e9:
-                skipped.append(f"{arch['arch']} bs{bs} P{prefix} N{N}")
+                skipped.append(cell_label(arch["arch"], bs, prefix, N))
                 continue
             if deadline_at is not None and time.time() > deadline_at:
-                cut.append(f"{arch['arch']} bs{bs} P{prefix} N{N}")
+                cut.append(cell_label(arch["arch"], bs, prefix, N))
                 continue
             row = run_cell(arch, bs, N, prefix, g, device, a.quick, bw, tflops, graph)
             print(json.dumps(row), flush=True)
@@ -633,8 +641,7 @@ def main(argv=None):
     doc = dict(kind="verify_attention", env=env_info(sys.executable), copy_gbs=bw, matmul_tflops=tflops,
                timing="cuda graph" if graph else "eager", rows=rows, tune=tune, cut=cut,
                skipped=skipped, tolerance=TOL,
-               ok=all(r.get("ok") for r in rows)
-               and all(t.get("ok") is not False for r in tune for t in r["trials"]))
+               ok=all_ok(rows, tune))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)

@@ -31,15 +31,22 @@ sys.path.insert(0, HERE)  # transform.py (bench/scale holds nothing else importa
 TIE = 0.15
 
 
+def fp32_device() -> str:
+    """The device of the fp32 reference forwards: CUDA when present, with TF32 off (full fp32
+    matmuls), else the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return "cuda"
+
+
 def small_reference(prompts):
     """fp32 logits of the extended small target at every position: [(ids, logits [T, V])]."""
     import transform as T  # noqa: E402
     from sglang_ddtree import reference_model as RM
     sd, cfg, _ = T.extended_text_target(float32=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    dev = fp32_device()
     sd = {k: v.to(dev) for k, v in sd.items()}
     out = []
     with torch.no_grad():
@@ -71,10 +78,7 @@ def scaled_reference_argmax(model_path, prompts):
     same values the small fp32 reference holds (the transform copies and zero-pads, it never
     rescales), so the two differ only by summation order.  [[token per position]]."""
     from sglang_ddtree import reference_model as RM
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    dev = fp32_device()
     sd, cfg = load_folder(model_path, dev)
     out = []
     try:
@@ -243,9 +247,9 @@ def main():
                 "passes": bar(vs_ref), "passes_reference": bar(vs_ref), "seconds": round(time.time() - t0, 1)})
     print(f"reference rows at {doc['seconds']} s: {vs_ref['equal']} / {vs_ref['positions']} equal, "
           f"{vs_ref['near_ties']} near ties, {vs_ref['errors']} errors", flush=True)
-    write_report(doc, a.out)
+    md = write_report(doc, a.out)
     if a.no_serve:
-        print("\n".join(write_report(doc, a.out)))
+        print("\n".join(md))
         return
     # 2. served by SGLang (the function the A/B serves), both targets the same way
     served = small = None
