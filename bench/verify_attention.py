@@ -133,17 +133,24 @@ def make_cell(arch, bs, N, prefix, rot, g, device, dtype=torch.bfloat16):
     r2t = perm.view(rot * bs, L).to(device)
     plen = torch.tensor(prefixes, dtype=torch.int32, device=device)
     T = bs * N
+    # the tensors are drawn where they live: on the GPU a 128k-token cell is ~17 G samples, which
+    # the host's generator takes minutes to draw (the tree and the slot permutation stay on g)
+    dg = g if device.type == "cpu" else \
+        torch.Generator(device).manual_seed(int(torch.randint(2**62, (1,), generator=g)))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=dg, device=device, dtype=dtype)
     if arch["arch"] == "gqa":
-        q = torch.randn(T, arch["Hq"], arch["D"], generator=g).to(dtype).to(device)
-        k = torch.randn(S, arch["Hkv"], arch["D"], generator=g).to(dtype).to(device)
-        v = torch.randn(S, arch["Hkv"], arch["Dv"], generator=g).to(dtype).to(device)
+        q = randn(T, arch["Hq"], arch["D"])
+        k = randn(S, arch["Hkv"], arch["D"])
+        v = randn(S, arch["Hkv"], arch["Dv"])
         kv = dict(q=q, k_cache=k, v_cache=v, sm_scale=1.0 / math.sqrt(arch["D"]))
         qo = T * arch["Hq"] * (arch["D"] + arch["Dv"]) * 2
     else:
         H, Lr, R = arch["H"], arch["L"], arch["R"]
-        qn = torch.randn(T, H, Lr, generator=g).to(dtype).to(device)
-        qr = torch.randn(T, H, R, generator=g).to(dtype).to(device)
-        cache = torch.randn(S, 1, Lr + R, generator=g).to(dtype).to(device)
+        qn = randn(T, H, Lr)
+        qr = randn(T, H, R)
+        cache = randn(S, 1, Lr + R)
         kv = dict(q_nope_absorbed=qn, q_rope=qr, kv_cache=cache, sm_scale=1.0 / math.sqrt(128 + R))
         qo = T * H * (Lr + R + Lr) * 2
     return dict(tree=tree, r2t=r2t, plen=plen, max_prefix=prefix, kv=kv, S=S,
@@ -538,6 +545,9 @@ def render_md(doc) -> str:
         L += ["", "Skipped (KV pool over the limit): " + ", ".join(doc["skipped"])]
     if doc.get("cut"):
         L += ["", "Not run (the --deadline passed first): " + ", ".join(doc["cut"])]
+    failed = [f"{cell_label(*cell_key(r))}: {r['error']}" for r in doc["rows"] if r.get("error")]
+    if failed:
+        L += ["", "Cells that failed (no time): " + "; ".join(failed)]
     errs = sorted({r[k] for r in doc["rows"] for k in r if k.endswith("_error")})
     if errs:
         L += ["", "Baseline errors: " + "; ".join(errs)]
@@ -617,6 +627,20 @@ def main(argv=None):
     graph = device.type == "cuda" and not a.eager_timing
     g = torch.Generator().manual_seed(0)
     rows, skipped, cut, tune = [], [], [], []
+    env = env_info(sys.executable)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+
+    def write():
+        """The files as they stand: written after every cell, so a run killed by its caller's
+        timeout still leaves the cells it measured (the rest listed as not in the file)."""
+        doc = dict(kind="verify_attention", env=env, copy_gbs=bw, matmul_tflops=tflops,
+                   timing="cuda graph" if graph else "eager", rows=rows, tune=tune, cut=cut,
+                   skipped=skipped, tolerance=TOL, ok=all_ok(rows, tune))
+        with open(a.out + ".json", "w") as f:
+            json.dump(doc, f, indent=1)
+        with open(a.out + ".md", "w") as f:
+            f.write(render_md(doc))
+        return doc
     if a.tune or a.tune_only:
         for arch in archs:
             cells = [(1, 5, 40)] if a.smoke else TUNE_CELLS[arch["arch"]]
@@ -627,6 +651,7 @@ def main(argv=None):
                 r = tune_cell(arch, bs, N, prefix, g, device, a.quick, deadline_at)
                 print(json.dumps({k: v for k, v in r.items() if k != "trials"}), flush=True)
                 tune.append(r)
+                write()
     for arch in archs:
         for bs, N, prefix in grid:
             if make_cell_size(arch, bs, N, prefix) * 1.0 > a.max_pool_gb * 1e9:
@@ -635,18 +660,17 @@ def main(argv=None):
             if deadline_at is not None and time.time() > deadline_at:
                 cut.append(cell_label(arch["arch"], bs, prefix, N))
                 continue
-            row = run_cell(arch, bs, N, prefix, g, device, a.quick, bw, tflops, graph)
+            try:
+                row = run_cell(arch, bs, N, prefix, g, device, a.quick, bw, tflops, graph)
+            except Exception as e:  # noqa: BLE001 - one failing cell (e.g. out of memory) is recorded
+                row = dict(arch=arch["arch"], bs=bs, N=N, prefix=prefix, ok=False,
+                           error=f"{type(e).__name__}: {e}"[:300])
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
-    doc = dict(kind="verify_attention", env=env_info(sys.executable), copy_gbs=bw, matmul_tflops=tflops,
-               timing="cuda graph" if graph else "eager", rows=rows, tune=tune, cut=cut,
-               skipped=skipped, tolerance=TOL,
-               ok=all_ok(rows, tune))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(render_md(doc))
+            write()
+    doc = write()
     print(f"wrote {a.out}.json, {a.out}.md; all ok: {doc['ok']}")
     return 0 if doc["ok"] else 1
 
