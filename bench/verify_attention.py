@@ -209,11 +209,14 @@ def sglang_extend(arch, cell, rpi):
         q = torch.cat([c["q_nope_absorbed"], c["q_rope"]], -1).contiguous()
         kb, vb = c["kv_cache"], c["kv_cache"][..., :arch["L"]]
     k_ext, v_ext = kb[m["tree_slots"]].contiguous(), vb[m["tree_slots"]].contiguous()
+    # int64 slot indices, as SGLang's triton backend passes them: the kernel's address math is
+    # index x row stride, which overflows int32 once the pool holds 2^31 elements (GQA bs 32 / 128k)
+    prefix_slots = m["prefix_slots"].long()
     o = torch.empty(q.shape[0], q.shape[1], vb.shape[-1], dtype=q.dtype, device=q.device)
 
     def run():
         extend_attention_fwd(q, k_ext, v_ext, o, kb, vb, m["qo_indptr"], m["kv_indptr"],
-                             m["prefix_slots"], m["mask"], False, m["mask_indptr"], m["N"], 1.0, 1.0,
+                             prefix_slots, m["mask"], False, m["mask_indptr"], m["N"], 1.0, 1.0,
                              c["sm_scale"])
         return o
     return run
@@ -578,6 +581,9 @@ def main(argv=None):
     ap.add_argument("--bss", default=None, help="comma list overriding the grid's batch sizes")
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"),
                     help="OUT a.json b.json ...: one report (OUT.json / OUT.md) from runs of parts of the grid")
+    ap.add_argument("--skip-done", metavar="JSON", action="append", default=[],
+                    help="cells timed in this earlier run's JSON are not run again (a grid resumed "
+                         "after a cut or a crash; --merge the parts after)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds: cells not started by then are listed as cut, and the files still written")
     a = ap.parse_args(argv)
@@ -626,6 +632,10 @@ def main(argv=None):
     tflops = matmul_tflops() if device.type == "cuda" else None
     graph = device.type == "cuda" and not a.eager_timing
     g = torch.Generator().manual_seed(0)
+    done = set()
+    for path in a.skip_done:
+        with open(path) as f:
+            done |= {cell_key(r) for r in json.load(f)["rows"] if r.get("ours_us")}
     rows, skipped, cut, tune = [], [], [], []
     env = env_info(sys.executable)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -654,6 +664,8 @@ def main(argv=None):
                 write()
     for arch in archs:
         for bs, N, prefix in grid:
+            if (arch["arch"], bs, prefix, N) in done:
+                continue
             if make_cell_size(arch, bs, N, prefix) * 1.0 > a.max_pool_gb * 1e9:
                 skipped.append(cell_label(arch["arch"], bs, prefix, N))
                 continue
