@@ -462,6 +462,13 @@ def test_merge_and_plot(tmp_path):
     assert sorted(pr) == ["0/base/1", "0/base/4", "0/ddtree_b16/1", "0/ddtree_b16/4", "1/base/1", "1/base/4",
                           "1/ddtree_b16/1", "1/ddtree_b16/4"] and len(pr["0/base/1"]["latency_ms"]) == 8
     assert all("per_request" not in lv for r in merged["runs"] for a in r["arms"] for lv in a["levels"])
+    # merging the merged report again (a new run appended) keeps the earlier runs' columns, re-keyed
+    ab.main(["--merge", out + "_again", out + ".json", a])
+    with gzip.open(out + "_again.per_request.json.gz", "rt") as f:
+        pr2 = json.load(f)
+    assert sorted(pr2) == sorted(list(pr) + [f"2/{arm}/{c}" for arm in ("base", "ddtree_b16") for c in (1, 4)])
+    assert pr2["1/ddtree_b16/4"] == pr["1/ddtree_b16/4"] and pr2["2/base/1"] == pr["0/base/1"]
+    assert [r["run_id"] for r in json.load(open(out + "_again.json"))["runs"]] == ["1", "2", "3"]
     ab.main(["--summary", out + ".json"])
     # --invalid: a broken measurement stays in the JSON and leaves every ratio
     ab.main(["--merge", out + "_inv", a, "--invalid", "ab.json", "base", "1", "a 9 s server stall"])
