@@ -104,6 +104,11 @@ def test_target_verdict_names_what_a_missed_cell_is_short_of():
     assert VA.target_verdict(doc, dict(base, ours_us=1.2, floor_us=1.0, ours_x_floor=1.2, bound="memory")) == (True, "")
     ok, why = VA.target_verdict(doc, dict(base, ours_us=2.0, floor_us=1.0, ours_x_floor=2.0, bound="memory"))
     assert not ok and why == "2.00x the memory floor (50 % of the bandwidth)"
+    # near the ridge (compute floor >= half the memory floor) both shares are named
+    ok, why = VA.target_verdict(doc, dict(base, flops=2.4e9, ours_us=8.0, floor_us=1.0, ours_x_floor=8.0,
+                                          bound="memory", bytes_floor_us=1.0, flop_floor_us=0.8))
+    assert not ok and why == ("8.00x the memory floor (12 % of the bandwidth; 50 % of the matmul rate, "
+                              "the compute floor 0.80x the memory floor)")
     ok, why = VA.target_verdict(doc, dict(base, ours_us=4.0, floor_us=1.0, ours_x_floor=4.0, bound="compute"))
     assert not ok and why == "4.00x the compute floor (25 % of the matmul rate)"
     # short prefixes are held only to the baselines; a baseline that ran and was not beaten is a miss
