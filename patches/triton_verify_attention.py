@@ -17,6 +17,14 @@ accept / commit after it is unchanged), then ``tree_verify_attention`` (GQA / MH
 TARGET_VERIFY too, on its own backend object, which never carries the state), prefill, decode,
 other algorithms -- goes to SGLang's ``forward_extend`` unchanged.  The switch off: not installed.
 
+The drafter's block (``SGLANG_DDTREE_DRAFT_ATTN=auto|ddtree``, off by default; not yet served on the
+GPU): the worker may also attach a state to the drafter's backend, with every bit of its
+``[max_bs, block, ceil(block/32)]`` bitmask set once at start-up.  The drafter's block forward is a
+TARGET_VERIFY on that backend whose layers are ENCODER_ONLY (SGLang runs ``extend_attention_fwd``
+with causal off and no mask: each block query sees the whole context and the whole block), so this
+same hook serves it with that bitmask.  At 32k-token prompts that forward costs 11.5 ms a round in
+SGLang's kernel (``bench/results/scale_h200.md`` run 14).
+
 CUDA graphs: the target's verify graphs are captured after ``enable`` (SGLang initialises every
 backend, then captures), so the captured kernel reads the state's bitmask rows ``[:graph bs]``,
 the graph's static ``seq_lens`` / ``req_pool_indices``, ``req_to_token``, the KV cache; its split
@@ -68,8 +76,10 @@ def tree_verify_forward_extend(original, self, *args, **kwargs):
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ddtree.verify_attn_hook import ENV
+    from sglang_ddtree.verify_attn_hook import hook_wanted
 
-    if (os.environ.get(ENV) or "").strip().lower() == "sglang":
-        return      # SGLang's forward_extend, unwrapped (auto / ddtree install it; a bad value is refused by the worker)
+    if not hook_wanted(os.environ):
+        # SGLANG_DDTREE_VERIFY_ATTN=sglang and the drafter's block left to SGLang (the default):
+        # SGLang's forward_extend, unwrapped (a bad value installs it and is refused by the worker)
+        return
     HookRegistry.register(TARGET, tree_verify_forward_extend, HookType.AROUND)

@@ -15,7 +15,9 @@ budget).  :func:`enable` refuses (ValueError) what the hook does not cover and a
 :func:`forward_tree_verify` (the tree's K/V written into the cache exactly as SGLang does, then
 ``tree_verify_attention`` / ``tree_verify_attention_mla`` over the cache with the round's bitmask);
 every other call (the drafter's backend, which also runs TARGET_VERIFY, prefill, other servers) goes
-to SGLang's code unchanged.
+to SGLang's code unchanged -- unless ``SGLANG_DDTREE_DRAFT_ATTN`` (off by default) attached an
+``all_visible`` state to the drafter's backend: its block forward (ENCODER_ONLY layers, each block
+query sees the whole context and block) then runs the same kernel with every bit set.
 
 Per round the worker writes ``Tree.mask_words [bs, N, ceil(N/32)] int32`` into the state's persistent
 ``mask_words [max_bs, N, ceil(N/32)]`` (:meth:`VerifyAttnState.write_mask`) and builds no FULL_MASK.
@@ -42,14 +44,42 @@ MODES = ("auto", "ddtree", "sglang")
 DEFAULT_MODE = "auto"
 
 
+# The drafter's block forward (DFLASH's, which DDTREE runs: TARGET_VERIFY on the drafter's own backend,
+# every layer ENCODER_ONLY, so each block query sees the whole context and the whole block) through
+# the same kernel with an all-set bitmask.  Off by default until it is served on the GPU host: at 32k
+# prompts that forward costs 11.5 ms a round in SGLang's extend kernel (scale_h200 run 14).
+DRAFT_ENV = "SGLANG_DDTREE_DRAFT_ATTN"
+DRAFT_DEFAULT_MODE = "sglang"
+
+
+def _mode(var: str, default: str, env: Optional[Mapping[str, str]], algo: str) -> str:
+    env = os.environ if env is None else env
+    raw = (env.get(var) or "").strip().lower() or default
+    if raw not in MODES:
+        raise ValueError(f"{algo}: {var} must be one of {', '.join(MODES)} (unset = {default}), got "
+                         f"{env.get(var)!r}")
+    return raw
+
+
 def mode(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> str:
     """``"auto"`` (unset / empty / ``auto``), ``"ddtree"`` or ``"sglang"``; ValueError otherwise."""
+    return _mode(ENV, DEFAULT_MODE, env, algo)
+
+
+def draft_mode(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> str:
+    """``SGLANG_DDTREE_DRAFT_ATTN``: ``"sglang"`` (unset / empty: the drafter's block attention in
+    SGLang's kernel), ``"auto"`` (ours where it covers the drafter, SGLang's otherwise) or
+    ``"ddtree"`` (ours or a start-up error); ValueError otherwise."""
+    return _mode(DRAFT_ENV, DRAFT_DEFAULT_MODE, env, algo)
+
+
+def hook_wanted(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``patches/triton_verify_attention.py`` installs the hook: the target's verify or the
+    drafter's block may run our kernel (a bad value installs it: the worker refuses it at start-up)."""
     env = os.environ if env is None else env
-    raw = (env.get(ENV) or "").strip().lower() or DEFAULT_MODE
-    if raw not in MODES:
-        raise ValueError(f"{algo}: {ENV} must be one of {', '.join(MODES)} (unset = {DEFAULT_MODE}), got "
-                         f"{env.get(ENV)!r}")
-    return raw
+    target = (env.get(ENV) or "").strip().lower() != "sglang"
+    draft = (env.get(DRAFT_ENV) or "").strip().lower() not in ("", "sglang")
+    return target or draft
 
 
 def enabled(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> bool:
@@ -75,6 +105,7 @@ class VerifyAttnState:
     use_mla: bool
     calls: int = 0           # hooked layer calls (host counter; tests and logs)
     splits_fixed: bool = False   # SGLANG_DDTREE_VERIFY_ATTN_SPLITS set: every batch uses num_splits
+    all_visible: bool = False    # the drafter's block: every bit set at start-up, never rewritten
 
     def splits_for(self, bs: int, M: int, Hkv: int, d1: int, dv: int) -> int:
         """The split count of a verify of ``bs`` requests with head dims ``d1`` (scores) / ``dv``
@@ -94,6 +125,8 @@ class VerifyAttnState:
 
     def write_mask(self, mask_words: torch.Tensor) -> None:
         """mask_words [bs, N, NW] int32 (``Tree.mask_words``) -> rows [:bs] of the buffer."""
+        if self.all_visible:
+            raise ValueError("the drafter block's bitmask is fixed (every query sees the whole block)")
         bs = mask_words.shape[0]
         if tuple(mask_words.shape[1:]) != tuple(self.mask_words.shape[1:]) or bs > self.max_bs:
             raise ValueError(f"tree mask_words {tuple(mask_words.shape)} do not fit the verify "
@@ -117,9 +150,12 @@ def hook_installed() -> bool:
         h is P.tree_verify_forward_extend for _, h, _ in HookRegistry._hooks.get(P.TARGET, ()))
 
 
-def _layer_problems(model) -> List[str]:
+def _layer_problems(model, all_visible: bool = False) -> List[str]:
+    """Why ``model``'s attention layers are not covered: a target's must be causal decoder layers
+    (the tree's ancestor mask), a drafter block's (``all_visible``) ENCODER_ONLY ones (no mask)."""
     from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 
+    want = AttentionType.ENCODER_ONLY if all_visible else AttentionType.DECODER
     bad = []
     for name, m in model.named_modules():
         if not isinstance(m, RadixAttention):
@@ -133,7 +169,7 @@ def _layer_problems(model) -> List[str]:
             why.append("KV scales (quantized KV cache)")
         if (getattr(m, "xai_temperature_len", -1) or -1) > 0:
             why.append("xai temperature")
-        if m.is_cross_attention or m.attn_type != AttentionType.DECODER:
+        if m.is_cross_attention or m.attn_type != want:
             why.append(f"attention type {m.attn_type} / cross={m.is_cross_attention}")
         if getattr(m, "use_irope", False):
             why.append("chunked (irope) attention")
@@ -142,8 +178,9 @@ def _layer_problems(model) -> List[str]:
     return bad
 
 
-def backend_problems(backend, model) -> List[str]:
-    """Why the hook cannot serve this backend / model's verify ([] = covered)."""
+def backend_problems(backend, model, all_visible: bool = False) -> List[str]:
+    """Why the hook cannot serve this backend / model's verify ([] = covered); ``all_visible``: the
+    drafter's block forward instead."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     if not isinstance(backend, TritonAttnBackend):
@@ -170,7 +207,7 @@ def backend_problems(backend, model) -> List[str]:
     pool_dtype = getattr(getattr(backend, "token_to_kv_pool", None), "dtype", None)
     if pool_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         why.append(f"KV cache dtype {pool_dtype}")
-    return why + _layer_problems(model)
+    return why + _layer_problems(model, all_visible)
 
 
 def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
@@ -193,21 +230,41 @@ def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
     return max(1, min(default_num_splits(int(backend.max_context_len)), cap))
 
 
-def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]] = None
-           ) -> VerifyAttnState:
+def all_set_words(max_bs: int, N: int, device) -> torch.Tensor:
+    """``[max_bs, N, ceil(N/32)]`` int32 with bits ``0 .. N-1`` of every row set: every query sees
+    all N block tokens (the drafter's non-causal block)."""
+    cols = torch.arange(32 * ((N + 31) // 32), dtype=torch.int64).view(-1, 32)
+    bits = (cols < N).to(torch.int64) << (cols % 32)
+    word = bits.sum(1)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)    # as int32 bit patterns
+    return word.view(1, 1, -1).expand(max_bs, N, -1).contiguous().to(device)
+
+
+def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]] = None, *,
+           num_verify: Optional[int] = None, all_visible: bool = False) -> VerifyAttnState:
     """Attach a :class:`VerifyAttnState` to ``backend`` (start-up; ValueError when not covered).
-    ``model``: the target's nn.Module (its RadixAttention layers are checked)."""
-    why = backend_problems(backend, model)
+    ``model``: the target's nn.Module (its RadixAttention layers are checked).  ``all_visible``: the
+    drafter's backend and model instead: its block forward of ``num_verify`` tokens, every query
+    seeing the whole context and block (the bitmask set once, here)."""
+    var = DRAFT_ENV if all_visible else ENV
+    why = backend_problems(backend, model, all_visible)
     if why:
-        raise ValueError(f"{algo}: {ENV}=ddtree cannot serve this target's verify: "
-                         + "; ".join(why) + f". Unset {ENV} to verify with SGLang's kernel.")
-    N = int(backend.num_draft_tokens)
+        what = "the drafter's block attention" if all_visible else "this target's verify"
+        raise ValueError(f"{algo}: {var}=ddtree cannot serve {what}: "
+                         + "; ".join(why) + f". Unset {var} to run it with SGLang's kernel.")
+    N = int(backend.num_draft_tokens if num_verify is None else num_verify)
+    if N < 1:
+        raise ValueError(f"{algo}: {var}: block / verify width must be >= 1, got {N}")
     max_bs = int(backend.req_to_token_pool.size)
-    words = torch.zeros((max_bs, N, (N + 31) // 32), dtype=torch.int32, device=backend.device)
+    if all_visible:
+        words = all_set_words(max_bs, N, backend.device)
+    else:
+        words = torch.zeros((max_bs, N, (N + 31) // 32), dtype=torch.int32, device=backend.device)
     env_ = os.environ if env is None else env
     state = VerifyAttnState(num_verify=N, mask_words=words, num_splits=default_splits(backend, env),
                             use_mla=bool(backend.use_mla),
-                            splits_fixed=bool((env_.get(ENV_SPLITS) or "").strip()))
+                            splits_fixed=bool((env_.get(ENV_SPLITS) or "").strip()),
+                            all_visible=all_visible)
     setattr(backend, STATE_ATTR, state)
     return state
 

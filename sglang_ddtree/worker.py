@@ -204,6 +204,48 @@ def enable_tree_verify_attention(attn_backend, model_runner, algo: str, drafter_
     return state
 
 
+def enable_draft_block_attention(drafter_backend, draft_model, block_size: int, req_to_token,
+                                 algo: str, target_backend=None):
+    """Our kernel for the drafter's block forward (``SGLANG_DDTREE_DRAFT_ATTN``, off by default):
+    the state (an all-set bitmask of ``block_size`` columns) on the backend the drafter's
+    TARGET_VERIFY runs on; None when off, or under ``auto`` when not covered (the reason logged).
+    ``req_to_token``: the pool the worker addresses the block's KV slots with; the drafter's backend
+    must read the same one (the kernel finds prefix and block slots there).  ``=ddtree``: what is not
+    covered is a ValueError."""
+    m = verify_attn_hook.draft_mode(os.environ, algo)
+    if m == "sglang":
+        return None
+    try:
+        if drafter_backend is None or draft_model is None:
+            raise ValueError(f"{algo}: {verify_attn_hook.DRAFT_ENV}: no drafter backend / model")
+        backend = verify_attention_backend(drafter_backend)
+        if target_backend is not None and backend is verify_attention_backend(target_backend):
+            raise ValueError(f"{algo}: {verify_attn_hook.DRAFT_ENV}: the drafter's attention backend is "
+                             "the target's")
+        r2t = getattr(backend, "req_to_token", None)
+        if r2t is None or r2t.data_ptr() != req_to_token.data_ptr() or r2t.shape != req_to_token.shape:
+            raise ValueError(f"{algo}: {verify_attn_hook.DRAFT_ENV}: the drafter's backend reads another "
+                             "req_to_token than the one its block slots come from (a compact draft cache?)")
+        state = verify_attn_hook.enable(backend, draft_model, algo, num_verify=int(block_size),
+                                        all_visible=True)
+    except ValueError as e:
+        if m == "ddtree":
+            raise
+        logger.info("%s: drafter block attention = SGLang's extend kernel (%s=auto: %s)", algo,
+                    verify_attn_hook.DRAFT_ENV, e)
+        return None
+    except Exception as e:  # noqa: BLE001 - auto: an optimisation; =ddtree surfaces it
+        if m == "ddtree":
+            raise
+        logger.warning("%s: drafter block attention = SGLang's extend kernel (%s=auto; enabling ours "
+                       "failed: %s: %s)", algo, verify_attn_hook.DRAFT_ENV, type(e).__name__, e)
+        return None
+    logger.info("%s: drafter block attention = sglang_ddtree tree_verify_attention%s (block %d, all "
+                "visible, %d prefix splits)", algo, "_mla" if state.use_mla else "", state.num_verify,
+                state.num_splits)
+    return state
+
+
 # Test switch: pretend the target's CUDA-graph mask buffer holds only this many elements, so the
 # eager fallback of _mask_out_buffer runs at test-bed sizes (bench/device stage suffix maskcap<N>).
 _GRAPH_MASK_CAP_ENV = "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"
@@ -393,8 +435,14 @@ class DDTreeWorker(DFlashWorkerV2):
         backend = self._target_worker.model_runner.attn_backend
         check_tree_verify_backend(backend, self.algo_name)
         disable_causal_verify_shortcut(backend, self.algo_name)
+        draft_runner = getattr(self, "draft_model_runner", None)
         enable_tree_verify_attention(backend, self._target_worker.model_runner, self.algo_name,
-                                     getattr(getattr(self, "draft_model_runner", None), "attn_backend", None))
+                                     getattr(draft_runner, "attn_backend", None))
+        if verify_attn_hook.draft_mode(os.environ, self.algo_name) != "sglang":   # off by default
+            enable_draft_block_attention(getattr(draft_runner, "attn_backend", None),
+                                         getattr(draft_runner, "model", None), self.block_size,
+                                         self._target_worker.model_runner.req_to_token_pool.req_to_token,
+                                         self.algo_name, target_backend=backend)
         # at start-up, also when no CUDA graph is captured (the eager head is made at the first round)
         check_target_lm_head(self._target_worker.model_runner.model, self.algo_name)
 

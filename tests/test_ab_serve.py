@@ -215,6 +215,9 @@ def make_launcher(started, broken=(), mismatch=(), incremental=()):
                         + ("SGLang's masked extend kernel (SGLANG_DDTREE_VERIFY_ATTN=sglang)\n"
                            if env.get("SGLANG_DDTREE_VERIFY_ATTN") == "sglang" else
                            "sglang_ddtree tree_verify_attention (bitmask (64, 9, 1), 7 prefix splits)\n"))
+                if env.get("SGLANG_DDTREE_DRAFT_ATTN") == "ddtree":
+                    f.write("[2026-12-02 06:28:52] DDTREE-GPU: drafter block attention = sglang_ddtree "
+                            "tree_verify_attention (block 16, all visible, 7 prefix splits)\n")
         return FakeSGLang(int(flag("--port")), algo, nd, mismatch=name in mismatch, incremental=name in incremental,
                           profile=env.get("SGLANG_DDTREE_PROFILE_FILE"))
     return launcher
@@ -962,14 +965,19 @@ def test_torch_profile_spec_is_checked(bad):
 def test_each_arm_records_its_verify_attention(tmp_path):
     """SGLANG_DDTREE_VERIFY_ATTN=auto decides per server: the A/B keeps what each DDTREE server logged
     (ours, or SGLang's kernel and why) and the report says it beside the command line."""
-    args = _args(tmp_path, "--arms", "base,ddtree_b8,ddtree_b8_sglattn", "--repeats", "1", "--concurrency", "1")
+    args = _args(tmp_path, "--arms", "base,ddtree_b8,ddtree_b8_sglattn,ddtree_b8_dattn", "--repeats", "1",
+                 "--concurrency", "1")
     doc = ab.run(args, launcher=make_launcher([]))
     arms = {a["name"]: a for a in doc["arms"]}
     assert "verify_attention" not in arms["base"]
+    # _dattn: the drafter's block through our kernel too (SGLANG_DDTREE_DRAFT_ATTN=ddtree), recorded
+    assert arms["ddtree_b8_dattn"]["draft_attention"].endswith("(block 16, all visible, 7 prefix splits)")
+    assert all("draft_attention" not in arms[n] for n in ("base", "ddtree_b8", "ddtree_b8_sglattn"))
     assert arms["ddtree_b8"]["verify_attention"].startswith("sglang_ddtree tree_verify_attention (bitmask")
     assert arms["ddtree_b8_sglattn"]["verify_attention"].startswith("SGLang's masked extend kernel")
     md = open(str(tmp_path / "res" / "ab") + ".md").read()
     assert "; target verify attention: sglang_ddtree tree_verify_attention" in md
+    assert "; drafter block attention: sglang_ddtree tree_verify_attention (block 16" in md
     assert ab.verify_attention_of(str(tmp_path / "nothing.log")) is None
 
 

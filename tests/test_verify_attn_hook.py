@@ -128,7 +128,7 @@ class World:
     """One random verify: pool + slots + prefix KV in the cache, the tree, the layer inputs."""
 
     def __init__(self, rng, *, arch, bs, N, G=1, Hkv=2, D=16, Dv=16, H=2, L=512, R=64, prefixes=None,
-                 device=DEVICE):
+                 device=DEVICE, attn_type=None):
         self.bs, self.N, self.arch = bs, N, arch
         dev = self.device = torch.device(device)
         self.prefixes = prefixes or [randint(0, 40, rng) for _ in range(bs)]
@@ -149,11 +149,12 @@ class World:
         self.seq = torch.tensor(self.prefixes, dtype=torch.int64, device=dev)
         self.tree = make_tree(bs, N, rng, dev)
         T = bs * N
+        kind = {} if attn_type is None else dict(attn_type=attn_type)   # ENCODER_ONLY: the drafter's layers
         if arch == "gqa":
             Hq = G * Hkv
             self.pool = MHATokenToKVPool(S + 1, 1, torch.float32, Hkv, D, LAYERS, str(dev), False, v_head_dim=Dv)
             self.layers = [RadixAttention(Hq, D, 1.0 / math.sqrt(D), num_kv_heads=Hkv, layer_id=i,
-                                          v_head_dim=Dv) for i in range(LAYERS)]
+                                          v_head_dim=Dv, **kind) for i in range(LAYERS)]
             for i in range(LAYERS):
                 self.pool.k_buffer[i].copy_(torch.randn(self.pool.k_buffer[i].shape, generator=rng))
                 self.pool.v_buffer[i].copy_(torch.randn(self.pool.v_buffer[i].shape, generator=rng))
@@ -164,7 +165,7 @@ class World:
         else:
             self.pool = MLATokenToKVPool(S + 1, 1, torch.float32, L, R, LAYERS, str(dev), False)
             self.layers = [RadixAttention(H, L + R, 1.0 / math.sqrt(128 + R), num_kv_heads=1, layer_id=i,
-                                          v_head_dim=L) for i in range(LAYERS)]
+                                          v_head_dim=L, **kind) for i in range(LAYERS)]
             for i in range(LAYERS):
                 self.pool.kv_buffer[i].copy_(torch.randn(self.pool.kv_buffer[i].shape, generator=rng))
             self.q = torch.randn(T, H, L + R, generator=rng).to(dev)   # cat(q_nope W_kc, q_pe)
@@ -407,6 +408,97 @@ def test_per_call_refusals(hooked, rng):
     with pytest.raises(ValueError, match="do not fit"):
         state.write_mask(torch.zeros(2, 4, 1, dtype=torch.int32))
     assert state.calls == 0
+
+
+@pytest.mark.parametrize("arch,G", CASES)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_drafter_block_equals_sglangs_unmasked_path(hooked, rng, arch, G, graphs):
+    """SGLANG_DDTREE_DRAFT_ATTN: the drafter's block forward (TARGET_VERIFY on its own backend, every
+    layer ENCODER_ONLY, no custom mask: each block query sees the whole context and the whole block,
+    SGLang's extend kernel with causal off) through our kernel with the all-set bitmask gives
+    SGLang's output, the torch reference's over an all-ones mask, and the same KV cache."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    bs, N = randint(1, 3, rng), randint(1, 17, rng)
+    kw = dict(G=G) if arch == "gqa" else dict(H=randint(1, 2, rng))
+    world = World(rng, arch=arch, bs=bs, N=N, attn_type=AttentionType.ENCODER_ONLY, **kw)
+    world.tree = dataclasses.replace(world.tree, mask_words=VA.all_set_words(bs, N, world.device))
+    layer = world.layers[randint(0, LAYERS - 1, rng)]
+    be = world.backend()
+    fb = world.forward_batch(full_mask=False)                          # DFLASH's block: no custom mask
+    be.init_forward_metadata(fb)
+    assert be.forward_metadata.custom_mask is None
+    want = hooked(be, world.q, world.k, world.v, layer, fb)
+    want_cache = world.cache_snapshot()
+    ref = world.reference(layer)
+    world.restore_cache()
+    drafter = world.backend(graphs=graphs)
+    state = VA.enable(drafter, world.model, "DDTREE-GPU", env={}, num_verify=N, all_visible=True)
+    assert state.all_visible and state.mask_words.shape == (MAX_BS, N, (N + 31) // 32)
+    fb = world.forward_batch(full_mask=False)
+    if graphs:
+        drafter.init_forward_metadata_out_graph(fb, in_capture=True)
+    else:
+        drafter.init_forward_metadata(fb)
+    got = drafter.forward_extend(world.q, world.k, world.v, layer, fb)
+    assert state.calls == 1 and got.shape == want.shape
+    for a, b in zip(world.cache_snapshot(), want_cache):
+        assert torch.equal(a, b)
+    assert (got - want).abs().max() <= TOL * (1 + want.abs().max()), (world.prefixes, N)
+    assert (got - ref).abs().max() <= TOL * (1 + ref.abs().max())
+    with pytest.raises(ValueError, match="fixed"):
+        state.write_mask(world.tree.mask_words)
+
+
+def test_drafter_block_refusals_and_switch(hooked, rng):
+    """The layer kinds each state accepts, the switch's values (off by default), and the hook
+    installed when only the drafter's block asks for it."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    causal = World(rng, arch="gqa", bs=1, N=4)
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_DRAFT_ATTN=ddtree cannot serve the drafter's block.*"
+                                         "attention type"):
+        VA.enable(causal.backend(), causal.model, "DDTREE-GPU", env={}, all_visible=True)
+    enc = World(rng, arch="gqa", bs=1, N=4, attn_type=AttentionType.ENCODER_ONLY)
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_VERIFY_ATTN=ddtree cannot serve this target's verify"):
+        VA.enable(enc.backend(), enc.model, "DDTREE-GPU", env={})
+    assert VA.draft_mode({}) == "sglang" and VA.draft_mode({VA.DRAFT_ENV: " Auto "}) == "auto"
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_DRAFT_ATTN must be one of"):
+        VA.draft_mode({VA.DRAFT_ENV: "on"})
+    assert VA.hook_wanted({}) and VA.hook_wanted({VA.ENV: "sglang", VA.DRAFT_ENV: "ddtree"})
+    assert not VA.hook_wanted({VA.ENV: "sglang"}) and not VA.hook_wanted({VA.ENV: "sglang", VA.DRAFT_ENV: "sglang"})
+
+
+def test_worker_enables_the_drafter_block(hooked, rng, monkeypatch, caplog):
+    """``worker.enable_draft_block_attention``: off by default; ``auto`` logs why it falls back
+    (another req_to_token, the target's backend); ``ddtree`` raises; covered: the state, logged with
+    the line the A/B records."""
+    import logging
+
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sglang_ddtree import worker as W
+    from sglang_ddtree.ab.runner import DRAFT_ATTN_LINE
+
+    world = World(rng, arch="gqa", bs=1, N=5, attn_type=AttentionType.ENCODER_ONLY)
+    monkeypatch.delenv(VA.DRAFT_ENV, raising=False)
+    assert W.enable_draft_block_attention(world.backend(), world.model, 5, world.r2t, "DDTREE-GPU") is None
+    monkeypatch.setenv(VA.DRAFT_ENV, "auto")
+    caplog.set_level(logging.INFO, logger=W.logger.name)
+    other = world.r2t.clone()
+    assert W.enable_draft_block_attention(world.backend(), world.model, 5, other, "DDTREE-GPU") is None
+    assert "another req_to_token" in caplog.text
+    be = world.backend()
+    assert W.enable_draft_block_attention(be, world.model, 5, world.r2t, "DDTREE-GPU", target_backend=be) is None
+    assert "the target's" in caplog.text and VA.state_of(be) is None
+    monkeypatch.setenv(VA.DRAFT_ENV, "ddtree")
+    with pytest.raises(ValueError, match="another req_to_token"):
+        W.enable_draft_block_attention(world.backend(), world.model, 5, other, "DDTREE-GPU")
+    caplog.clear()
+    be = world.backend()
+    state = W.enable_draft_block_attention(be, world.model, 5, world.r2t, "DDTREE-GPU")
+    assert VA.state_of(be) is state and state.all_visible and state.num_verify == 5
+    assert DRAFT_ATTN_LINE + "sglang_ddtree tree_verify_attention (block 5, all visible" in caplog.text
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla"])

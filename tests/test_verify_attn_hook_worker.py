@@ -148,6 +148,23 @@ def test_startup_enables_the_targets_verify_backend_only(hooked, rng, monkeypatc
     w.draft_model_runner = types.SimpleNamespace(attn_backend=hybrid)  # the drafter on the target's backend
     w.init_attention_backends()
     assert VA.state_of(target_be) is None
+    # SGLANG_DDTREE_DRAFT_ATTN=ddtree: the drafter's backend gets an all-visible state of the block
+    # size (its layers must be ENCODER_ONLY: these are causal, so a start-up error names them)
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    monkeypatch.setenv(VA.DRAFT_ENV, "ddtree")
+    w.block_size = 4
+    w.draft_model_runner = types.SimpleNamespace(attn_backend=drafter_be, model=world.model)
+    with pytest.raises(ValueError, match="drafter's block.*attention type"):
+        w.init_attention_backends()
+    for layer in world.layers:
+        layer.attn_type = AttentionType.ENCODER_ONLY
+    target_be.__dict__.pop(VA.STATE_ATTR, None)
+    drafter_be.__dict__.pop(VA.STATE_ATTR, None)
+    monkeypatch.setenv(VA.ENV, "sglang")                             # the target's verify left to SGLang
+    w.init_attention_backends()
+    st = VA.state_of(drafter_be)
+    assert st is not None and st.all_visible and st.num_verify == 4 and VA.state_of(target_be) is None
 
 
 def test_each_adaptive_width_backend_gets_its_own_state(hooked, rng, monkeypatch):

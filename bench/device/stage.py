@@ -85,6 +85,8 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "ddtree"
         elif p == "sglattn":  # the target verify through SGLang's masked extend kernel (the default
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "sglang"   # is auto: ours where covered)
+        elif p == "dattn":  # the drafter's block forward through our kernel too (all-set bitmask)
+            os.environ["SGLANG_DDTREE_DRAFT_ATTN"] = "ddtree"
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:

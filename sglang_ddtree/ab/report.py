@@ -445,7 +445,8 @@ def _render_run(doc, top=True):
         if a.get("command_str"):
             env = " ".join(f"{k}=..." for k in (a.get("env") or {}))
             L.append(f"- `{a['name']}` (up in {a.get('start_s')} s): `{(env + ' ') if env else ''}{a['command_str']}`"
-                     + (f"; target verify attention: {a['verify_attention']}" if a.get("verify_attention") else ""))
+                     + (f"; target verify attention: {a['verify_attention']}" if a.get("verify_attention") else "")
+                     + (f"; drafter block attention: {a['draft_attention']}" if a.get("draft_attention") else ""))
     if doc.get("kernel_sweep"):
         L += _render_sweep(doc["kernel_sweep"], h)
     L += ["", f"{h} Definitions", ""] + [f"- {k}: {v}" for k, v in (doc.get("definitions") or {}).items()]

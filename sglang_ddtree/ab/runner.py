@@ -52,17 +52,20 @@ def _profiles_by_window(levels, profile_path, base_url, prompts, deadline_at) ->
 
 
 VERIFY_ATTN_LINE = "target verify attention = "
+DRAFT_ATTN_LINE = "drafter block attention = "
 
 
-def verify_attention_of(log_path: str) -> Optional[str]:
+def verify_attention_of(log_path: str, marker: str = VERIFY_ATTN_LINE) -> Optional[str]:
     """What the DDTREE worker logged at start-up as its target verify attention (ours, or SGLang's
-    masked kernel and why: ``SGLANG_DDTREE_VERIFY_ATTN=auto`` decides per server), else None."""
+    masked kernel and why: ``SGLANG_DDTREE_VERIFY_ATTN=auto`` decides per server), else None;
+    ``marker=DRAFT_ATTN_LINE``: its drafter block attention (logged only when
+    ``SGLANG_DDTREE_DRAFT_ATTN`` is set)."""
     try:
         with open(log_path, errors="replace") as f:
             for line in f:
-                i = line.find(VERIFY_ATTN_LINE)
+                i = line.find(marker)
                 if i >= 0:
-                    return line[i + len(VERIFY_ATTN_LINE):].strip()[:300]
+                    return line[i + len(marker):].strip()[:300]
     except OSError:
         return None
     return None
@@ -150,9 +153,12 @@ def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: Li
             print(f"[{arm['name']}] FAILED to start: {why}", flush=True)
             return (rec, outs[0]) if also is None else list(zip(recs, outs))
         va = verify_attention_of(log_path)
-        if va:
-            for r in recs:
+        da = verify_attention_of(log_path, DRAFT_ATTN_LINE)
+        for r in recs:
+            if va:
                 r["verify_attention"] = va
+            if da:
+                r["draft_attention"] = da
         print(f"[{arm['name']}] up after {rec['start_s']} s{f'; verify attention: {va}' if va else ''}", flush=True)
         # warm-up: the widest batch once (short), then one full-length request
         tw = time.time()

@@ -21,6 +21,7 @@ AUTO_BUDGETS = (7, 15, 31)
 # DDTree arm suffix -> (server environment variable, value, adaptive arms only); at most one per variable
 ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang", False),
+                ("_dattn", "SGLANG_DDTREE_DRAFT_ATTN", "ddtree", False),
                 ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch", False),
                 ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0", True),
                 ("_nooverhead", "SGLANG_DDTREE_ROUND_OVERHEAD", "off", True))
@@ -40,7 +41,9 @@ def parse_arm(name: str) -> dict:
     in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify must run our tree-verify attention
     (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``; the server refuses to start where it does not cover), or
     in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
-    default (``auto``: ours where it covers the verify).  ``_torchcommit`` (e.g.
+    default (``auto``: ours where it covers the verify).  ``_dattn``: the drafter's block forward
+    also through our kernel (``SGLANG_DDTREE_DRAFT_ATTN=ddtree``, all-set bitmask; off by default).
+    ``_torchcommit`` (e.g.
     ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
     (``SGLANG_DDTREE_COMMIT_OPS=torch``), to measure the fused commit kernel in the same run.
     ``_nospec`` (adaptive arms only: ``ddtree_auto_nospec``): every round the adaptive budget's
