@@ -169,38 +169,46 @@ def disable_causal_verify_shortcut(attn_backend, algo: str) -> bool:
     return True
 
 
+def _enable_or_fall_back(enable, *, must: bool, algo: str, var: str, what: str, fallback: str):
+    """``enable()`` -> its state; where it raises: re-raised when ``must`` (``=ddtree``), else None
+    with the reason logged as ``"<algo>: <what> = <fallback> (<var>=auto: why)"`` (a ValueError: not
+    covered, INFO; anything else: enabling failed, WARNING)."""
+    try:
+        return enable()
+    except ValueError as e:
+        if must:
+            raise
+        logger.info("%s: %s = %s (%s=auto: %s)", algo, what, fallback, var, e)
+    except Exception as e:  # noqa: BLE001 - auto: an optimisation; =ddtree surfaces it
+        if must:
+            raise
+        logger.warning("%s: %s = %s (%s=auto; enabling ours failed: %s: %s)", algo, what, fallback, var,
+                       type(e).__name__, e)
+    return None
+
+
 def enable_tree_verify_attention(attn_backend, model_runner, algo: str, drafter_backend=None):
     """Our tree-verify attention on the target's verify backend (``verify_attn_hook.enable``), its
     state; None when ``SGLANG_DDTREE_VERIFY_ATTN=sglang``, or under ``auto`` (the default) when it
     does not cover this verify (the reason logged; SGLang's masked kernel then verifies).  With
     ``=ddtree`` what is not covered, or a drafter verifying on the same backend object, is a
     ValueError."""
+    what, fallback = "target verify attention", "SGLang's masked extend kernel"
     if not verify_attn_hook.enabled(os.environ, algo):
-        logger.info("%s: target verify attention = SGLang's masked extend kernel (%s=sglang)",
-                    algo, verify_attn_hook.ENV)
+        logger.info("%s: %s = %s (%s=sglang)", algo, what, fallback, verify_attn_hook.ENV)
         return None
-    must = verify_attn_hook.required(os.environ, algo)
     target = verify_attention_backend(attn_backend)
-    try:
+
+    def enable():
         if drafter_backend is not None and verify_attention_backend(drafter_backend) is target:
             raise ValueError(f"{algo}: {verify_attn_hook.ENV}: the drafter's attention backend is "
                              "the target's; the hook would also take the drafter's (unmasked) verify")
-        state = verify_attn_hook.enable(target, model_runner.model, algo)
-    except ValueError as e:
-        if must:
-            raise
-        logger.info("%s: target verify attention = SGLang's masked extend kernel (%s=auto: %s)",
-                    algo, verify_attn_hook.ENV, e)
-        return None
-    except Exception as e:  # noqa: BLE001 - auto: an optimisation; =ddtree surfaces it
-        if must:
-            raise
-        logger.warning("%s: target verify attention = SGLang's masked extend kernel (%s=auto; enabling "
-                       "ours failed: %s: %s)", algo, verify_attn_hook.ENV, type(e).__name__, e)
-        return None
-    logger.info("%s: target verify attention = sglang_ddtree tree_verify_attention%s (bitmask "
-                "%s, %d prefix splits)", algo, "_mla" if state.use_mla else "",
-                tuple(state.mask_words.shape), state.num_splits)
+        return verify_attn_hook.enable(target, model_runner.model, algo)
+    state = _enable_or_fall_back(enable, must=verify_attn_hook.required(os.environ, algo), algo=algo,
+                                 var=verify_attn_hook.ENV, what=what, fallback=fallback)
+    if state is not None:
+        logger.info("%s: %s = sglang_ddtree tree_verify_attention%s (bitmask %s, %d prefix splits)", algo,
+                    what, "_mla" if state.use_mla else "", tuple(state.mask_words.shape), state.num_splits)
     return state
 
 
@@ -215,34 +223,25 @@ def enable_draft_block_attention(drafter_backend, draft_model, block_size: int, 
     m = verify_attn_hook.draft_mode(os.environ, algo)
     if m == "sglang":
         return None
-    try:
+    var, what = verify_attn_hook.DRAFT_ENV, "drafter block attention"
+
+    def enable():
         if drafter_backend is None or draft_model is None:
-            raise ValueError(f"{algo}: {verify_attn_hook.DRAFT_ENV}: no drafter backend / model")
+            raise ValueError(f"{algo}: {var}: no drafter backend / model")
         backend = verify_attention_backend(drafter_backend)
         if target_backend is not None and backend is verify_attention_backend(target_backend):
-            raise ValueError(f"{algo}: {verify_attn_hook.DRAFT_ENV}: the drafter's attention backend is "
-                             "the target's")
+            raise ValueError(f"{algo}: {var}: the drafter's attention backend is the target's")
         r2t = getattr(backend, "req_to_token", None)
         if r2t is None or r2t.data_ptr() != req_to_token.data_ptr() or r2t.shape != req_to_token.shape:
-            raise ValueError(f"{algo}: {verify_attn_hook.DRAFT_ENV}: the drafter's backend reads another "
-                             "req_to_token than the one its block slots come from (a compact draft cache?)")
-        state = verify_attn_hook.enable(backend, draft_model, algo, num_verify=int(block_size),
-                                        all_visible=True)
-    except ValueError as e:
-        if m == "ddtree":
-            raise
-        logger.info("%s: drafter block attention = SGLang's extend kernel (%s=auto: %s)", algo,
-                    verify_attn_hook.DRAFT_ENV, e)
-        return None
-    except Exception as e:  # noqa: BLE001 - auto: an optimisation; =ddtree surfaces it
-        if m == "ddtree":
-            raise
-        logger.warning("%s: drafter block attention = SGLang's extend kernel (%s=auto; enabling ours "
-                       "failed: %s: %s)", algo, verify_attn_hook.DRAFT_ENV, type(e).__name__, e)
-        return None
-    logger.info("%s: drafter block attention = sglang_ddtree tree_verify_attention%s (block %d, all "
-                "visible, %d prefix splits)", algo, "_mla" if state.use_mla else "", state.num_verify,
-                state.num_splits)
+            raise ValueError(f"{algo}: {var}: the drafter's backend reads another req_to_token than the "
+                             "one its block slots come from (a compact draft cache?)")
+        return verify_attn_hook.enable(backend, draft_model, algo, num_verify=int(block_size),
+                                       all_visible=True)
+    state = _enable_or_fall_back(enable, must=m == "ddtree", algo=algo, var=var, what=what,
+                                 fallback="SGLang's extend kernel")
+    if state is not None:
+        logger.info("%s: %s = sglang_ddtree tree_verify_attention%s (block %d, all visible, %d prefix "
+                    "splits)", algo, what, "_mla" if state.use_mla else "", state.num_verify, state.num_splits)
     return state
 
 
