@@ -419,7 +419,7 @@ def test_drafter_block_equals_sglangs_unmasked_path(hooked, rng, arch, G, graphs
     SGLang's output, the torch reference's over an all-ones mask, and the same KV cache."""
     from sglang.srt.layers.radix_attention import AttentionType
 
-    bs, N = randint(1, 3, rng), randint(1, 17, rng)
+    bs, N = randint(1, 3, rng), randint(2, 17, rng)                   # N: the drafter's block size
     kw = dict(G=G) if arch == "gqa" else dict(H=randint(1, 2, rng))
     world = World(rng, arch=arch, bs=bs, N=N, attn_type=AttentionType.ENCODER_ONLY, **kw)
     world.tree = dataclasses.replace(world.tree, mask_words=VA.all_set_words(bs, N, world.device))
