@@ -442,7 +442,7 @@ def render_target_md(doc) -> list:
     if missed:
         L += ["", "| arch | bs | prefix | N | missed: why |", "|---|---:|---:|---:|---|"]
         L += [f"| {r['arch']} | {r['bs']} | {r['prefix']} | {r['N']} | {why} |" for r, why in missed]
-    done = {(r["arch"], r["bs"], r["prefix"], r["N"]) for r in doc["rows"]}
+    done = {cell_key(r) for r in doc["rows"]}
     archs = sorted({r["arch"] for r in doc["rows"]})
     todo = [cell_label(a, bs, p, n) for a in archs for bs in ISSUE_GRID["bs"] for p in ISSUE_GRID["prefix"]
             for n in ISSUE_GRID["N"] if (a, bs, p, n) not in done]
@@ -512,6 +512,14 @@ def merge(paths) -> dict:
                replaced=[x for _, d in docs for x in d.get("replaced", [])] + replaced)
     out["ok"] = all_ok(out["rows"], out["tune"])
     return out
+
+
+def save(doc, out) -> None:
+    """``out.json`` and its markdown ``out.md``."""
+    with open(out + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(render_md(doc))
 
 
 def render_md(doc) -> str:
@@ -600,10 +608,7 @@ def main(argv=None):
         except (ValueError, OSError, KeyError) as e:
             ap.error(f"--merge: {e}")
         out = a.merge[0][:-5] if a.merge[0].endswith(".json") else a.merge[0]
-        with open(out + ".json", "w") as f:
-            json.dump(doc, f, indent=1)
-        with open(out + ".md", "w") as f:
-            f.write(render_md(doc))
+        save(doc, out)
         print(f"wrote {out}.json, {out}.md ({len(doc['rows'])} cells from {len(doc['parts'])} runs)")
         return 0
     if a.render:
@@ -651,10 +656,7 @@ def main(argv=None):
         doc = dict(kind="verify_attention", env=env, copy_gbs=bw, matmul_tflops=tflops,
                    timing="cuda graph" if graph else "eager", rows=rows, tune=tune, cut=cut,
                    skipped=skipped, tolerance=TOL, ok=all_ok(rows, tune))
-        with open(a.out + ".json", "w") as f:
-            json.dump(doc, f, indent=1)
-        with open(a.out + ".md", "w") as f:
-            f.write(render_md(doc))
+        save(doc, a.out)
         return doc
     if a.tune or a.tune_only:
         for arch in archs:

@@ -76,10 +76,10 @@ def draft_mode(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") ->
 def hook_wanted(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether ``patches/triton_verify_attention.py`` installs the hook: the target's verify or the
     drafter's block may run our kernel (a bad value installs it: the worker refuses it at start-up)."""
-    env = os.environ if env is None else env
-    target = (env.get(ENV) or "").strip().lower() != "sglang"
-    draft = (env.get(DRAFT_ENV) or "").strip().lower() not in ("", "sglang")
-    return target or draft
+    try:
+        return enabled(env) or draft_mode(env) != "sglang"
+    except ValueError:
+        return True
 
 
 def enabled(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> bool:
