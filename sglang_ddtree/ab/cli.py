@@ -19,6 +19,7 @@ from .report import render_markdown, render_summary, write_outputs
 from .runner import requests_per_level, run
 from .sweep import SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS, kernel_sweep_child, run_kernel_sweep
 from .servers import DEFAULT_ARMS
+from .serving_client import DEFAULT_ARM_ATTENTION, SERVING_DEFAULT_ARMS, WORKLOADS
 from .trace import parse_spec as parse_trace_spec
 
 DEFAULT_OUT = "ab_serve"  # OUT.json / OUT.md / OUT.png in the current folder (bench/ab_serve.py: bench/results/ab_h200)
@@ -110,6 +111,29 @@ def build_parser(default_out: str = DEFAULT_OUT):
                     help="with --merge: mark one measured level of FILE (a merged file's name) as broken")
     ap.add_argument("--summary", metavar="JSON", help="print the summary tables of a result (the README's table)")
     ap.add_argument("--kernel-sweep-child", metavar="JSONL", help=argparse.SUPPRESS)
+    g = ap.add_argument_group("--client bench_serving (sglang_ddtree/ab/serving_client.py: SGLang's own load "
+                              "generator drives the levels, the identity check on top)")
+    g.add_argument("--client", choices=("ab", "bench_serving"), default="ab",
+                   help="ab: this package's client (the default); bench_serving: `python -m sglang.bench_serving "
+                        "--backend sglang` per level (default arms then " + SERVING_DEFAULT_ARMS + ")")
+    g.add_argument("--workload", choices=tuple(WORKLOADS), default="random",
+                   help="bench_serving: random (random-ids 512 in / 256 out), long (8192 / 256), mix (input 256-4096, "
+                        "output 16-256), natural (the pair's natural prompts as a ShareGPT file, 256 out)")
+    g.add_argument("--serving-input-len", type=int, default=None, help="bench_serving: override the workload's input length")
+    g.add_argument("--serving-output-len", type=int, default=None, help="bench_serving: override the workload's output length")
+    g.add_argument("--serving-range-ratio", type=float, default=None, help="bench_serving: override the workload's range ratio")
+    g.add_argument("--serving-seed", type=int, default=42, help="bench_serving's --seed (the same requests in every arm)")
+    g.add_argument("--min-level-seconds", type=float, default=20.0,
+                   help="bench_serving: the first arm scales a level's request count until it lasts >= this x "
+                        "--level-seconds-margin (0: --requests-per-level as given)")
+    g.add_argument("--level-seconds-margin", type=float, default=1.5,
+                   help="bench_serving: head room for arms faster than the first (a level shorter than "
+                        "--min-level-seconds is flagged 'short')")
+    g.add_argument("--arm-attention", default=DEFAULT_ARM_ATTENTION,
+                   help="bench_serving: ARM=BACKEND,... the --attention-backend of those arms (others: no flag); 'none'")
+    g.add_argument("--identity-prompts", type=int, default=16, help="bench_serving: greedy identity requests per arm")
+    g.add_argument("--identity-new-tokens", type=int, default=256)
+    g.add_argument("--identity-concurrency", type=int, default=1)
     return ap
 
 

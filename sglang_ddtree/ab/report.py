@@ -214,6 +214,9 @@ def render_summary(doc: dict, h: str = "##") -> List[str]:
 
 
 def render_markdown(doc: dict) -> str:
+    if doc.get("kind") == "ab_serving":   # --client bench_serving
+        from .serving_client import render_markdown as serving_markdown
+        return serving_markdown(doc)
     L = []
     runs = _runs(doc)
     if doc.get("kind") == "ab_serve_merged":

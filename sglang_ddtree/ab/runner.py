@@ -394,6 +394,9 @@ def requests_per_level(spec: str, c: int, n_prompts: int) -> int:
 
 
 def run(args, launcher: Callable = popen_launcher) -> dict:
+    if getattr(args, "client", "ab") == "bench_serving":   # sglang.bench_serving drives the levels
+        from . import serving_client
+        return serving_client.run(args, launcher)
     t_start = time.time()
     deadline_at = t_start + args.deadline if args.deadline else None
     arms = parse_arms(args.arms)

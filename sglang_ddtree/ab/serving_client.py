@@ -1,0 +1,707 @@
+"""``--client bench_serving``: SGLang's own load generator, ``python -m sglang.bench_serving --backend
+sglang``, drives every level; the A/B keeps its arms, its servers (one at a time) and adds the
+output-identity check on top.
+
+Per arm: the server is launched as a user would (``--model-path``, host, port, the arm's
+speculative flags, its attention backend from ``--arm-attention`` -- default base and DFLASH on
+``flashinfer``, DDTree arms without the flag (the plugin picks) -- and ``--server-args`` for every
+arm), waited for on ``/health_generate``, warmed up by one uncounted bench_serving pass at the
+largest concurrency (16 output tokens), then for each concurrency c and each repeat (``--repeats``,
+radix cache flushed by bench_serving's ``--flush-cache`` after its own one-request warm-up):
+
+    python -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port P --model M --tokenizer M
+        --dataset-name D ... --num-prompts n_c --max-concurrency c --request-rate inf --seed S
+        --output-file F --flush-cache --warmup-requests 1 --ready-check-timeout-sec 0 --disable-tqdm
+
+and the JSON line it appends to F is parsed (its 0.5.16 field names: output_throughput,
+request_throughput, median/p99 ttft/itl/tpot/e2e, completed, duration, total_input_tokens,
+total_output_tokens, accept_length, ...; failed = n_c - completed).  A level reports the median of
+its repeats' output tok/s and the latencies of that repeat.  After the levels, the identity
+requests (``--identity-prompts`` natural prompts as token ids, greedy, ``--identity-new-tokens``
+new tokens, ``--identity-concurrency`` in flight, through ``/generate`` with ``input_ids``: the
+A/B's own client) are sent and every arm's outputs are compared with the reference arm's
+(``base``) token for token: identical, or the first differing position per request.
+
+Workloads (``--workload``; ``--serving-input-len`` / ``--serving-output-len`` /
+``--serving-range-ratio`` override a preset):
+
+- ``random``: ``--dataset-name random-ids --tokenize-prompt``: random token ids, 512 in / 256 out
+  (range ratio 1: every request exactly so);
+- ``long``: the same with 8192 in / 256 out (the servers' context must hold 8448 tokens);
+- ``mix``: random ids, input 256-4096, output 16-256 (range ratio 1/16, bench_serving draws each
+  length uniformly between ratio x len and len);
+- ``natural``: the pair's natural prompts (``--prompts`` if given, else the text pair's held-out
+  standard-library windows for ``--pair text``, else the A/B's standard-library prompts) written as
+  a ShareGPT-format JSON (``--dataset-name sharegpt --dataset-path F --sharegpt-output-len 256``):
+  bench_serving sends their text, the server tokenizes it (the prompt lengths bench_serving reports
+  come from the same tokenizer; ``sglang.bench_serving`` cannot send token ids for file datasets:
+  0.5.16's sharegpt / custom loaders assert ``not --tokenize-prompt``).  A level of n requests uses
+  the first n prompts (the pool repeats once exhausted; the report gives the distinct count).
+
+Level sizes: ``--requests-per-level`` gives the first count per level (``auto``: max(16, 4c));
+with ``--min-level-seconds S`` (default 20; 0: off) the first arm to run a level (the reference
+arm, it runs first) scales it: when its first pass lasts less than S, the count becomes
+ceil(n x S x ``--level-seconds-margin`` / duration), rounded up to a multiple of c, and the level
+is run again (the short pass is kept as ``calibration``).  Every later arm runs that same count
+(the same requests), so a faster arm's level may last less than S: the report flags it.
+
+Ratios are only taken within one run (one card, one call).  bench_serving imports the ``datasets``
+package at import time (sglang/benchmark/datasets/mmmu.py); where it is missing (the GPU host's
+kit) a one-line stand-in (:data:`DATASETS_STANDIN`) is written under the work dir and put first on
+the bench_serving process's PYTHONPATH (only then).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+from . import client
+from .client import http_json
+from .environment import env_info
+from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_prompts
+from .servers import log_tail, parse_arm, popen_launcher, wait_healthy
+from .stats import first_diff, identity_check
+
+SERVING_DEFAULT_ARMS = "base,dflash,ddtree_default"
+DEFAULT_ARM_ATTENTION = "base=flashinfer,dflash=flashinfer"
+
+# workload -> bench_serving dataset and lengths
+WORKLOADS = {
+    "random": dict(dataset="random-ids", input_len=512, output_len=256, range_ratio=1.0),
+    "long": dict(dataset="random-ids", input_len=8192, output_len=256, range_ratio=1.0),
+    "mix": dict(dataset="random-ids", input_len=4096, output_len=256, range_ratio=0.0625),
+    "natural": dict(dataset="sharegpt", input_len=None, output_len=256, range_ratio=None),
+}
+
+# the stand-in for the `datasets` package (only load_dataset is imported, by datasets bench_serving never uses here)
+DATASETS_STANDIN = ("def load_dataset(*a, **k): raise ImportError('the datasets package is not installed "
+                    "(sglang_ddtree.ab stand-in)')\n")
+
+# the fields of bench_serving's result line a level keeps (SGLang 0.5.16 sglang/benchmark/serving.py)
+RESULT_FIELDS = ("duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                 "input_throughput", "output_throughput", "total_throughput",
+                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
+                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_e2e_latency_ms", "median_e2e_latency_ms",
+                 "p99_e2e_latency_ms", "concurrency", "accept_length", "max_output_tokens_per_s",
+                 "max_concurrent_requests", "max_concurrency", "dataset_name", "random_input_len",
+                 "random_output_len", "random_range_ratio", "sharegpt_output_len")
+
+
+# ------------------------------------------------------------------------------------------ arms
+def parse_serving_arm(name: str) -> dict:
+    """The A/B's arms (:func:`servers.parse_arm`) plus ``ddtree_default``: ``--speculative-algorithm
+    DDTREE-GPU`` and the drafter, nothing else (what a user gets by default).  Arms pinned to a
+    budget (``_pin<B>``) need a per-request field bench_serving cannot put in the sampling params:
+    refused."""
+    name = name.strip()
+    if name == "ddtree_default":
+        return dict(name=name, kind="ddtree", algo="DDTREE-GPU", budget=None, num_draft_tokens=None)
+    arm = parse_arm(name)
+    if arm.get("pin") is not None:
+        raise ValueError(f"arm {name!r}: pinned arms need custom_params in the sampling params, which "
+                         "sglang.bench_serving does not send; use --client ab")
+    return arm
+
+
+def parse_serving_arms(spec: str) -> List[dict]:
+    arms = [parse_serving_arm(a) for a in spec.split(",") if a.strip()]
+    names = [a["name"] for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate arms in {spec!r}")
+    arms.sort(key=lambda a: a["kind"] != "base")   # the reference runs first: it sizes the levels
+    return arms
+
+
+def parse_arm_attention(spec: str) -> Dict[str, str]:
+    """'base=flashinfer,dflash=flashinfer' -> {arm name: backend}; '' or 'none': no arm gets the flag."""
+    out = {}
+    for part in (spec or "").split(","):
+        part = part.strip()
+        if not part or part == "none":
+            continue
+        k, sep, v = part.partition("=")
+        if not sep or not k.strip() or not v.strip():
+            raise ValueError(f"--arm-attention {spec!r}: expected ARM=BACKEND pairs, got {part!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def serving_server_cmd(arm: dict, opts: dict, port: int) -> List[str]:
+    """The launch_server command line of one arm, as a user writes it: the model, host and port, the
+    arm's attention backend (when ``opts["attention"]`` names one for it), its speculative flags,
+    then ``opts["server_args"]`` (every arm, last: they win)."""
+    cmd = [opts.get("python") or sys.executable, "-m", "sglang.launch_server", "--model-path", opts["model_path"],
+           "--host", "127.0.0.1", "--port", str(port)]
+    backend = (opts.get("attention") or {}).get(arm["name"])
+    if backend:
+        cmd += ["--attention-backend", backend]
+    if arm["algo"]:
+        if not opts.get("draft_model_path"):
+            raise ValueError(f"arm {arm['name']} needs --draft-model-path")
+        cmd += ["--speculative-algorithm", arm["algo"], "--speculative-draft-model-path", opts["draft_model_path"]]
+        if arm.get("num_draft_tokens") is not None:
+            cmd += ["--speculative-num-draft-tokens", str(arm["num_draft_tokens"])]
+    cmd += shlex.split(opts.get("server_args") or "")
+    return cmd
+
+
+# ------------------------------------------------------------------------------------------ workload
+def workload_settings(name: str, input_len=None, output_len=None, range_ratio=None) -> dict:
+    if name not in WORKLOADS:
+        raise ValueError(f"--workload {name!r}: one of {', '.join(WORKLOADS)}")
+    w = dict(WORKLOADS[name], name=name)
+    if input_len is not None:
+        if w["dataset"] == "sharegpt":
+            raise ValueError("--serving-input-len: the natural workload's lengths are the prompts' own")
+        w["input_len"] = int(input_len)
+    if output_len is not None:
+        w["output_len"] = int(output_len)
+    if range_ratio is not None:
+        if w["dataset"] == "sharegpt":
+            raise ValueError("--serving-range-ratio: not for the natural workload")
+        w["range_ratio"] = float(range_ratio)
+    return w
+
+
+def bench_serving_cmd(python: str, port: int, model: str, workload: dict, c: int, n: int, output_file: str,
+                      seed: int = 42, dataset_path: Optional[str] = None, output_len: Optional[int] = None,
+                      warmup_requests: int = 1, tokenizer: Optional[str] = None) -> List[str]:
+    """One ``python -m sglang.bench_serving`` run: n requests, at most c in flight, all sent at once
+    (``--request-rate inf``), greedy (its default temperature 0, ignore_eos on), the result line
+    appended to ``output_file``.  ``output_len`` overrides the workload's (the warm-up pass)."""
+    out_len = int(output_len if output_len is not None else workload["output_len"])
+    cmd = [python, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
+           "--model", model, "--tokenizer", tokenizer or model, "--dataset-name", workload["dataset"],
+           "--num-prompts", str(int(n)), "--max-concurrency", str(int(c)), "--request-rate", "inf",
+           "--seed", str(int(seed)), "--output-file", output_file, "--flush-cache",
+           "--warmup-requests", str(int(warmup_requests)), "--ready-check-timeout-sec", "0", "--disable-tqdm"]
+    if workload["dataset"] == "sharegpt":
+        if not dataset_path:
+            raise ValueError("the natural workload needs its dataset file")
+        cmd += ["--dataset-path", dataset_path, "--sharegpt-output-len", str(out_len)]
+    else:
+        cmd += ["--random-input-len", str(int(workload["input_len"])), "--random-output-len", str(out_len),
+                "--random-range-ratio", repr(float(workload["range_ratio"])), "--tokenize-prompt"]
+    return cmd
+
+
+def natural_texts(args, n: int) -> tuple:
+    """(n prompt texts, source): ``--prompts`` (token-id items decoded with the target's
+    tokenizer.json), else the text pair's held-out windows (``--pair text``), else the A/B's
+    standard-library prompts.  Fewer than n items are cycled."""
+    if args.prompts:
+        items = load_prompts_file(args.prompts, args.prompt_template)
+        tok = None
+        texts = []
+        for it in items:
+            if "text" in it:
+                texts.append(it["text"])
+                continue
+            if tok is None:
+                from tokenizers import Tokenizer
+                tok = Tokenizer.from_file(os.path.join(args._model, "tokenizer.json"))
+            texts.append(tok.decode(it["input_ids"], skip_special_tokens=False))
+        source = os.path.abspath(args.prompts)
+    elif args.pair == "text":
+        texts = [p["text"] for p in textpair_prompts(n, args.prompt_template)]
+        source = "the text pair's held-out standard-library files (bare code windows and docstrings)"
+    else:
+        texts = [p["text"] for p in make_prompts(n, args.prompt_template)]
+        source = "the standard library (code windows and prose with a task line, alternating)"
+    if not texts:
+        raise ValueError("no natural prompts")
+    return [texts[i % len(texts)] for i in range(n)], source
+
+
+def write_sharegpt(texts: List[str], path: str) -> str:
+    """A ShareGPT-format JSON bench_serving's ``sharegpt`` loader reads (the reply is a placeholder:
+    ``--sharegpt-output-len`` fixes every output length)."""
+    data = [{"id": f"p{i}", "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "ok ok ok ok"}]}
+            for i, t in enumerate(texts)]
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ result line
+def parse_result_file(path: str) -> dict:
+    """The last JSON line bench_serving appended to ``path``, reduced to :data:`RESULT_FIELDS`."""
+    with open(path) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no result line")
+    return parse_result_line(lines[-1])
+
+
+def parse_result_line(line: str) -> dict:
+    raw = json.loads(line)
+    missing = [k for k in ("output_throughput", "completed", "duration", "median_ttft_ms", "median_itl_ms")
+               if k not in raw]
+    if missing:
+        raise ValueError(f"not a bench_serving result line (missing {missing})")
+    return {k: raw.get(k) for k in RESULT_FIELDS}
+
+
+# ------------------------------------------------------------------------------------------ the client process
+def standin_pythonpath(python: str, workdir: str, env: Optional[dict] = None) -> Optional[str]:
+    """When ``python`` cannot import ``datasets``, write the stand-in under ``workdir`` and return its
+    folder (to go first on the bench_serving process's PYTHONPATH); else None."""
+    env = dict(os.environ if env is None else env)
+    r = subprocess.run([python, "-c", "import datasets"], env=env, capture_output=True, text=True, timeout=120)
+    if r.returncode == 0:
+        return None
+    d = os.path.join(workdir, "standin")
+    os.makedirs(os.path.join(d, "datasets"), exist_ok=True)
+    with open(os.path.join(d, "datasets", "__init__.py"), "w") as f:
+        f.write(DATASETS_STANDIN)
+    return d
+
+
+def client_env(base_env: Optional[dict], standin: Optional[str]) -> dict:
+    env = dict(os.environ if base_env is None else base_env)
+    if standin:
+        env["PYTHONPATH"] = standin + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")   # sglang.bench_serving's deprecation notice
+    return env
+
+
+def run_bench_serving(cmd: List[str], env: dict, cwd: str, timeout: float, log_path: str) -> dict:
+    """Run one bench_serving command; ``{ok, result | error, rc, seconds}`` (its output appended to
+    ``log_path``)."""
+    out_file = cmd[cmd.index("--output-file") + 1]
+    if os.path.exists(out_file):
+        os.remove(out_file)
+    t0 = time.time()
+    try:
+        with open(log_path, "ab") as log:
+            log.write(("\n$ " + shlex.join(cmd) + "\n").encode())
+            log.flush()
+            r = subprocess.run(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        rc = r.returncode
+    except subprocess.TimeoutExpired:
+        return dict(ok=False, rc=None, error=f"timed out after {timeout:.0f} s", seconds=round(time.time() - t0, 1),
+                    log_tail=log_tail(log_path, 20))
+    res = dict(rc=rc, seconds=round(time.time() - t0, 1))
+    try:
+        res["result"] = parse_result_file(out_file)
+        res["ok"] = rc == 0
+        if rc != 0:
+            res["error"] = f"exit code {rc}"
+    except (OSError, ValueError) as e:
+        res.update(ok=False, error=f"exit code {rc}; {e}", log_tail=log_tail(log_path, 20))
+    return res
+
+
+# ------------------------------------------------------------------------------------------ levels
+def scaled_count(n: int, c: int, duration: float, min_s: float, margin: float, cap: int = 100000) -> int:
+    """The request count that makes a level of ``n`` requests lasting ``duration`` s last at least
+    ``min_s * margin`` s, as a multiple of c (never fewer than n)."""
+    if duration <= 0:
+        return n
+    m = math.ceil(n * min_s * margin / duration)
+    m = int(math.ceil(m / c) * c)
+    return max(n, min(cap, m))
+
+
+def level_summary(c: int, n: int, reps: List[dict], min_s: float) -> dict:
+    """A level from its repeats: output_throughput = the median of the repeats'; the other numbers
+    from the repeat with the median throughput (the lower middle one for an even count)."""
+    good = [r for r in reps if r.get("ok")]
+    lv = dict(concurrency=c, num_prompts=n, repeats=len(reps),
+              output_throughput_repeats=[r["result"]["output_throughput"] if r.get("result") else None for r in reps],
+              repeat_seconds=[r.get("seconds") for r in reps])
+    errs = [r.get("error") for r in reps if not r.get("ok")]
+    if errs:
+        lv["errors"] = errs
+    if not good:
+        lv.update(output_throughput=None, failed=n, completed=0, partial=True)
+        return lv
+    ranked = sorted(good, key=lambda r: r["result"]["output_throughput"] or 0.0)
+    mid = ranked[(len(ranked) - 1) // 2]["result"]
+    # bench_serving's "concurrency" is the mean number in flight (sum of e2e / duration): kept under its own name
+    lv.update({k: v for k, v in mid.items() if k not in ("max_concurrency", "concurrency")})
+    lv["mean_in_flight"] = mid.get("concurrency")
+    lv["output_throughput"] = statistics.median([r["result"]["output_throughput"] or 0.0 for r in good])
+    lv["failed"] = max(0, n - int(mid.get("completed") or 0))
+    lv["partial"] = len(good) < len(reps) or lv["failed"] > 0
+    lv["short"] = bool(min_s) and any((r["result"].get("duration") or 0) < min_s for r in good)
+    return lv
+
+
+# ------------------------------------------------------------------------------------------ the run
+def identity_inputs(args, model: str) -> tuple:
+    """The identity requests' prompts (token ids, the same for every arm) and their source."""
+    from .prompts import tokenize_prompts
+    n = int(args.identity_prompts)
+    if args.prompts:
+        prompts = load_prompts_file(args.prompts, args.prompt_template)[:n]
+        source = os.path.abspath(args.prompts)
+    elif args.pair == "text":
+        prompts = textpair_prompts(n, args.prompt_template)
+        source = "the text pair's held-out standard-library files"
+    else:
+        prompts = make_prompts(n, args.prompt_template)
+        source = "the standard library (code windows and prose)"
+    how = tokenize_prompts(prompts, model, args.max_input_tokens, args.vocab_size)
+    return [dict(input_ids=p["input_ids"]) for p in prompts], source, how
+
+
+def resolve_model(args) -> tuple:
+    if args.config:
+        raise SystemExit("--client bench_serving launches every arm as a user would: give --model-path / --pair, "
+                         "not --config")
+    model, draft = args.model_path, args.draft_model_path
+    pair = args.pair
+    if pair == "text" or (not model and not pair):
+        model = model or os.path.join(args.models_dir, "text_target")
+        draft = draft or os.path.join(args.models_dir, "text_drafter")
+        pair = "text"
+    elif pair:
+        model = model or os.path.join(args.models_dir, f"{pair}_target")
+        draft = draft or os.path.join(args.models_dir, "drafter")
+    return model, draft, pair
+
+
+def run(args, launcher: Callable = popen_launcher) -> dict:
+    """The whole bench_serving A/B: every arm's server in turn, its levels, its identity requests;
+    JSON + markdown written after every arm (``args.out``)."""
+    from .report import write_outputs
+    t_start = time.time()
+    deadline_at = t_start + args.deadline if args.deadline else None
+    from .servers import DEFAULT_ARMS
+    arms = parse_serving_arms(SERVING_DEFAULT_ARMS if args.arms == DEFAULT_ARMS else args.arms)
+    attention = parse_arm_attention(args.arm_attention)
+    workload = workload_settings(args.workload, args.serving_input_len, args.serving_output_len,
+                                 args.serving_range_ratio)
+    model, draft, pair = resolve_model(args)
+    args.pair, args._model = pair, model
+    levels = list(args.concurrency)
+    python = args.python or sys.executable
+    tmpdir = args.workdir or tempfile.mkdtemp(prefix="ab_serving_")
+    os.makedirs(tmpdir, exist_ok=True)
+    id_prompts, id_source, id_how = identity_inputs(args, model)
+    opts = dict(python=python, model_path=model, draft_model_path=draft, attention=attention,
+                server_args=args.server_args)
+    natural = None
+    if workload["dataset"] == "sharegpt":
+        natural = dict(files={}, source=None)
+
+    def dataset_for(n):
+        if natural is None:
+            return None
+        if n not in natural["files"]:
+            texts, natural["source"] = natural_texts(args, n)
+            natural["files"][n] = write_sharegpt(texts, os.path.join(tmpdir, f"natural_{n}.json"))
+            natural.setdefault("distinct", {})[str(n)] = len(set(texts))
+        return natural["files"][n]
+
+    counts: Dict[int, int] = {}            # the calibrated request count per level (shared by every arm)
+    doc = dict(
+        kind="ab_serving", meta=env_info(python) if not args.no_env_probe else dict(argv=sys.argv),
+        settings=dict(client="bench_serving", model_path=model, draft_model_path=draft, pair=pair,
+                      arms=[a["name"] for a in arms], arm_attention=attention, concurrency=levels,
+                      workload=workload, repeats=args.repeats, seed=args.serving_seed,
+                      min_level_seconds=args.min_level_seconds, level_seconds_margin=args.level_seconds_margin,
+                      requests_per_level_spec=args.requests_per_level, requests_per_level={},
+                      server_args=args.server_args, reference_arm=args.reference_arm, deadline_s=args.deadline,
+                      identity=dict(prompts=len(id_prompts), new_tokens=args.identity_new_tokens,
+                                    concurrency=args.identity_concurrency, source=id_source, tokenized_with=id_how,
+                                    sha256_16=prompt_digest(id_prompts), greedy="temperature 0, ignore_eos, stream")),
+        arms=[], identity=None,
+        definitions=dict(
+            output_throughput="bench_serving's output_throughput (total output tokens / benchmark duration), "
+                              "the median of the level's repeats",
+            latencies="bench_serving's TTFT / ITL / TPOT of the repeat with the median throughput "
+                      "(ITL: chunk gap / tokens in the chunk, once per token)",
+            short="a repeat of the level lasted less than --min-level-seconds",
+            identity="the identity requests' output ids against the reference arm's, token for token"))
+    from .runner import requests_per_level
+    standin = standin_pythonpath(python, tmpdir)
+    cenv = client_env(None, standin)
+    doc["settings"]["datasets_standin"] = bool(standin)
+    outputs: Dict[str, Dict[int, list]] = {}
+    maxc = max(levels)
+    print(f"ab_serving: {len(arms)} arms x concurrency {levels}, workload {workload}, work dir {tmpdir}"
+          f"{', datasets stand-in on' if standin else ''}", flush=True)
+    if args.dry_run:
+        for i, arm in enumerate(arms):
+            print(f"[{arm['name']}] {shlex.join(serving_server_cmd(arm, opts, args.port + 10 * i))}")
+        for c in levels:
+            n = requests_per_level(args.requests_per_level, c, 1 << 30)
+            print(f"[c={c}] {shlex.join(bench_serving_cmd(python, args.port, model, workload, c, n, 'OUT.jsonl', args.serving_seed, dataset_for(n)))}")
+        return doc
+    try:
+        for i, arm in enumerate(arms):
+            port = args.port + 10 * i
+            rec = _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python, cenv,
+                               tmpdir, deadline_at, launcher, id_prompts, outputs)
+            doc["arms"].append(rec)
+            doc["settings"]["requests_per_level"] = {str(c): n for c, n in sorted(counts.items())}
+            doc["identity"] = identity_report(outputs, args.reference_arm, id_prompts)
+            doc["elapsed_s"] = round(time.time() - t_start, 1)
+            if natural is not None:
+                doc["settings"]["natural"] = dict(source=natural["source"], distinct=natural.get("distinct"))
+            write_outputs(doc, args.out, plot=False)
+    except KeyboardInterrupt:
+        doc["interrupted"] = True
+        print("interrupted: writing what was measured", flush=True)
+    doc["identity"] = identity_report(outputs, args.reference_arm, id_prompts)
+    doc["elapsed_s"] = round(time.time() - t_start, 1)
+    if args.save_output_ids:   # bench/ab_divergence.py's inputs: output_ids[arm][c], prompt_ids
+        doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in outputs.items()}
+        doc["prompt_ids"] = [p["input_ids"] for p in id_prompts]
+    write_outputs(doc, args.out, plot=False)
+    return doc
+
+
+def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List[dict]) -> dict:
+    """:func:`stats.identity_check` (compared / mismatched per arm) plus, per arm, every request's
+    verdict: None = identical, else the first differing position (or 'failed')."""
+    res = identity_check(outputs, ref)
+    R = outputs.get(ref) or {}
+    for arm, outs in outputs.items():
+        if arm == ref or arm not in res["arms"]:
+            continue
+        per = []
+        for c, ids in sorted(outs.items()):
+            ref_ids = R.get(c) or []
+            for i, x in enumerate(ids):
+                y = ref_ids[i] if i < len(ref_ids) else None
+                per.append("failed" if x is None or y is None else first_diff(x, y))
+        res["arms"][arm]["first_divergence"] = per
+    return res
+
+
+def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python, cenv, tmpdir,
+                 deadline_at, launcher, id_prompts, outputs) -> dict:
+    from .runner import requests_per_level
+    cmd = serving_server_cmd(arm, opts, port)
+    env = dict(os.environ)
+    env.update(arm.get("env") or {})
+    log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
+    client_log = os.path.join(tmpdir, f"bench_serving_{arm['name']}.log")
+    rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"], command=cmd,
+               command_str=shlex.join(cmd), env={k: v for k, v in (arm.get("env") or {}).items()},
+               attention_backend=(opts.get("attention") or {}).get(arm["name"]), status="failed", levels=[],
+               log=log_path, client_log=client_log)
+    print(f"[{arm['name']}] {shlex.join(cmd)}", flush=True)
+    if deadline_at is not None and deadline_at - time.time() < args.min_arm_s:
+        rec.update(status="skipped", error="deadline")
+        return rec
+    t0 = time.time()
+    server = None
+
+    def left(default=3600.0):
+        return default if deadline_at is None else max(5.0, deadline_at - time.time())
+
+    try:
+        server = launcher(cmd, env, log_path)
+        why = wait_healthy(f"http://127.0.0.1:{port}", server, min(args.start_timeout, left()))
+        rec["start_s"] = round(time.time() - t0, 1)
+        if why:
+            rec.update(error=why, log_tail=log_tail(log_path))
+            print(f"[{arm['name']}] FAILED to start: {why}", flush=True)
+            return rec
+        print(f"[{arm['name']}] up after {rec['start_s']} s", flush=True)
+        if args.warmup:   # one uncounted pass at the largest concurrency, short outputs
+            wn = requests_per_level(args.requests_per_level, maxc, 1 << 30)
+            wc = bench_serving_cmd(python, port, opts["model_path"], workload, maxc, min(wn, maxc),
+                                   os.path.join(tmpdir, f"warmup_{arm['name']}.jsonl"), args.serving_seed,
+                                   dataset_for(min(wn, maxc)), output_len=16)
+            w = run_bench_serving(wc, cenv, tmpdir, left(), client_log)
+            rec["warmup"] = dict(ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
+                                 output_throughput=(w.get("result") or {}).get("output_throughput"))
+        for c in levels:
+            if deadline_at is not None and time.time() > deadline_at - 5:
+                rec.setdefault("skipped_levels", []).append(c)
+                continue
+            calibration = None
+            if c not in counts:
+                n = requests_per_level(args.requests_per_level, c, 1 << 30)
+                if args.min_level_seconds:
+                    probe = _one_run(args, python, port, opts, workload, c, n, dataset_for, cenv, tmpdir, client_log,
+                                     arm, "calib", left())
+                    dur = (probe.get("result") or {}).get("duration") or 0.0
+                    calibration = dict(num_prompts=n, seconds=dur, ok=probe.get("ok"),
+                                       output_throughput=(probe.get("result") or {}).get("output_throughput"))
+                    if probe.get("ok") and dur < args.min_level_seconds:
+                        n = scaled_count(n, c, dur, args.min_level_seconds, args.level_seconds_margin)
+                counts[c] = n
+            n = counts[c]
+            reps = []
+            for rep in range(max(1, args.repeats)):
+                if rep and deadline_at is not None and time.time() > deadline_at - 5:
+                    break
+                reps.append(_one_run(args, python, port, opts, workload, c, n, dataset_for, cenv, tmpdir, client_log,
+                                     arm, f"r{rep}", left()))
+            lv = level_summary(c, n, reps, args.min_level_seconds)
+            lv["command"] = reps[0].get("command") if reps else None
+            if calibration:
+                lv["calibration"] = calibration
+            rec["levels"].append(lv)
+            print(f"[{arm['name']}] c={c:3d} n={n}: {lv.get('output_throughput')} tok/s (repeats "
+                  f"{lv['output_throughput_repeats']}), TTFT med {lv.get('median_ttft_ms')} ms, ITL med "
+                  f"{lv.get('median_itl_ms')} ms, accept {lv.get('accept_length')}, failed {lv.get('failed')}"
+                  f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}",
+                  flush=True)
+        # the identity requests: the same token-id prompts for every arm, greedy, through /generate
+        ic = int(args.identity_concurrency)
+        res, dur, partial = client.run_level(f"http://127.0.0.1:{port}", id_prompts, ic, args.identity_new_tokens,
+                                             deadline_at, desc=f"{arm['name']} identity", progress=False,
+                                             timeout=min(600.0, left() + 30))
+        outputs[arm["name"]] = {ic: [r["output_ids"] if r and r.get("ok") else None for r in res]}
+        rec["identity_requests"] = dict(n=len(id_prompts), concurrency=ic, seconds=round(dur, 2), partial=bool(partial),
+                                        failed=sum(1 for r in res if not (r and r.get("ok"))))
+        rec["status"] = "ok" if rec["levels"] and all(not lv.get("partial") for lv in rec["levels"]) \
+            and not rec.get("skipped_levels") and not rec["identity_requests"]["failed"] else "partial"
+    except Exception as e:  # noqa: BLE001 - one arm's failure never stops the others
+        rec.update(error=repr(e)[:1000], log_tail=log_tail(log_path))
+        print(f"[{arm['name']}] ERROR {e!r}", flush=True)
+    finally:
+        if server is not None:
+            try:
+                server.stop()
+            except Exception as e:  # noqa: BLE001
+                rec["stop_error"] = repr(e)
+        rec["total_s"] = round(time.time() - t0, 1)
+    return rec
+
+
+def _one_run(args, python, port, opts, workload, c, n, dataset_for, cenv, tmpdir, client_log, arm, tag, timeout):
+    out = os.path.join(tmpdir, f"bs_{arm['name']}_c{c}_{tag}.jsonl")
+    cmd = bench_serving_cmd(python, port, opts["model_path"], workload, c, n, out, args.serving_seed, dataset_for(n))
+    r = run_bench_serving(cmd, cenv, tmpdir, timeout, client_log)
+    r["command"] = shlex.join(cmd)
+    return r
+
+
+# ------------------------------------------------------------------------------------------ report
+def _f(v, nd=1):
+    if v is None:
+        return "-"
+    return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def _level(arm, c):
+    return next((lv for lv in arm.get("levels") or [] if lv["concurrency"] == c), None)
+
+
+def _tput(arm, c):
+    lv = _level(arm, c) if arm else None
+    return lv.get("output_throughput") if lv and not lv.get("partial") else None
+
+
+def identity_verdict(doc: dict, name: str) -> str:
+    idn = doc.get("identity") or {}
+    if name == idn.get("reference"):
+        return "reference"
+    d = (idn.get("arms") or {}).get(name)
+    if not d or not d.get("compared"):
+        return "-"
+    if not d["mismatched"]:
+        return f"identical ({d['compared']} of {d['compared']})"
+    cls = ((idn.get("classification") or {}).get("arms") or {}).get(name)
+    txt = f"{d['mismatched']} of {d['compared']} differ"
+    if cls:
+        txt += f" ({cls['near_tie']} near ties, {cls['error']} errors)"
+    return txt
+
+
+def render_markdown(doc: dict) -> str:
+    s, m = doc["settings"], doc.get("meta") or {}
+    v = m.get("versions") or {}
+    w = s["workload"]
+    levels = s["concurrency"]
+    arms = doc["arms"]
+    by = {a["name"]: a for a in arms}
+    title = "the text-trained pair (bench/textpair)" if s.get("pair") == "text" else os.path.basename(
+        str(s.get("model_path")))
+    L = [f"# A/B under sglang.bench_serving: {title}, workload {w['name']}", "",
+         f"{m.get('date', '?')} · GPU {', '.join(m.get('gpu') or ['?'])} · torch {v.get('torch')} · triton "
+         f"{v.get('triton')} · sglang {v.get('sglang')} · commit {m.get('git_commit')}"
+         f"{' (dirty)' if m.get('git_dirty') else ''} · {doc.get('elapsed_s')} s", ""]
+    if w["dataset"] == "sharegpt":
+        nat = s.get("natural") or {}
+        wl = (f"natural prompts ({nat.get('source')}; distinct per level {nat.get('distinct')}) as a ShareGPT file, "
+              f"`--dataset-name sharegpt --sharegpt-output-len {w['output_len']}` (text; the server tokenizes)")
+    else:
+        lo = max(int(w["input_len"] * w["range_ratio"]), 1)
+        wl = (f"`--dataset-name {w['dataset']} --tokenize-prompt` (token ids), input {lo}-{w['input_len']}, output "
+              f"{max(int(w['output_len'] * w['range_ratio']), 1)}-{w['output_len']} tokens "
+              f"(range ratio {w['range_ratio']})")
+    L += [f"Target `{s['model_path']}`, drafter `{s['draft_model_path']}`. Load: SGLang's own client, "
+          f"`python -m sglang.bench_serving --backend sglang`, {wl}, greedy (temperature 0, ignore_eos), all requests "
+          f"sent at once with at most c in flight (`--max-concurrency c --request-rate inf`), seed {s.get('seed')}. "
+          f"Requests per level {s.get('requests_per_level')} (first count {s.get('requests_per_level_spec')}, scaled by "
+          f"the first arm so a level lasts >= {s.get('min_level_seconds')} s x {s.get('level_seconds_margin')}); each "
+          f"level run {s.get('repeats')} times, the median output tok/s reported. Every arm launched with only its own "
+          f"flags (attention backends {s.get('arm_attention') or 'none'}; every arm also gets `{s.get('server_args') or ''}`). "
+          "Command: `" + " ".join(m.get("argv") or []) + "`.", ""]
+    hdr = "| arm | " + " | ".join(f"c={c}" for c in levels) + " | outputs vs base |"
+    sep = "|---|" + "---:|" * len(levels) + "---|"
+    L += ["## Output tokens per second (x base / x dflash), median of repeats", "", hdr, sep]
+    for a in arms:
+        cells = []
+        for c in levels:
+            t = _tput(a, c)
+            if t is None:
+                lv = _level(a, c)
+                cells.append("-" if lv is None else "failed")
+                continue
+            r = []
+            for ref in ("base", "dflash"):
+                rt = _tput(by.get(ref), c)
+                r.append("1.00x" if a["name"] == ref else f"{t / rt:.2f}x" if rt else "-")
+            lv = _level(a, c)
+            cells.append(f"{t:.0f} ({' / '.join(r)}){' short' if lv.get('short') else ''}")
+        L.append(f"| {a['name']} | " + " | ".join(cells) + f" | {identity_verdict(doc, a['name'])} |")
+
+    def table(title, cell):
+        L.extend(["", f"## {title}", "", "| arm | " + " | ".join(f"c={c}" for c in levels) + " |",
+                  "|---|" + "---:|" * len(levels)])
+        for a in arms:
+            L.append(f"| {a['name']} | " + " | ".join(
+                "-" if lv is None else cell(lv) for lv in (_level(a, c) for c in levels)) + " |")
+
+    table("Every repeat's output tok/s", lambda lv: " / ".join(_f(x, 0) for x in lv.get("output_throughput_repeats") or []))
+    table("Latency (ms): TTFT median / p99, ITL median / p99, TPOT median / p99",
+          lambda lv: " / ".join(_f(lv.get(k)) for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                                                          "median_tpot_ms", "p99_tpot_ms")))
+    table("Requests: completed / sent, duration (s), request/s, accept length (server)",
+          lambda lv: f"{lv.get('completed')}/{lv.get('num_prompts')}, {_f(lv.get('duration'))} s, "
+                     f"{_f(lv.get('request_throughput'), 2)}, {_f(lv.get('accept_length'), 2)}")
+    idn = doc.get("identity") or {}
+    ist = s.get("identity") or {}
+    L += ["", "## Identity: greedy outputs against the reference arm's, token for token", "",
+          f"{ist.get('prompts')} prompts ({ist.get('source')}; token ids, {ist.get('tokenized_with')}, sha256 "
+          f"{ist.get('sha256_16')}), {ist.get('new_tokens')} new tokens, {ist.get('concurrency')} in flight, "
+          f"through `/generate` with `input_ids` after the arm's levels. Per request: `=` identical, else the first "
+          "differing position.", "", "| arm | verdict | per request |", "|---|---|---|"]
+    for a in arms:
+        d = (idn.get("arms") or {}).get(a["name"]) or {}
+        per = " ".join("=" if x is None else str(x) for x in d.get("first_divergence") or [])
+        L.append(f"| {a['name']} | {identity_verdict(doc, a['name'])} | {per or '-'} |")
+    bad = [a for a in arms if a.get("status") != "ok"]
+    if bad:
+        L += ["", "## Arms not fully measured", ""]
+        for a in bad:
+            L.append(f"- `{a['name']}`: {a.get('status')}: {a.get('error', '')}"
+                     + "".join(f" c={lv['concurrency']}: {str(lv.get('errors'))[:200]}" for lv in a.get("levels") or []
+                               if lv.get("errors")))
+    L += ["", "## Server command lines", ""]
+    for a in arms:
+        env = " ".join(f"{k}={v}" for k, v in (a.get("env") or {}).items())
+        L.append(f"- `{a['name']}` (up in {a.get('start_s')} s): `{(env + ' ') if env else ''}{a.get('command_str')}`")
+    ex = next((lv for a in arms for lv in a.get("levels") or [] if lv.get("command")), None)
+    if ex is not None:
+        L += ["", f"The client, one level (c={ex['concurrency']}, the first repeat): `{ex['command']}`"]
+    L += ["", "## Definitions", ""] + [f"- {k}: {v}" for k, v in (doc.get("definitions") or {}).items()]
+    return "\n".join(L).rstrip() + "\n"

@@ -1,0 +1,419 @@
+"""``sglang_ddtree.ab --client bench_serving`` (sglang_ddtree/ab/serving_client.py) on the CPU: the
+bench_serving command line of each workload and level, its result line, the ``datasets`` stand-in,
+the level sizing, and a whole run in which the real ``python -m sglang.bench_serving`` drives a fake
+SGLang server that speaks enough of ``/generate``'s streaming protocol."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from sglang_ddtree.ab import cli, serving_client as S
+from sglang_ddtree.ab.report import render_markdown
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(REPO, "bench", "textpair", "tokenizer")
+
+
+def _has_bench_serving():
+    import importlib.util
+    return importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("aiohttp") is not None
+
+
+needs_sglang = pytest.mark.skipif(not _has_bench_serving(), reason="needs SGLang (sglang.bench_serving) and aiohttp")
+
+
+def _args(*extra):
+    return cli.build_parser().parse_args(["--client", "bench_serving", *extra])
+
+
+# ------------------------------------------------------------------------------------------ command lines
+def _opt(cmd, flag):
+    return cmd[cmd.index(flag) + 1]
+
+
+@pytest.mark.parametrize("name,dataset,inp,out,ratio", [
+    ("random", "random-ids", "512", "256", "1.0"),
+    ("long", "random-ids", "8192", "256", "1.0"),
+    ("mix", "random-ids", "4096", "256", "0.0625"),
+])
+def test_command_line_of_each_random_workload(name, dataset, inp, out, ratio):
+    w = S.workload_settings(name)
+    for c, n in ((1, 20), (4, 48), (16, 160), (64, 512)):
+        cmd = S.bench_serving_cmd("PY", 31000, "/m/t", w, c, n, "/tmp/o.jsonl", seed=7)
+        assert cmd[:3] == ["PY", "-m", "sglang.bench_serving"]
+        assert _opt(cmd, "--backend") == "sglang" and _opt(cmd, "--port") == "31000"
+        assert _opt(cmd, "--host") == "127.0.0.1"
+        assert _opt(cmd, "--dataset-name") == dataset
+        assert _opt(cmd, "--num-prompts") == str(n) and _opt(cmd, "--max-concurrency") == str(c)
+        assert _opt(cmd, "--request-rate") == "inf" and _opt(cmd, "--seed") == "7"
+        assert _opt(cmd, "--random-input-len") == inp and _opt(cmd, "--random-output-len") == out
+        assert _opt(cmd, "--random-range-ratio") == ratio
+        assert "--tokenize-prompt" in cmd and "--flush-cache" in cmd
+        assert _opt(cmd, "--output-file") == "/tmp/o.jsonl"
+        assert _opt(cmd, "--model") == "/m/t" and _opt(cmd, "--tokenizer") == "/m/t"
+        assert "--sharegpt-output-len" not in cmd and "--dataset-path" not in cmd
+    warm = S.bench_serving_cmd("PY", 1, "/m", w, 64, 64, "/o", output_len=16)
+    assert _opt(warm, "--random-output-len") == "16"
+
+
+def test_command_line_of_the_natural_workload_and_overrides(tmp_path):
+    w = S.workload_settings("natural")
+    with pytest.raises(ValueError):
+        S.bench_serving_cmd("PY", 1, "/m", w, 1, 8, "/o")      # needs its dataset file
+    cmd = S.bench_serving_cmd("PY", 1, "/m", w, 16, 64, "/o", dataset_path="/d/n.json")
+    assert _opt(cmd, "--dataset-name") == "sharegpt" and _opt(cmd, "--dataset-path") == "/d/n.json"
+    assert _opt(cmd, "--sharegpt-output-len") == "256"
+    assert "--tokenize-prompt" not in cmd and "--random-input-len" not in cmd   # 0.5.16's sharegpt asserts it off
+    w2 = S.workload_settings("random", input_len=1000, output_len=64, range_ratio=0.5)
+    assert (w2["input_len"], w2["output_len"], w2["range_ratio"]) == (1000, 64, 0.5)
+    for bad in (dict(input_len=5), dict(range_ratio=0.5)):
+        with pytest.raises(ValueError):
+            S.workload_settings("natural", **bad)
+    with pytest.raises(ValueError):
+        S.workload_settings("sharegpt")
+    a = _args("--workload", "mix", "--serving-output-len", "128")
+    assert a.workload == "mix" and a.serving_output_len == 128 and a.min_level_seconds == 20.0
+    assert cli.build_parser().parse_args([]).client == "ab"      # the default client is unchanged
+
+
+def test_server_command_is_what_a_user_types():
+    opts = dict(python="PY", model_path="/t", draft_model_path="/d",
+                attention=S.parse_arm_attention(S.DEFAULT_ARM_ATTENTION), server_args="--context-length 9000")
+    arms = {a["name"]: a for a in S.parse_serving_arms(S.SERVING_DEFAULT_ARMS + ",ddtree_b15")}
+    assert list(arms)[0] == "base"
+    base = S.serving_server_cmd(arms["base"], opts, 100)
+    assert base == ["PY", "-m", "sglang.launch_server", "--model-path", "/t", "--host", "127.0.0.1", "--port", "100",
+                    "--attention-backend", "flashinfer", "--context-length", "9000"]
+    df = S.serving_server_cmd(arms["dflash"], opts, 110)
+    assert _opt(df, "--attention-backend") == "flashinfer" and _opt(df, "--speculative-algorithm") == "DFLASH"
+    assert "--speculative-num-draft-tokens" not in df
+    dd = S.serving_server_cmd(arms["ddtree_default"], opts, 120)
+    assert _opt(dd, "--speculative-algorithm") == "DDTREE-GPU" and _opt(dd, "--speculative-draft-model-path") == "/d"
+    assert "--attention-backend" not in dd and "--speculative-num-draft-tokens" not in dd
+    for flag in ("--skip-tokenizer-init", "--mem-fraction-static", "--max-running-requests", "--skip-server-warmup"):
+        assert flag not in dd + base + df      # bench_serving needs the server's tokenizer; nothing else is tuned
+    assert _opt(S.serving_server_cmd(arms["ddtree_b15"], opts, 1), "--speculative-num-draft-tokens") == "16"
+    with pytest.raises(ValueError):
+        S.parse_serving_arms("ddtree_auto_pin15")
+    with pytest.raises(ValueError):
+        S.parse_arm_attention("base:flashinfer")
+    assert S.parse_arm_attention("none") == {}
+
+
+# ------------------------------------------------------------------------------------------ result line
+# bench_serving 0.5.16's result keys (sglang/benchmark/serving.py, `result = {...}` in benchmark())
+RESULT_KEYS_0516 = (
+    "tag", "backend", "dataset_name", "request_rate", "max_concurrency", "sharegpt_output_len", "random_input_len",
+    "random_output_len", "random_range_ratio", "server_info", "duration", "completed", "total_input_tokens",
+    "total_input_text_tokens", "total_input_vision_tokens", "total_output_tokens", "total_output_tokens_retokenized",
+    "request_throughput", "input_throughput", "output_throughput", "total_throughput", "mean_e2e_latency_ms",
+    "median_e2e_latency_ms", "std_e2e_latency_ms", "p90_e2e_latency_ms", "p95_e2e_latency_ms", "p99_e2e_latency_ms",
+    "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p90_ttft_ms", "p95_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+    "median_tpot_ms", "std_tpot_ms", "p90_tpot_ms", "p95_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
+    "std_itl_ms", "p90_itl_ms", "p95_itl_ms", "p99_itl_ms", "concurrency", "accept_length",
+    "max_output_tokens_per_s", "max_concurrent_requests")
+
+
+def test_parse_a_result_line_with_the_0516_field_names(tmp_path):
+    line = {k: None for k in RESULT_KEYS_0516}
+    line.update(output_throughput=1234.5, completed=60, duration=21.5, median_ttft_ms=12.0, median_itl_ms=3.5,
+                p99_itl_ms=9.0, request_throughput=2.79, accept_length=2.4, total_output_tokens=15360)
+    f = tmp_path / "o.jsonl"
+    f.write_text(json.dumps(dict(line, output_throughput=1.0)) + "\n" + json.dumps(line) + "\n")
+    r = S.parse_result_file(str(f))      # the last line (bench_serving appends)
+    assert r["output_throughput"] == 1234.5 and r["completed"] == 60 and r["accept_length"] == 2.4
+    assert set(S.RESULT_FIELDS) <= set(RESULT_KEYS_0516)
+    with pytest.raises(ValueError):
+        S.parse_result_line(json.dumps({"completed": 1}))
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(ValueError):
+        S.parse_result_file(str(tmp_path / "e.jsonl"))
+
+
+@needs_sglang
+def test_result_keys_match_the_installed_bench_serving():
+    """The keys above are those the installed bench_serving writes (read from its source)."""
+    import re
+    import sglang.benchmark.serving as bs  # noqa: F401 - the import path the source lives under
+    src = open(bs.__file__).read()
+    block = src[src.index("result = {"):src.index("if args.cache_report:", src.index("result = {"))]
+    keys = tuple(re.findall(r'^\s*"([a-z0-9_]+)":', block, re.M))
+    assert keys == RESULT_KEYS_0516
+
+
+# ------------------------------------------------------------------------------------------ levels
+def test_level_summary_is_the_median_of_the_repeats():
+    def rep(t, done=64, dur=25.0):
+        return dict(ok=True, result=dict(output_throughput=t, completed=done, duration=dur, median_ttft_ms=t / 10),
+                    seconds=dur)
+    lv = S.level_summary(16, 64, [rep(100.0), rep(300.0), rep(200.0)], 20.0)
+    assert lv["output_throughput"] == 200.0 and lv["median_ttft_ms"] == 20.0
+    assert lv["output_throughput_repeats"] == [100.0, 300.0, 200.0] and not lv["partial"] and not lv["short"]
+    lv = S.level_summary(16, 64, [rep(100.0, dur=5.0), dict(ok=False, error="boom")], 20.0)
+    assert lv["short"] and lv["partial"] and lv["errors"] == ["boom"]
+    lv = S.level_summary(16, 64, [rep(100.0, done=60)], 20.0)
+    assert lv["failed"] == 4 and lv["partial"]
+    assert S.level_summary(1, 8, [dict(ok=False, error="x")], 20)["output_throughput"] is None
+
+
+def test_scaled_count():
+    assert S.scaled_count(16, 4, 4.0, 20.0, 1.5) == 120      # 16 x 30 / 4 = 120
+    assert S.scaled_count(64, 64, 2.0, 20.0, 1.0) == 640
+    assert S.scaled_count(100, 16, 50.0, 20.0, 1.5) == 100    # long enough already: never fewer
+    assert S.scaled_count(10, 3, 1.0, 20.0, 1.5) % 3 == 0
+
+
+# ------------------------------------------------------------------------------------------ the datasets stand-in
+@needs_sglang
+def test_datasets_standin_makes_bench_serving_importable(tmp_path):
+    """A folder first on PYTHONPATH whose `datasets` raises ImportError stands for a host without the
+    package: bench_serving's import fails there, and works with the stand-in put first."""
+    blocker = tmp_path / "blocker" / "datasets"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('no datasets here')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "blocker"))
+    code = "import sglang.bench_serving as b; print('IMPORTED', callable(b.cli_main))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path))
+    assert r.returncode != 0 and "no datasets here" in r.stderr
+    d = S.standin_pythonpath(sys.executable, str(tmp_path / "w"), env)
+    assert d and open(os.path.join(d, "datasets", "__init__.py")).read() == S.DATASETS_STANDIN
+    assert S.DATASETS_STANDIN.count("\n") == 1
+    r = subprocess.run([sys.executable, "-c", code], env=S.client_env(env, d), capture_output=True, text=True,
+                       timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "IMPORTED True" in r.stdout
+    # with the real package importable, no stand-in
+    assert S.standin_pythonpath(sys.executable, str(tmp_path / "w2"), dict(os.environ)) is None \
+        or subprocess.run([sys.executable, "-c", "import datasets"]).returncode != 0
+
+
+# ------------------------------------------------------------------------------------------ a fake SGLang server
+def _tokens(ids, n, diverge_at=None):
+    seed = sum(ids) % 997
+    out = [(seed + 7 * k) % 200 + 50 for k in range(n)]
+    if diverge_at is not None and n > diverge_at and seed % 2 == 0:
+        out[diverge_at] += 1
+    return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _json(self, obj, status=200):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        fake = self.server.fake
+        if self.path in ("/health_generate", "/health"):
+            return self._json({})
+        if self.path == "/server_info":
+            return self._json({"internal_states": [{"avg_spec_accept_length": fake.accept}]})
+        if self.path == "/v1/models":
+            return self._json({"data": [{"id": fake.model}]})
+        if self.path == "/model_info":
+            return self._json({"model_path": fake.model, "tokenizer_path": fake.model})
+        self._json({"error": "not found"}, 404)
+
+    def do_POST(self):
+        fake = self.server.fake
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        if self.path == "/flush_cache":
+            fake.flushes += 1
+            return self._json({})
+        if self.path != "/generate":
+            return self._json({"error": "not found"}, 404)
+        ids = body.get("input_ids")
+        if ids is None:
+            ids = fake.tok.encode(body["text"], add_special_tokens=False) if fake.tok else list(body["text"].encode())
+        sp = body.get("sampling_params") or {}
+        with fake.lock:
+            fake.requests.append(dict(n_in=len(ids), max_new=sp.get("max_new_tokens"), kind="ids" if "input_ids" in body
+                                      else "text", temperature=sp.get("temperature"), ignore_eos=sp.get("ignore_eos")))
+        out = _tokens(ids, int(sp.get("max_new_tokens", 16)), fake.diverge_at)
+
+        def chunk(k):
+            return {"text": " ".join(f"w{t}" for t in out[:k]), "output_ids": out[:k],
+                    "meta_info": {"prompt_tokens": len(ids), "completion_tokens": k,
+                                  "spec_verify_ct": (k + 1) // 2, "finish_reason": {"type": "length"} if k == len(out) else None}}
+        if not body.get("stream"):
+            return self._json(chunk(len(out)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for k in range(2, len(out) + 2, 2):     # two tokens per chunk, like a speculative round
+            self.wfile.write(b"data: " + json.dumps(chunk(min(k, len(out)))).encode() + b"\n\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+class FakeServer:
+    """A fake SGLang server on the port of the launch_server command line it is given."""
+
+    def __init__(self, cmd, model, diverge_at=None):
+        self.cmd, self.model, self.diverge_at = cmd, model, diverge_at
+        self.requests, self.flushes, self.lock, self.accept = [], 0, threading.Lock(), 1.0 if diverge_at is None else 2.5
+        try:
+            from transformers import AutoTokenizer
+            self.tok = AutoTokenizer.from_pretrained(model)
+        except Exception:  # noqa: BLE001
+            self.tok = None
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", int(cmd[cmd.index("--port") + 1])), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.fake = self
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def poll(self):
+        return None
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _model_dir(tmp_path):
+    d = tmp_path / "text_target"
+    shutil.copytree(TOKENIZER, d)
+    return str(d)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_sglang
+def test_whole_run_with_the_real_bench_serving_against_a_fake_server(tmp_path):
+    """Two arms, one level each: the real `python -m sglang.bench_serving` sends the load (token ids,
+    fixed lengths) to a fake server per arm, the result lines are parsed, the identity requests go
+    through /generate with input_ids, and the DDTree arm's planted divergence is reported where it is."""
+    model = _model_dir(tmp_path)
+    servers = []
+
+    def launcher(cmd, env, log_path):
+        s = FakeServer(cmd, model, diverge_at=5 if "DDTREE-GPU" in cmd else None)
+        servers.append(s)
+        return s
+
+    out = str(tmp_path / "rep")
+    args = _args("--model-path", model, "--draft-model-path", "/nonexistent/drafter", "--arms", "base,ddtree_default",
+                 "--concurrency", "4", "--requests-per-level", "12", "--repeats", "1", "--warmup", "0",
+                 "--min-level-seconds", "0", "--serving-input-len", "40", "--serving-output-len", "8",
+                 "--identity-prompts", "4", "--identity-new-tokens", "12", "--identity-concurrency", "2",
+                 "--port", str(_free_port()), "--workdir", str(tmp_path / "w"), "--out", out, "--no-env-probe",
+                 "--prompts", str(_prompts_file(tmp_path)), "--max-input-tokens", "64", "--save-output-ids")
+    doc = S.run(args, launcher=launcher)
+    assert [a["name"] for a in doc["arms"]] == ["base", "ddtree_default"]
+    for a, s in zip(doc["arms"], servers):
+        assert a["status"] == "ok", (a.get("error"), a.get("levels"), open(a["client_log"]).read()[-3000:])
+        lv = a["levels"][0]
+        assert lv["concurrency"] == 4 and lv["num_prompts"] == 12 and lv["completed"] == 12 and lv["failed"] == 0
+        assert lv["total_output_tokens"] == 12 * 8 and lv["total_input_tokens"] == 12 * 40
+        assert lv["output_throughput"] > 0 and lv["median_itl_ms"] is not None and lv["dataset_name"] == "random-ids"
+        load = [r for r in s.requests if r["max_new"] == 8]
+        # bench_serving's own warm-up request (min(8, 32) tokens) + the 12 of the level, all token ids
+        assert len(load) == 13 and all(r["kind"] == "ids" and r["n_in"] == 40 for r in load)
+        assert all(r["temperature"] == 0.0 and r["ignore_eos"] for r in s.requests)
+        ident = [r for r in s.requests if r["max_new"] == 12]
+        assert len(ident) == 4 and all(r["kind"] == "ids" for r in ident)
+        assert s.flushes >= 1     # --flush-cache
+    assert doc["arms"][1]["levels"][0]["accept_length"] == 2.5
+    idn = doc["identity"]["arms"]["ddtree_default"]
+    assert idn["compared"] == 4 and idn["mismatched"] == sum(1 for x in idn["first_divergence"] if x is not None)
+    want = [5 if (sum(ids) % 997) % 2 == 0 else None for ids in doc["prompt_ids"]]
+    assert idn["first_divergence"] == want
+    md = open(out + ".md").read()
+    assert md == render_markdown(json.load(open(out + ".json")))
+    assert "| ddtree_default |" in md and "x base" in md and f"{idn['mismatched']} of 4 differ" in md
+    row = next(line for line in md.splitlines() if line.startswith("| ddtree_default |"))
+    assert "x /" in row      # a ratio to base in the throughput table
+
+
+def _prompts_file(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "import os\nprint(os.getcwd())\n",
+             "The quick brown fox jumps over the lazy dog.", "for i in range(10):\n    print(i)\n"]
+    f.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    return f
+
+
+@needs_sglang
+def test_natural_workload_sends_text_whose_length_bench_serving_reports(tmp_path):
+    """The natural workload's ShareGPT file: bench_serving sends the text, and the prompt lengths it
+    reports are the server's tokenizer's (the fake server tokenizes with the same tokenizer)."""
+    model = _model_dir(tmp_path)
+    args = _args("--model-path", model, "--workload", "natural", "--prompts", str(_prompts_file(tmp_path)))
+    args._model = model
+    texts, src = S.natural_texts(args, 7)
+    assert len(texts) == 7 and texts[5] == texts[0] and src.endswith("prompts.jsonl")
+    path = S.write_sharegpt(texts, str(tmp_path / "nat.json"))
+    port = _free_port()
+    srv = FakeServer(["x", "--port", str(port)], model)
+    try:
+        cmd = S.bench_serving_cmd(sys.executable, port, model, S.workload_settings("natural", output_len=6), 2, 7,
+                                  str(tmp_path / "o.jsonl"), dataset_path=path, warmup_requests=0)
+        r = S.run_bench_serving(cmd, S.client_env(None, None), str(tmp_path), 300, str(tmp_path / "bs.log"))
+    finally:
+        srv.stop()
+    assert r["ok"], open(tmp_path / "bs.log").read()[-3000:]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    want = sum(len(tok.encode(t)) for t in texts)
+    assert r["result"]["total_input_tokens"] == want == sum(x["n_in"] for x in srv.requests)
+    assert all(x["kind"] == "text" and x["max_new"] == 6 for x in srv.requests) and len(srv.requests) == 7
+
+
+def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
+    """The first arm's short first pass scales the level's count; the next arm runs that count."""
+    calls = []
+
+    def fake_run(cmd, env, cwd, timeout, log_path):
+        n = int(_opt(cmd, "--num-prompts"))
+        c = int(_opt(cmd, "--max-concurrency"))
+        calls.append((c, n))
+        dur = n / (2.0 * c)       # 2 requests per second per slot
+        return dict(ok=True, rc=0, seconds=dur, result=dict(output_throughput=100.0 * n / dur, completed=n,
+                                                            duration=dur, median_ttft_ms=1.0, median_itl_ms=1.0))
+
+    monkeypatch.setattr(S, "run_bench_serving", fake_run)
+    monkeypatch.setattr(S.client, "run_level", lambda url, prompts, c, m, *a, **k: (
+        [dict(ok=True, output_ids=[1, 2, 3]) for _ in prompts], 0.1, False))
+    monkeypatch.setattr(S, "wait_healthy", lambda *a, **k: None)
+
+    class Srv:
+        def poll(self):
+            return None
+
+        def stop(self):
+            pass
+    model = _model_dir(tmp_path)
+    args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "dflash,base", "--concurrency", "1,4",
+                 "--repeats", "3", "--warmup", "0", "--min-level-seconds", "20", "--level-seconds-margin", "1.5",
+                 "--identity-prompts", "2", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                 "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
+    doc = S.run(args, launcher=lambda cmd, env, log: Srv())
+    # base first: c=1 probe 16 (8 s) -> 16 x 30 / 8 = 60; c=4 probe 16 (2 s) -> 240; dflash reuses them
+    assert doc["settings"]["requests_per_level"] == {"1": 60, "4": 240}
+    assert calls == [(1, 16)] + [(1, 60)] * 3 + [(4, 16)] + [(4, 240)] * 3 + [(1, 60)] * 3 + [(4, 240)] * 3
+    base, dflash = doc["arms"]
+    assert base["levels"][0]["calibration"]["num_prompts"] == 16 and "calibration" not in dflash["levels"][0]
+    assert all(lv["duration"] >= 20 for a in doc["arms"] for lv in a["levels"])
+    assert doc["identity"]["arms"]["dflash"]["identical"]
+    md = open(str(tmp_path / "r") + ".md").read()
+    assert "identical (2 of 2)" in md and "| base | 200 (1.00x / 1.00x)" in md
