@@ -33,7 +33,9 @@
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
-#                                           AB_SERVER_ARGS: flags for every server, kept as one --server-args value)
+#                                           AB_SERVER_ARGS: flags for every server, kept as one --server-args value;
+#                                           AB_CLIENT=bench_serving + AB_WORKLOAD=random|natural|long|mix: the load from
+#                                           python -m sglang.bench_serving, identity check on top; also for scale_*)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
 # two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name:
 # ab_<pair>-<tag> is the same pair under another name (its arms from AB_ARMS_<tag> when set; tag fp32 also
@@ -150,11 +152,19 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         pa=(--model-path /tmp/models/kimicost_target --draft-model-path /tmp/models/kimicost_drafter --token-ids)
         defarms=base,dflash,ddtree_b16
       fi
+      # AB_CLIENT=bench_serving: python -m sglang.bench_serving drives the levels (sglang_ddtree/ab/serving_client.py),
+      # AB_WORKLOAD=random|natural|long|mix (default random), arms default base,dflash,ddtree_default;
+      # writes serving_h200_<tag>_<workload>.{json,md}
+      local cl=() outname=ab_h200_$tag
+      if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
+        cl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); defarms=base,dflash,ddtree_default
+        outname=serving_h200_${tag}_${AB_WORKLOAD:-random}
+      fi
       local arms=${!arms_var:-${AB_ARMS:-$defarms}}
       # python -m sglang_ddtree.ab: the installed sglang-ddtree-ab command's code path (-P: not the cwd's copy)
-      timeout -k 10 $lim python3 -P -m sglang_ddtree.ab "${pa[@]}" --arms $arms \
+      timeout -k 10 $lim python3 -P -m sglang_ddtree.ab "${pa[@]}" --arms $arms "${cl[@]}" \
         --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-96} "${sa[@]}" \
-        --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/ab_h200_$tag --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
+        --deadline $((lim-20)) --port $port --workdir /tmp/abw_$tag --out $OUT/$outname --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/ab_logs_$tag.tgz -C /tmp abw_$tag 2>/dev/null
       grep -a -E "^\[|kernel sweep|wrote" $LOG/$st.log | tail -40 > $LOG/$st.res ;;
     scalechain_*)  # bench/scale/chain_pair.py: the chain GQA pair (block-16 toy drafter) at a production shape
@@ -186,8 +196,15 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
               # fp32: sgl_kernel's rmsnorm has no float kernel); AB_ARMS=none: no A/B)
               # (a name ending in _l<N>, e.g. scale_qwen3-30b-a3b_l24: N layers for that stage only, over SCALE_LAYERS;
               # AB_ARMS=none also deletes the written pair at the end: the next stage's disk)
+      # (AB_CLIENT=bench_serving / AB_WORKLOAD as for ab_*: the A/B through sglang.bench_serving, arms default
+      # base,dflash,ddtree_default, report serving_h200_<shape>_<workload>)
       local shape=${st#scale_}; local sd=/tmp/models; local nl=${SCALE_LAYERS:-}
       if [[ "$shape" =~ ^(.*)_l([0-9]+)$ ]]; then shape=${BASH_REMATCH[1]}; nl=${BASH_REMATCH[2]}; fi
+      local scl=() sarms=${AB_ARMS:-base,dflash,ddtree_b16} sout=scale_ab_${shape}_h200
+      if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
+        scl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); sarms=${AB_ARMS:-base,dflash,ddtree_default}
+        sout=serving_h200_${shape}_${AB_WORKLOAD:-random}
+      fi
       { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${nl:+--layers $nl} \
         ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}_target | cut -f1)" \
@@ -197,9 +214,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         && echo "exactness done at $(( $(date +%s) - ts ))s" \
         && { [ "${AB_ARMS:-}" = none ] || timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab --pair text \
              --model-path $sd/${shape}_target --draft-model-path $sd/${shape}_drafter \
-             --arms ${AB_ARMS:-base,dflash,ddtree_b16} --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
+             --arms $sarms "${scl[@]}" --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
              --max-new-tokens ${AB_NEW:-96} --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port \
-             --workdir /tmp/abw_$shape --out $OUT/scale_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-}; }; } > $LOG/$st.log 2>&1; rc=$?
+             --workdir /tmp/abw_$shape --out $OUT/$sout --save-output-ids --no-progress ${AB_EXTRA:-}; }; } > $LOG/$st.log 2>&1; rc=$?
       [ "${AB_ARMS:-}" = none ] && rm -rf $sd/${shape}_target $sd/${shape}_drafter $sd/small_ext_target
       [ -d /tmp/abw_$shape ] && tar -czf $OUT/scale_logs_$shape.tgz -C /tmp abw_$shape 2>/dev/null
       grep -a -E "^\{\"target|^written|^reference rows|^exactness|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
