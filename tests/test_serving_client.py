@@ -417,3 +417,18 @@ def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
     assert doc["identity"]["arms"]["dflash"]["identical"]
     md = open(str(tmp_path / "r") + ".md").read()
     assert "identical (2 of 2)" in md and "| base | 200 (1.00x / 1.00x)" in md
+
+
+def test_dry_run_through_the_cli_prints_servers_and_client_commands(tmp_path, capsys):
+    """`sglang-ddtree-ab --client bench_serving --dry-run`: runner.run hands over to serving_client,
+    the default arms are base, DFLASH and DDTREE-GPU default, and nothing starts."""
+    model = _model_dir(tmp_path)
+    assert cli.main(["--client", "bench_serving", "--model-path", model, "--draft-model-path", "/d", "--dry-run",
+                     "--no-env-probe", "--workload", "long", "--concurrency", "1,64", "--workdir", str(tmp_path / "w"),
+                     "--prompts", str(_prompts_file(tmp_path)), "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    assert [ln.split("]")[0][1:] for ln in lines] == ["base", "dflash", "ddtree_default", "c=1", "c=64"]
+    assert "--attention-backend flashinfer" in lines[0] and "--speculative-algorithm DDTREE-GPU" in lines[2]
+    assert "--random-input-len 8192" in lines[3] and "--num-prompts 16" in lines[3] and "--num-prompts 256" in lines[4]
+    assert not os.path.exists(str(tmp_path / "r") + ".json")
