@@ -31,6 +31,7 @@ import common as C  # noqa: E402
 import pairlib as PL  # noqa: E402
 from materialize import load_pair  # noqa: E402
 from ab_serve import first_diff  # noqa: E402
+from rawio import open_maybe_gz, record_name  # noqa: E402
 
 TIE = 0.15  # logit units: a few bf16 spacings at |logit| ~ 8-16 (this target's top logits)
 
@@ -65,8 +66,8 @@ def main():
                 "rank_out": int((lg > lg[tb]).sum()) + 1, "top2": top2.indices.tolist(),
                 "top2_gap": round(float(top2.values[0] - top2.values[1]), 4), "near_tie": below_top <= TIE}
 
-    lines = [line for path in a.results for line in open(path) if line.strip()]
-    src = " ".join(os.path.basename(p) for p in a.results)
+    lines = [line for path in a.results for line in open_maybe_gz(path) if line.strip()]
+    src = " ".join(record_name(p) for p in a.results)
     for line in lines:
         r = json.loads(line)
         if not r["stage"].startswith("text_") or "outputs_bs16" not in r:

@@ -3,7 +3,7 @@ matrix: bench/results/worker_h200.json + worker_h200.md.
 
 usage: python bench/worker_report.py OUT_PREFIX SUMMARY_TXT[,SUMMARY_TXT...] RESULTS_JSONL [RESULTS_JSONL ...]
            [--divergence TEXT_DIVERGENCE_JSON] [--ab AB_JSON ...]
-(later files override earlier records of the same stage).  Toy-pair stages (gqa, mla) are strict
+(later files override earlier records of the same stage; a RESULTS_JSONL may be gzipped, ``.jsonl.gz``).  Toy-pair stages (gqa, mla) are strict
 token-identity checks; text-pair stages are reported with bench/text_divergence.py's
 classification of every divergence (near tie or error, by the rule that file records); ``--ab``
 appends an A/B report's ratio table (sglang_ddtree.ab.report.render_summary).  Every number in the table is read from
@@ -15,11 +15,14 @@ import re
 import sys
 from collections import OrderedDict
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rawio import open_maybe_gz  # noqa: E402
+
 
 def load(paths):
     recs = OrderedDict()
     for p in paths:
-        for line in open(p):
+        for line in open_maybe_gz(p):
             r = json.loads(line)
             recs[r["stage"]] = r
     return recs

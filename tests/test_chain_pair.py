@@ -177,7 +177,7 @@ def test_identity_record_fills_a_run_without_a_reference_arm():
 
 
 RUN7 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    "bench", "results", "raw", "scalechain_ab_qwen3-8b_h200_s23.json")
+                    "bench", "results", "raw", "scalechain_ab_qwen3-8b_h200_s23.json.gz")
 
 
 @pytest.mark.skipif(not os.path.exists(RUN7), reason="the committed H200 run 7 is not in this checkout")
@@ -187,7 +187,7 @@ def test_record_on_a_committed_run_without_base(tmp_path):
     report says so instead of '-'."""
     import subprocess
     import sys
-    doc = json.load(open(RUN7))
+    doc = CP._loaded(RUN7)
     doc["identity"] = {"reference": "base", "arms": {}, "note": "reference arm 'base' was not measured"}
     (tmp_path / "ab.json").write_text(json.dumps(doc))
     _, perm = CP.M.qwen3_target_state()

@@ -20,17 +20,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(REPO, "bench", "results")
 RAW = os.path.join(RES, "raw")
 AD = load_bench("ab_divergence")
+RAWIO = load_bench("rawio")   # the larger raw records are committed gzipped
 
 
 _REFIT = r'''
-import json, sys, torch
+import json, os, sys, torch
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
 import common as C, pairlib as PL
 from materialize import load_pair
+from rawio import open_maybe_gz
 T, _ = load_pair(); T = {k: v.float() for k, v in T.items()}
 raw = {}
 for path in sys.argv[2].split(","):
-    for l in open(path):
+    for l in open_maybe_gz(path):
         raw[json.loads(l)["stage"]] = json.loads(l)
 prompts = [p["ids"] for p in json.load(open(C.PROMPTS))[:16]]
 out = []
@@ -58,9 +61,9 @@ def test_worker_report_reproduces_the_committed_matrix(tmp_path):
     out = str(tmp_path / "w")
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "worker_report.py"), out,
                         os.path.join(RAW, "worker_h200_toy_run2_summary.txt"),
-                        os.path.join(RAW, "worker_h200_toy_run2.jsonl"),
+                        os.path.join(RAW, "worker_h200_toy_run2.jsonl.gz"),
                         os.path.join(RAW, "worker_h200_text_run4.jsonl"),
-                        os.path.join(RAW, "worker_h200_text_run6.jsonl"),
+                        os.path.join(RAW, "worker_h200_text_run6.jsonl.gz"),
                         "--divergence", os.path.join(RES, "text_divergence_h200.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -83,7 +86,7 @@ def test_text_divergence_classification_is_stable():
     doc = json.load(open(os.path.join(RES, "text_divergence_h200.json")))
     rows = doc["divergences"]
     picks = [r for r in rows if r["near_tie"]][:2] + [r for r in rows if not r["near_tie"]][:2]
-    gaps = _refit_text_divergences(picks, ["worker_h200_text_run6.jsonl"], "gap")
+    gaps = _refit_text_divergences(picks, ["worker_h200_text_run6.jsonl.gz"], "gap")
     thr = doc["tie_threshold_logits"]
     assert len(gaps) == len(picks) == 4
     for row, gap in zip(picks, gaps):
@@ -250,7 +253,7 @@ def test_worker_run10_reproduces_and_passes(tmp_path):
     (_cycle) and policy (_auto), and our verify attention (_vattn), which needs no tree-mask patch:
     the _nomaskpatch_vattn text stage must be free of errors where plain _nomaskpatch is not."""
     out, doc = _report(tmp_path, "w10", ["worker_h200_run10a_summary.txt", "worker_h200_run10b_summary.txt"],
-                       ["worker_h200_run10a.jsonl", "worker_h200_run10b.jsonl"],
+                       ["worker_h200_run10a.jsonl.gz", "worker_h200_run10b.jsonl.gz"],
                        "text_divergence_h200_run10.json")
     assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run10.md")).read()
     assert doc["all_ok"] and doc["unfinished"] == []
@@ -273,7 +276,7 @@ def test_text_divergence_run10_three_way_tie_recomputes():
     assert doc["tie_rule"] == "below_top"
     third = [r for r in doc["divergences"] if r["rank_out"] >= 3]
     assert third and all(r["near_tie"] for r in third)
-    below = _refit_text_divergences(third[:1], ["worker_h200_run10a.jsonl", "worker_h200_run10b.jsonl"],
+    below = _refit_text_divergences(third[:1], ["worker_h200_run10a.jsonl.gz", "worker_h200_run10b.jsonl.gz"],
                                     "below_top")[0]
     assert abs(below - third[0]["below_top"]) <= AD.GAP_ATOL, (third[0], below)
     assert below <= doc["tie_threshold_logits"] - AD.GAP_ATOL   # not at the threshold: the verdict holds
@@ -308,7 +311,8 @@ def test_worker_run11_with_the_scratch_patch_passes(tmp_path):
 def _ab_doc(name):
     from sglang_ddtree.ab import report as R
     path = os.path.join(RES, name) if os.path.exists(os.path.join(RES, name + ".json")) else os.path.join(RAW, name)
-    doc = json.load(open(path + ".json"))
+    with RAWIO.open_maybe_gz(path + ".json") as f:   # raw records: .json.gz
+        doc = json.load(f)
     assert R.render_markdown(doc) == open(path + ".md").read()
     run = doc["runs"][0] if "runs" in doc else doc
     return doc, {a["name"]: a for a in run["arms"]}
@@ -399,7 +403,7 @@ def test_worker_run14_commit_by_slot_permutation(tmp_path):
     """Run 14 (session 10): the first GPU run of the K/V commit by req_to_token permutation (d63d41b):
     GQA graph b16, GQA eager b8 and MLA graph b31 with forced widths exact; the text pair's
     divergences (bs16 and mixed) all near ties."""
-    out, doc = _report(tmp_path, "w14", ["worker_h200_run14_summary.txt"], ["worker_h200_run14.jsonl"],
+    out, doc = _report(tmp_path, "w14", ["worker_h200_run14_summary.txt"], ["worker_h200_run14.jsonl.gz"],
                        "text_divergence_h200_run14.json")
     assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run14.md")).read()
     assert doc["all_ok"] and doc["unfinished"] == []
@@ -416,7 +420,7 @@ def test_worker_run12_prefill_backend_split(tmp_path):
     our verify attention exact; the text pair's divergences all near ties; the MLA graph stage without
     our verify attention and the fa3 stage left no result (the report lists them)."""
     out, doc = _report(tmp_path, "w12", ["worker_h200_run12a_summary.txt", "worker_h200_run12b_summary.txt"],
-                       ["worker_h200_run12a.jsonl", "worker_h200_run12b.jsonl"],
+                       ["worker_h200_run12a.jsonl", "worker_h200_run12b.jsonl.gz"],
                        "text_divergence_h200_run12.json")
     assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run12.md")).read()
     st = {s["stage"]: s for s in doc["stages"]}
@@ -434,7 +438,7 @@ def test_worker_run13_flashinfer_text_and_mla_graph(tmp_path):
     flashinfer: every bs16 divergence a near tie, and the mixed check's request 7, which ran to 15
     tokens where the reference stops at 4 (run 12 too), leaves the reference at position 2: a near tie
     that bench/text_divergence.py now classifies from the stage's mixed_outputs."""
-    out, doc = _report(tmp_path, "w13", ["worker_h200_run13_summary.txt"], ["worker_h200_run13.jsonl"],
+    out, doc = _report(tmp_path, "w13", ["worker_h200_run13_summary.txt"], ["worker_h200_run13.jsonl.gz"],
                        "text_divergence_h200_run13.json")
     assert open(out + ".md").read() == open(os.path.join(RES, "worker_h200_run13.md")).read()
     st = {s["stage"]: s for s in doc["stages"]}
@@ -450,6 +454,6 @@ def test_worker_run13_flashinfer_text_and_mla_graph(tmp_path):
     r7 = [v for v in div["divergences"] if v["stage"] == "text_ddtree_graph_b16_flashinfer"
           and v["check"] == "mixed" and v["request"] == 7]
     assert len(r7) == 1 and r7[0]["pos"] == 2
-    below = _refit_text_divergences(r7, ["worker_h200_run13.jsonl"], "below_top")[0]
+    below = _refit_text_divergences(r7, ["worker_h200_run13.jsonl.gz"], "below_top")[0]
     assert abs(below - r7[0]["below_top"]) <= AD.GAP_ATOL
     assert below <= div["tie_threshold_logits"] - AD.GAP_ATOL

@@ -55,6 +55,7 @@ def _load(name, path):
 T = _load("_transform_for_chain", os.path.join(HERE, "transform.py"))
 K = _load("_mk_kimi_cost_for_chain", os.path.join(DEVICE_DIR, "mk_kimi_cost.py"))
 M = K.M  # mk_kimi_cost's private mk_models (junk_row reads its constants)
+RAWIO = _load("_rawio_for_chain", os.path.join(os.path.dirname(HERE), "rawio.py"))
 
 
 def small_pair(drafter_path=DEFAULT_DRAFTER, block_size=DEFAULT_BLOCK):
@@ -200,11 +201,31 @@ def chain_of(perm, last, n):
 
 
 def _loaded(obj):
-    """A JSON file's content: ``obj`` itself when already loaded, else the file at that path."""
+    """A JSON file's content: ``obj`` itself when already loaded, else the file at that path (plain or
+    gzipped: the committed raw records are ``.json.gz``)."""
     if isinstance(obj, (dict, list)):
         return obj
-    with open(obj) as f:
+    with RAWIO.open_maybe_gz(obj) as f:
         return json.load(f)
+
+
+def prompt_ids_of(doc):
+    """The token-id prompts of an A/B run: its ``prompt_ids``, or, in a committed long-prompt run whose
+    ids were dropped (``prompt_ids_regen``: the generator's arguments), the prompts rebuilt by
+    ``bench/device/mk_chain_prompts.py`` and checked against the run's sha256.  None when neither."""
+    if doc.get("prompt_ids"):
+        return doc["prompt_ids"]
+    regen = doc.get("prompt_ids_regen")
+    if not regen:
+        return None
+    from sglang_ddtree.ab.prompts import prompt_digest
+    gen = _load("_mk_chain_prompts_for_chain", os.path.join(DEVICE_DIR, "mk_chain_prompts.py"))
+    lo, hi = (int(x) for x in regen["len"].split("-"))
+    ids = gen.chain_prompts(regen["n"], regen["seed"], lo, hi)[: doc["settings"]["num_prompts"]]
+    got = prompt_digest([{"input_ids": x} for x in ids])
+    if got != doc["prompts"]["sha256_16"]:
+        raise SystemExit(f"prompts rebuilt from {regen} have sha256 {got}, the run's {doc['prompts']['sha256_16']}")
+    return ids
 
 
 def check_outputs(ab_json, perm_json, arm="base", name=None):
@@ -212,7 +233,7 @@ def check_outputs(ab_json, perm_json, arm="base", name=None):
     chain of its prompt's last token.  ``ab_json`` / ``perm_json``: paths, or their loaded content
     (``name``: the A/B file's name for errors).  -> {"checked", "wrong": [(c, prompt index, first bad position)]}."""
     doc, perm = _loaded(ab_json), _loaded(perm_json)
-    prompts = doc.get("prompt_ids")
+    prompts = prompt_ids_of(doc)
     outs = (doc.get("output_ids") or {}).get(arm)
     if not prompts or outs is None:
         name = name or (ab_json if isinstance(ab_json, str) else "the A/B JSON")
@@ -241,7 +262,7 @@ def identity_record(doc, perm, arms):
     no reference arm (runs of the adaptive server only), whose identity would otherwise say nothing.
     Returns ``doc``."""
     from sglang_ddtree.ab.stats import identity_check
-    prompts, saved = doc.get("prompt_ids") or [], doc.get("output_ids") or {}
+    prompts, saved = prompt_ids_of(doc) or [], doc.get("output_ids") or {}
     checked = {}
     for arm in arms:
         outs = saved[arm]
@@ -291,7 +312,8 @@ def main():
         bad += bool(r["wrong"] or not r["checked"])
     if a.record:
         from sglang_ddtree.ab.report import write_outputs
-        write_outputs(identity_record(doc, perm, arms), os.path.splitext(a.ab_json)[0], plot=False)
+        stem = a.ab_json[:-3] if a.ab_json.endswith(".gz") else a.ab_json
+        write_outputs(identity_record(doc, perm, arms), os.path.splitext(stem)[0], plot=False)
     return 1 if bad else 0
 
 

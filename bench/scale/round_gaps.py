@@ -2,7 +2,8 @@
 
     python bench/scale/round_gaps.py AB.json LOGS.tgz [--levels 16] [--arms a,b] [--out PREFIX]
 
-AB.json: one A/B run (``python -m sglang_ddtree.ab``, not a merged file); LOGS.tgz: that run's logs
+AB.json: one A/B run (``python -m sglang_ddtree.ab``, not a merged file; plain or ``.json.gz``, as the
+committed raw records are); LOGS.tgz: that run's logs
 (the ``scalechain_logs_<shape>.tgz`` / ``ab_logs_<tag>.tgz`` a device call returns, holding each
 DDTREE server's round-profile records ``profile_<server arm>.jsonl``).  For every DDTREE arm, level
 and repeat: the rounds and request-rounds the profiler recorded, the sum of their round times (CUDA
@@ -35,8 +36,12 @@ import json
 import os
 import re
 import statistics
+import sys
 import tarfile
 from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rawio import open_maybe_gz, record_name  # noqa: E402
 
 PREFILL_RE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+)")
 
@@ -260,7 +265,7 @@ def main(argv=None):
                     help="a repeat whose widest pause reaches this is left out of the 'calm' medians")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     a = ap.parse_args(argv)
-    with open(a.ab_json) as f:
+    with open_maybe_gz(a.ab_json) as f:
         doc = json.load(f)
     if doc.get("kind") == "ab_serve_merged":
         raise SystemExit(f"{a.ab_json}: a merged report; give one run's JSON (bench/results/raw/...)")
@@ -268,13 +273,13 @@ def main(argv=None):
     rows = analyse(doc, profiles, a.arms.split(",") if a.arms else None,
                    [int(x) for x in a.levels.split(",")] if a.levels else None, a.gap, prefills)
     summary = level_summary(rows, a.pause_ms)
-    md = render(rows, os.path.basename(a.ab_json), summary, a.pause_ms)
+    md = render(rows, record_name(a.ab_json), summary, a.pause_ms)
     print(md, end="")
     if a.out:
         with open(a.out + ".md", "w") as f:
             f.write(md)
         with open(a.out + ".json", "w") as f:
-            json.dump(dict(source=os.path.basename(a.ab_json), logs=os.path.basename(a.logs), pause_ms=a.pause_ms,
+            json.dump(dict(source=record_name(a.ab_json), logs=os.path.basename(a.logs), pause_ms=a.pause_ms,
                            rows=rows, levels=summary), f, indent=1)
     return 0
 
