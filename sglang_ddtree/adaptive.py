@@ -1,11 +1,15 @@
-"""Adaptive tree budget (issue 17 item 3): one target verify state per width, the per-round choice.
+"""Adaptive tree budget (issues 17, 39): one target state per width, the per-round choice.
 
-Off unless asked for.  ``SGLANG_DDTREE_BUDGETS=7,15,31`` names the tree budgets a round may use (verify
-width ``N = budget + 1``); the widest must be the server's budget (``--speculative-num-draft-tokens``
-= widest budget + 1, or ``SGLANG_DDTREE_BUDGET``), so SGLang reserves KV, sizes buffers and captures
-its own target graph for the widest width, as for a fixed budget.  ``SGLANG_DDTREE_NO_SPEC=1`` adds
-the choice "no speculation this round": a verify of width 1 (the root alone, no drafter forward),
-i.e. a plain decode step through the verify path.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16):
+The default (issue 39 item 1): with no DDTree setting, a round chooses among the budgets
+:func:`default_budgets` derives from the server's budget (the widest: ``--speculative-num-draft-tokens``
+- 1, else ``config.default_budget`` of the drafter's block) and "no speculation".
+``SGLANG_DDTREE_ADAPTIVE=0`` is the one switch to a fixed budget (the server's).
+``SGLANG_DDTREE_BUDGETS=7,15,31`` names the tree budgets instead (verify width ``N = budget + 1``);
+the widest must be the server's budget, so SGLang reserves KV, sizes buffers and captures its own
+target graph for the widest width, as for a fixed budget.  ``SGLANG_DDTREE_NO_SPEC=0`` leaves "no
+speculation this round" out (default in): such a round is SGLang's own decode step on a state of
+its own (``plain_decode.py``: DECODE graphs, the user's decode backend) with the drafter's K/V for
+its token written later, batched.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16):
 at most every k-th round runs a wider tree than the chosen one (a probe, paid from 5 % of the
 rounds' cost; :class:`WidthController`) so the counterfactual acceptance of wider widths stays
 measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the budgets round by round
@@ -57,6 +61,8 @@ ENV_PROBE_EVERY = "SGLANG_DDTREE_PROBE_EVERY"
 ENV_TEST_CYCLE = "SGLANG_DDTREE_TEST_BUDGET_CYCLE"
 ENV_OVERHEAD = "SGLANG_DDTREE_ROUND_OVERHEAD"   # measured (default) | off: the policy's per-round overhead term
 ENV_AGE_BUCKETS = "SGLANG_DDTREE_AGE_BUCKETS"   # default | off | ascending edges (output tokens)
+ENV_ADAPTIVE = "SGLANG_DDTREE_ADAPTIVE"         # 1 (default) | 0: the server's budget, fixed
+DEFAULT_LADDER = (7, 15, 31)                    # budgets below the widest in the default set
 
 # request-age bucket edges (output tokens): x1.5 from 4.  Fine at young ages, where acceptance moves
 # most (toy chain pair: nothing for ~10 tokens, then rising over the next ~50: bench/results/
@@ -76,6 +82,8 @@ class AdaptiveConfig:
     cycle: Optional[Tuple[int, ...]] = None
     overhead: bool = True   # measure the per-round overhead outside the cost table (ENV_OVERHEAD)
     age_edges: Tuple[int, ...] = DEFAULT_AGE_EDGES   # request-age buckets (ENV_AGE_BUCKETS)
+    implicit: bool = False  # the default set (no budget setting given): a server without CUDA graphs
+                            # then runs the fixed budget instead of refusing to start
 
     @property
     def widths(self) -> Tuple[int, ...]:
@@ -161,19 +169,34 @@ def _int_list(algo: str, name: str, raw: str) -> List[int]:
                          f"got {raw!r}") from None
 
 
+def default_budgets(budget: int) -> List[int]:
+    """The default set below the server's (widest) budget: :data:`DEFAULT_LADDER`'s budgets under it,
+    then it; e.g. 60 -> [7, 15, 31, 60] (a block-16 drafter), 28 -> [7, 15, 28] (block 8)."""
+    return sorted({b for b in DEFAULT_LADDER if b < budget} | {int(budget)})
+
+
 def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[AdaptiveConfig]:
-    """The adaptive settings from ``env``, or None when none of its variables is set (the fixed
-    budget of today).  ``budget``: the server's resolved tree budget.  Raises ValueError, one line."""
+    """The adaptive settings from ``env`` (unset: the default set, :func:`default_budgets` + no
+    speculation), or None for a fixed budget (``SGLANG_DDTREE_ADAPTIVE=0``, or one budget and no
+    speculation).  ``budget``: the server's resolved tree budget.  Raises ValueError, one line."""
     raw = (env.get(ENV_BUDGETS) or "").strip()
     raw_ns = (env.get(ENV_NO_SPEC) or "").strip()
     raw_cycle = (env.get(ENV_TEST_CYCLE) or "").strip()
     raw_probe = (env.get(ENV_PROBE_EVERY) or "").strip()
-    if not (raw or raw_ns or raw_cycle):
+    raw_on = (env.get(ENV_ADAPTIVE) or "1").strip()
+    if raw_on not in ("0", "1"):
+        raise ValueError(f"{algo}: {ENV_ADAPTIVE} must be 0 or 1, got {raw_on!r}")
+    if raw_on == "0":
+        given = [n for n, v in ((ENV_BUDGETS, raw), (ENV_NO_SPEC, raw_ns), (ENV_TEST_CYCLE, raw_cycle)) if v]
+        if given:
+            raise ValueError(f"{algo}: {ENV_ADAPTIVE}=0 (a fixed budget) contradicts {given[0]}; "
+                             "drop one of them")
         return None
     if raw_ns not in ("", "0", "1"):
         raise ValueError(f"{algo}: {ENV_NO_SPEC} must be 0 or 1, got {raw_ns!r}")
-    no_spec = raw_ns == "1"
-    budgets = _int_list(algo, ENV_BUDGETS, raw) if raw else [budget]
+    no_spec = raw_ns != "0"
+    implicit = not (raw or raw_ns or raw_cycle)
+    budgets = _int_list(algo, ENV_BUDGETS, raw) if raw else default_budgets(budget)
     bad = [b for b in budgets if not MIN_BUDGET <= b <= MAX_BUDGET]
     if bad:
         raise ValueError(f"{algo}: {ENV_BUDGETS}={raw}: every budget must be in [{MIN_BUDGET}, "
@@ -218,7 +241,7 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
     if not no_spec and len(budgets) == 1 and cycle is None:
         return None   # one budget, no alternative: the fixed path
     return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle,
-                          overhead=raw_oh == "measured", age_edges=age_edges)
+                          overhead=raw_oh == "measured", age_edges=age_edges, implicit=implicit)
 
 
 # ------------------------------------------------------------------ verify states per width
@@ -232,6 +255,7 @@ class VerifyState:
     graph_runner: object
     build_s: float = 0.0
     mem_gb: float = 0.0
+    backend_name: Optional[str] = None   # the no-speculation state's attention backend (None: the server's)
 
 
 @contextlib.contextmanager

@@ -123,6 +123,9 @@ def _ddtree_target_attention_backend(view) -> dict:
 # backends that may serve the target's prefill while its TARGET_VERIFY runs on triton (page size 1,
 # GQA and MLA in SGLang 0.5.16; the KV pool is shared, each writes its own tokens' K/V)
 PREFILL_BACKENDS = ("flashinfer", "fa3")
+# set on server_args when DDTree declared the split (a private attribute, kept by pickling): the
+# user's --attention-backend is then what plain decoding would run (plain_decode.user_decode_backend)
+SPLIT_ATTR = "_ddtree_prefill_split"
 
 
 def prefill_split_candidate(server_args) -> bool:
@@ -147,6 +150,7 @@ def split_for_prefill_backend(server_args) -> bool:
     _split.__qualname__ = "ddtree_prefill_backend_split"
     run_post_process_pass(server_args, _split)  # the backends are declarations (last writer wins)
     server_args.speculative_attention_mode = "decode"  # a plain field: not in SGLang's declaration set
+    object.__setattr__(server_args, SPLIT_ATTR, True)  # plain decode keeps the user's backend (plain_decode.py)
     return True
 
 

@@ -57,7 +57,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import adaptive, ddtree, logprobs, sampling, tree_ops, verify_attn_hook
+from . import adaptive, ddtree, logprobs, plain_decode, sampling, tree_ops, verify_attn_hook
 from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .round_stats import make_round_observers
@@ -371,6 +371,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     _profiles_its_rounds = True   # its own RoundProfiler (patches/dflash_round_profile.py skips it)
     _adaptive = None              # the adaptive budget's WidthController (set in __init__ when on)
+    _catch_up = None              # plain_decode.DraftCatchUp when no-speculation rounds may run
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -477,6 +478,14 @@ class DDTreeWorker(DFlashWorkerV2):
         mr = self._target_worker.model_runner
         algo = self.algo_name
         use_graphs = mr.decode_cuda_graph_runner is not None
+        if cfg.cycle is None and not use_graphs and cfg.implicit:
+            if self.ps.tp_rank == 0:
+                logger.warning("%s: the target runs without CUDA graphs, so the adaptive budget has no "
+                               "cost table (it times graph replays): the fixed budget %d runs every "
+                               "round", algo, self.budget)
+            self._adaptive_cfg = None
+            adaptive.register_served(algo, self.budget, None)
+            return
         if cfg.cycle is None and not use_graphs:
             raise ValueError(f"{algo}: {adaptive.ENV_BUDGETS} / {adaptive.ENV_NO_SPEC} need the "
                              "target's CUDA graphs (the round cost table is measured from their "
@@ -494,13 +503,24 @@ class DDTreeWorker(DFlashWorkerV2):
 
         states = adaptive.TargetStates(mr, cfg.widest)
         for w in cfg.extra_widths:
-            st = adaptive.build_verify_state(mr, w, use_graphs=use_graphs, prepare_backend=prepare,
-                                             free_gb=free_gb)
+            if w == plain_decode.PLAIN_WIDTH:
+                # no speculation: SGLang's own decode step (DECODE graphs, the user's backend); the
+                # drafter's K/V for its tokens is written later, batched (plain_decode.DraftCatchUp)
+                st = plain_decode.build_plain_decode_state(
+                    mr, use_graphs=use_graphs, free_gb=free_gb, algo=algo,
+                    backend_name=plain_decode.user_decode_backend(mr.server_args))
+                max_reqs = max(1, min(1024, int(mr.req_to_token_pool.size)))
+                self._catch_up = plain_decode.DraftCatchUp(self._append_target_hidden_to_draft_kv_by_loc,
+                                                           capacity=8 * max_reqs)
+                what = f"plain decode state ({st.backend_name or 'server decode backend'})"
+            else:
+                st = adaptive.build_verify_state(mr, w, use_graphs=use_graphs, prepare_backend=prepare,
+                                                 free_gb=free_gb)
+                what = f"verify state for width {w} (budget {w - 1})"
             states.add(st)
             if self.ps.tp_rank == 0:
-                logger.info("%s adaptive budget: verify state for width %d (budget %d) built: "
-                            "%.2f s, %.3f GB (cuda graphs %s)", algo, w, w - 1, st.build_s,
-                            st.mem_gb, "on" if use_graphs else "off")
+                logger.info("%s adaptive budget: %s built: %.2f s, %.3f GB (cuda graphs %s)", algo, what,
+                            st.build_s, st.mem_gb, "on" if use_graphs else "off")
         policy = None
         if cfg.cycle is None:
             table = self._tp_shared(self._measure_cost_table(states, cfg))
@@ -602,6 +622,8 @@ class DDTreeWorker(DFlashWorkerV2):
         is_idle = batch.forward_mode.is_idle()
         if self._adaptive is not None and (is_extend or is_idle):
             self._adaptive.interrupt()         # the next round's interval spans this batch
+        if self._catch_up is not None and self._catch_up.rows and (is_extend or is_idle):
+            self._catch_up.flush()             # before a prefill may write slots freed since the stash
         if is_extend:
             if getattr(batch, "return_logprob", False):
                 # DFLASH refuses the flag up front although its prefill is the target's own extend
@@ -745,6 +767,12 @@ class DDTreeWorker(DFlashWorkerV2):
             block_ids_out=block_ids, positions_out=block_pos, cache_loc_out=block_loc,
             mask_token_id=int(self._mask_token_id))
         host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
+        catch_key = None
+        if self._catch_up is not None:
+            if self._catch_up.rows or N == 1:
+                catch_key = plain_decode.batch_key(batch.reqs)
+            if self._catch_up.must_flush(catch_key, speculative=N > 1, incoming=bs if N == 1 else 0):
+                self._catch_up.flush()         # the drafter's K/V owed for no-speculation rounds
         draft_out = None
         if N > 1:
             lp, ids, draft_out = self._draft_block(batch, block_ids, block_pos, block_loc, prefix,
@@ -760,13 +788,31 @@ class DDTreeWorker(DFlashWorkerV2):
             tree = adaptive.root_only_tree(draft_input.bonus_tokens.view(-1), D)
         prof.mark()
 
-        # 3) verify inputs, 4) target verify, on the width's target state ---------------------------
+        # 3) verify inputs, 4) target verify, on the width's target state (no speculation: SGLang's
+        # plain decode step) -------------------------------------------------------------------------
+        plain = N == plain_decode.PLAIN_WIDTH and self._catch_up is not None
         with (contextlib.nullcontext() if ctl is None else self._verify_states.installed(N)):
-            target_out = self._verify(batch, tree, prefix, host_bound, host_bound_sum, bs, N)
+            if plain:
+                target_out = self._plain_decode(batch, draft_input, block_loc, prefix, host_bound,
+                                                host_bound_sum)
+            else:
+                target_out = self._verify(batch, tree, prefix, host_bound, host_bound_sum, bs, N)
         logits_output = target_out.logits_output
         prof.mark()
         return self._accept_commit(batch, on_publish, tree, logits_output, target_out, draft_out,
-                                   draft_input, block_loc, block_pos, prefix, bs, N)
+                                   draft_input, block_loc, block_pos, prefix, bs, N,
+                                   defer_key=catch_key if plain else None)
+
+    def _plain_decode(self, batch, draft_input, block_loc, prefix, host_bound, host_bound_sum):
+        """A no-speculation round's target forward: SGLang's DECODE step of the root (the previous
+        round's bonus) at position prefix, into the slot the block reserved there, on the installed
+        plain-decode state (its decode CUDA graph when the batch fits one)."""
+        fb = plain_decode.plain_decode_forward_batch(
+            batch, self._target_worker.model_runner, input_ids=draft_input.bonus_tokens.view(-1),
+            prefix=prefix, out_cache_loc=block_loc[:, 0].to(torch.int64).contiguous(),
+            host_prefix_bound=host_bound, host_prefix_bound_sum=host_bound_sum)
+        self._prof.mark()
+        return self._target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
 
     def _draft_block(self, batch, block_ids, block_pos, block_loc, prefix, host_bound,
                      host_bound_sum, bs):
@@ -835,9 +881,11 @@ class DDTreeWorker(DFlashWorkerV2):
         return target_out
 
     def _accept_commit(self, batch, on_publish, tree, logits_output, target_out, draft_out,
-                       draft_input, block_loc, block_pos, prefix, bs, N) -> GenerationBatchResult:
+                       draft_input, block_loc, block_pos, prefix, bs, N,
+                       defer_key=None) -> GenerationBatchResult:
         """Accept (greedy or sampled) over the N verify slots, then commit accepted K/V, drafter
-        context and the bonus."""
+        context and the bonus.  ``defer_key`` (a no-speculation round, N = 1): the drafter context of
+        the round's token is stashed for a later batched write (``plain_decode.DraftCatchUp``)."""
         B, prof = self.block_size, self._prof
         sampling_info = batch.sampling_info
         if sampling_info is not None:
@@ -884,9 +932,12 @@ class DDTreeWorker(DFlashWorkerV2):
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError(f"{self.algo_name}: the target verify returned no hidden states")
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden.index_select(0, com.hidden_rows), cache_loc=block_loc.reshape(-1),
-            cache_loc_2d=block_loc, positions=block_pos.reshape(-1), commit_lens=commit_lens)
+        if defer_key is not None:   # N = 1: row b is request b's root, at block slot 0
+            self._catch_up.stash(hidden, block_loc[:, 0], block_pos[:, 0], defer_key)
+        else:
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=hidden.index_select(0, com.hidden_rows), cache_loc=block_loc.reshape(-1),
+                cache_loc_2d=block_loc, positions=block_pos.reshape(-1), commit_lens=commit_lens)
         logits_output.hidden_states = None
         self._rounds += 1
         if self._rounds in (1, 100, 1000) and self.ps.tp_rank == 0:

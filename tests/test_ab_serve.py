@@ -251,16 +251,21 @@ def test_parse_arms_and_commands():
     assert d["ddtree_b8"]["algo"] == "DDTREE-GPU" and d["ddtree_b8"]["num_draft_tokens"] == 9
     assert d["ddtreecpu_b16"]["algo"] == "DDTREE-CPU" and d["ddtreecpu_b16"]["num_draft_tokens"] == 17
     assert d["dflash"]["num_draft_tokens"] is None
-    for bad in ("ddtree", "ddtree_16", "eagle", "base_b8", "base,base", "dflash_vattn", "base_vattn",
-                "ddtreecpu_b16_vattn", "ddtree_vattn", "ddtree_b16_vattn,ddtree_b16_vattn"):
+    assert d["ddtree_b8"]["env"] == {"SGLANG_DDTREE_ADAPTIVE": "0"}      # fixed: an explicit choice
+    default = ab.parse_arm("ddtree")                                          # the product default
+    assert default["env"] == {} and default["num_draft_tokens"] is None and default["auto"]
+    assert ab.parse_arm("ddtree_nospec")["env"] == {"SGLANG_DDTREE_TEST_BUDGET_CYCLE": "0"}
+    for bad in ("ddtree_16", "eagle", "base_b8", "base,base", "dflash_vattn", "base_vattn",
+                "ddtreecpu_b16_vattn", "ddtree_b16_vattn,ddtree_b16_vattn", "ddtree_pin7"):
         with pytest.raises(ValueError):
             ab.parse_arms(bad)
     v = {a["name"]: a for a in ab.parse_arms("ddtree_b16,ddtree_b16_vattn,ddtree_auto_vattn")}
-    assert v["ddtree_b16_vattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree"}
-    assert v["ddtree_b16_vattn"]["num_draft_tokens"] == 17 and not v["ddtree_b16"].get("env")
+    assert v["ddtree_b16_vattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree", "SGLANG_DDTREE_ADAPTIVE": "0"}
+    assert v["ddtree_b16_vattn"]["num_draft_tokens"] == 17
+    assert v["ddtree_b16"]["env"] == {"SGLANG_DDTREE_ADAPTIVE": "0"}
     assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
     s = {a["name"]: a for a in ab.parse_arms("ddtree_b7_sglattn,ddtree_auto_sglattn")}
-    assert s["ddtree_b7_sglattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "sglang"}
+    assert s["ddtree_b7_sglattn"]["env"] == {"SGLANG_DDTREE_VERIFY_ATTN": "sglang", "SGLANG_DDTREE_ADAPTIVE": "0"}
     assert s["ddtree_auto_sglattn"]["auto"] and s["ddtree_auto_sglattn"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "sglang"
     for bad in ("dflash_sglattn", "ddtree_b7_vattn_sglattn"):
         with pytest.raises(ValueError, match="only DDTREE-GPU arms"):
@@ -276,7 +281,7 @@ def test_parse_arms_and_commands():
     no = ab.parse_arm("ddtree_auto_nooverhead")
     assert no["auto"] and no["env"]["SGLANG_DDTREE_ROUND_OVERHEAD"] == "off" and no["num_draft_tokens"] == 32
     t = {a["name"]: a for a in ab.parse_arms("ddtree_b7_torchcommit,ddtree_auto_vattn_torchcommit")}
-    assert t["ddtree_b7_torchcommit"]["env"] == {"SGLANG_DDTREE_COMMIT_OPS": "torch"}
+    assert t["ddtree_b7_torchcommit"]["env"] == {"SGLANG_DDTREE_COMMIT_OPS": "torch", "SGLANG_DDTREE_ADAPTIVE": "0"}
     assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
     assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_COMMIT_OPS"] == "torch"
     for bad in ("dflash_torchcommit", "ddtree_b7_torchcommit_torchcommit"):

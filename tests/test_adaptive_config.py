@@ -1,5 +1,6 @@
-"""sglang_ddtree.adaptive.parse_config: the adaptive budget is off unless its variables are set, and
-every bad value is a one-line ValueError at start-up (issue 17 item 3)."""
+"""sglang_ddtree.adaptive.parse_config: the adaptive budget is the default (a budget set derived from
+the server's budget, and no speculation), SGLANG_DDTREE_ADAPTIVE=0 is the fixed budget, and every bad
+value is a one-line ValueError at start-up (issues 17 item 3, 39 item 1)."""
 import types
 
 import pytest
@@ -11,29 +12,42 @@ def _parse(budget=31, **env):
     return A.parse_config({k: v for k, v in env.items()}, budget=budget, algo="DDTREE-GPU")
 
 
-def test_unset_is_the_fixed_budget():
-    assert _parse() is None
-    assert _parse(SGLANG_DDTREE_BUDGETS="") is None
-    assert _parse(SGLANG_DDTREE_BUDGETS="  ", SGLANG_DDTREE_NO_SPEC="") is None
-    assert _parse(SGLANG_DDTREE_BUDGETS="31") is None            # one budget, no alternative
-    assert _parse(SGLANG_DDTREE_NO_SPEC="0") is None
-    assert _parse(SGLANG_DDTREE_PROBE_EVERY="4") is None          # probing alone turns nothing on
+def test_unset_is_the_default_set_with_no_speculation():
+    for env in ({}, dict(SGLANG_DDTREE_BUDGETS=""), dict(SGLANG_DDTREE_BUDGETS="  ", SGLANG_DDTREE_NO_SPEC=""),
+                dict(SGLANG_DDTREE_ADAPTIVE="1"), dict(SGLANG_DDTREE_PROBE_EVERY="4")):
+        c = _parse(**env)
+        assert c.budgets == (7, 15, 31) and c.no_spec and c.implicit and c.cycle is None, env
+        assert c.widths == (1, 8, 16, 32) and c.extra_widths == (1, 8, 16)
+    # the set follows the server's budget: block-16 drafters default to 60, block 8 to 28
+    assert _parse(budget=60).budgets == (7, 15, 31, 60) and _parse(budget=28).budgets == (7, 15, 28)
+    assert _parse(budget=7).budgets == (7,) and _parse(budget=3).widths == (1, 4)
+    assert _parse(budget=100).widths[-1] == 101                   # the widest is the server's
+
+
+def test_the_fixed_budget_switch():
+    assert _parse(SGLANG_DDTREE_ADAPTIVE="0") is None
+    assert _parse(SGLANG_DDTREE_ADAPTIVE=" 0 ", SGLANG_DDTREE_PROBE_EVERY="4") is None
+    assert _parse(SGLANG_DDTREE_BUDGETS="31", SGLANG_DDTREE_NO_SPEC="0") is None   # one budget, nothing else
+    c = _parse(SGLANG_DDTREE_BUDGETS="31")                       # the server's budget or no speculation
+    assert c.widths == (1, 32) and not c.implicit
 
 
 def test_budgets_widths_and_options():
     c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,31")
+    assert c.budgets == (7, 15, 31) and c.no_spec and not c.implicit and c.cycle is None
+    c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,31", SGLANG_DDTREE_NO_SPEC="0")
     assert c.budgets == (7, 15, 31) and not c.no_spec and c.cycle is None
     assert c.widths == (8, 16, 32) and c.widest == 32 and c.extra_widths == (8, 16)
     assert c.probe_every == A.DEFAULT_PROBE_EVERY
     c = _parse(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="1", SGLANG_DDTREE_PROBE_EVERY="3")
     assert c.widths == (1, 8, 32) and c.extra_widths == (1, 8) and c.probe_every == 3
-    c = _parse(SGLANG_DDTREE_NO_SPEC="1")                         # the server's budget or no spec
-    assert c.budgets == (31,) and c.widths == (1, 32) and c.extra_widths == (1,)
+    c = _parse(SGLANG_DDTREE_NO_SPEC="1")                         # the default set, said explicitly
+    assert c.budgets == (7, 15, 31) and c.widths == (1, 8, 16, 32) and not c.implicit
     c = _parse(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="1",
                SGLANG_DDTREE_TEST_BUDGET_CYCLE="31,0,7")
     assert c.cycle == (31, 0, 7)
-    c = _parse(SGLANG_DDTREE_TEST_BUDGET_CYCLE="31")             # the test switch alone turns it on
-    assert c.budgets == (31,) and c.cycle == (31,)
+    c = _parse(SGLANG_DDTREE_TEST_BUDGET_CYCLE="31")             # over the default set
+    assert c.budgets == (7, 15, 31) and c.cycle == (31,) and not c.implicit
 
 
 @pytest.mark.parametrize("env, words", [
@@ -51,7 +65,11 @@ def test_budgets_widths_and_options():
     (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_PROBE_EVERY="0"), "integer >= 1"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_PROBE_EVERY="often"), "integer >= 1"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_TEST_BUDGET_CYCLE="7,15"), "15 is not one of"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_TEST_BUDGET_CYCLE="0,7"), "0 needs"),
+    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="0", SGLANG_DDTREE_TEST_BUDGET_CYCLE="0,7"),
+     "0 needs"),
+    (dict(SGLANG_DDTREE_ADAPTIVE="no"), "SGLANG_DDTREE_ADAPTIVE must be 0 or 1"),
+    (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_BUDGETS="7,31"), "contradicts SGLANG_DDTREE_BUDGETS"),
+    (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_NO_SPEC="1"), "contradicts SGLANG_DDTREE_NO_SPEC"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_TEST_BUDGET_CYCLE="7;31"), "integers"),
 ])
 def test_bad_values_are_one_line_errors(env, words):
@@ -80,7 +98,8 @@ def test_a_request_may_pin_a_budget_the_server_runs(monkeypatch):
         msg = A.request_budget_error(_cp(bad), served)
         assert msg and words in msg and "\n" not in msg, (bad, msg)
     # no speculation only where the server allows it; a fixed budget only equals itself
-    no_ns = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    no_ns = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15", "SGLANG_DDTREE_NO_SPEC": "0"}, budget=15,
+                           algo="DDTREE-GPU")
     assert "allowed [7, 15]" in A.request_budget_error(_cp(0), ("DDTREE-GPU", 15, no_ns))
     assert A.request_budget_error(_cp(15), ("DDTREE-GPU", 15, None)) is None
     assert "fixed budget" in A.request_budget_error(_cp(7), ("DDTREE-GPU", 15, None))
@@ -97,6 +116,7 @@ def test_requested_width_is_the_narrowest_pin():
     assert A.requested_width(reqs(None, {}, {"x": 1})) is None
     assert A.requested_width(reqs(None, _cp(15), _cp(31))) == 16
     assert A.requested_width(reqs(_cp(7), _cp(0))) == 1
-    ctl = A.WidthController(A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="g"),
+    ctl = A.WidthController(A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15", "SGLANG_DDTREE_NO_SPEC": "0"},
+                                           budget=15, algo="g"),
                             policy=None, device="cpu")
     assert [ctl.next_width(4, r) for r in (8, 16, None, 1, 12)] == [8, 16, 16, 8, 8]

@@ -21,6 +21,7 @@ from sglang_ddtree import adaptive as A  # noqa: E402
 from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
+from sglang_ddtree import plain_decode as P  # noqa: E402
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable  # noqa: E402
 from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
 
@@ -87,7 +88,32 @@ class World:
                 ids[b, d] = torch.tensor(others[:K])
         return types.SimpleNamespace(lp=lp.reshape(bs * D, K), ids=ids.reshape(bs * D, K))
 
+    def plain_target(self, fb):
+        """SGLang's DECODE step of the fake target: the root token (input) at position prefix."""
+        bs, r2t = self.bs, self.mr.req_to_token_pool.req_to_token
+        assert fb.forward_mode == "DECODE" and fb.spec_algorithm == "NONE" and fb.spec_info is None
+        assert fb.capture_hidden_mode == "FULL"
+        prefix = fb.positions
+        assert torch.equal(fb.seq_lens, prefix + 1)
+        assert (fb.seq_lens_cpu.to(torch.int64) >= fb.seq_lens).all()       # a host upper bound
+        logits = torch.zeros(bs, V)
+        for b in range(bs):
+            p = int(prefix[b])
+            assert self.kv[r2t[b, :p]].tolist() == self.T[b, :p].tolist(), "committed K/V out of place"
+            assert int(fb.input_ids[b]) == int(self.T[b, p]) and int(fb.out_cache_loc[b]) == int(r2t[b, p])
+            logits[b, int(self.T[b, p + 1])] = 1.0
+        self.kv[fb.out_cache_loc.view(-1)] = fb.input_ids.view(-1)
+        mr = self.mr
+        self.cur.update(N=1, backend=mr.attn_backend.width, runner=mr.decode_cuda_graph_runner.width,
+                        mask_in=False, plain=True)
+        hidden = torch.randn(bs, H, generator=self.rng)
+        return types.SimpleNamespace(logits_output=types.SimpleNamespace(next_token_logits=logits,
+                                                                         hidden_states=hidden),
+                                     can_run_cuda_graph=True)
+
     def target(self, fb):
+        if getattr(fb, "plain", False):
+            return self.plain_target(fb)
         spec = fb.spec
         N, bs = spec.N, self.bs
         tok = spec.draft_token.view(bs, N)
@@ -138,8 +164,25 @@ def _assign_locs(*, req_pool_indices, req_to_token, start_offset, end_offset, ba
     return req_to_token[req_pool_indices.view(-1, 1), start_offset.view(-1, 1) + off].reshape(-1)
 
 
+def _fake_init_new(cls, batch, model_runner, *, capture_hidden_mode, return_hidden_states_before_norm):
+    """SGLang's ForwardBatch.init_new for a DECODE batch, reduced to what the fake target reads: the
+    scheduler batch's fields at the call (plain_decode_forward_batch sets and then restores them)."""
+    return types.SimpleNamespace(
+        plain=True, forward_mode=batch.forward_mode, input_ids=batch.input_ids.clone(),
+        seq_lens=batch.seq_lens.clone(), positions=batch.seq_lens - 1, seq_lens_cpu=batch.seq_lens_cpu.clone(),
+        seq_lens_sum=batch.seq_lens_sum, out_cache_loc=batch.out_cache_loc, spec_info=batch.spec_info,
+        spec_algorithm=batch.spec_algorithm, capture_hidden_mode=capture_hidden_mode)
+
+
 @pytest.fixture
 def world(monkeypatch, rng):
+    from sglang.srt.model_executor import forward_batch_info as FBI
+    from sglang.srt.speculative import spec_info as SI
+
+    monkeypatch.setattr(FBI.ForwardBatch, "init_new", classmethod(_fake_init_new))
+    monkeypatch.setattr(FBI, "ForwardMode", types.SimpleNamespace(DECODE="DECODE"))
+    monkeypatch.setattr(FBI, "CaptureHiddenMode", types.SimpleNamespace(FULL="FULL"))
+    monkeypatch.setattr(SI, "SpeculativeAlgorithm", types.SimpleNamespace(NONE="NONE"))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     monkeypatch.setattr(W, "DFlashDraftInputV2", DraftInput)
     monkeypatch.setattr(W, "DFlashVerifyInput", VerifyInput)
@@ -175,8 +218,26 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15):
                                forward_batch_generation=lambda batch, forward_batch, **kw: wd.target(forward_batch))
     w = object.__new__(W.DDTreeWorker)
     drafted = []
+    r2t = mr.req_to_token_pool.req_to_token
+
+    def draft_append(*, target_hidden, cache_loc, positions, cache_loc_2d=None, commit_lens=None):
+        """DFLASH's drafter K/V write: the fake store keeps each written slot's position."""
+        assert target_hidden.shape[0] == cache_loc.numel() == positions.numel()
+        if cache_loc_2d is None:
+            wd.dkv[cache_loc.view(-1)] = positions.view(-1)
+            wd.flat_appends.append(cache_loc.numel())
+            return
+        for b in range(cache_loc_2d.shape[0]):
+            n = int(commit_lens[b])
+            wd.dkv[cache_loc_2d[b, :n]] = positions.view(cache_loc_2d.shape)[b, :n]
+        wd.draft_appends.append((cache_loc_2d.clone(), commit_lens.clone(), positions.clone()))
 
     def draft_forward(fb):
+        # the drafter reads its context K/V at every committed position: all of it must be written
+        # (the deferred catch-up of no-speculation rounds included) before any draft
+        for b in range(bs):
+            p = int(fb.seq_lens[b])
+            assert wd.dkv[r2t[b, :p]].tolist() == list(range(p)), "drafter context K/V missing"
         drafted.append(1)
         wd.cur["drafted"] = True
         return types.SimpleNamespace(can_run_graph=False,
@@ -195,8 +256,7 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15):
         _target_worker=tw, model_runner=mr, draft_model_runner=types.SimpleNamespace(forward=draft_forward),
         _draft_block_ids_buf=None, _mask_token_id=V - 1, _draft_block_spec_info=None, _draft_sampler=None,
         _ensure_draft_block_buffers=ensure, _eager_topk=lambda hidden, n: wd.head(hidden, n),
-        _append_target_hidden_to_draft_kv_by_loc=lambda **kw: wd.draft_appends.append(
-            (kw["cache_loc_2d"].clone(), kw["commit_lens"].clone(), kw["positions"].clone())), _stats=None, _rounds=0,
+        _append_target_hidden_to_draft_kv_by_loc=draft_append, _stats=None, _rounds=0,
         _own_mask_buf=None, _eager_mask_rounds=0, _kv_commit="remap",
         _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _adaptive=None, _verify_states=None,
         _adaptive_cfg=A.parse_config(env, budget=budget, algo="DDTREE-GPU"))
@@ -208,13 +268,16 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15):
         w._verify_states = states
         w._adaptive = A.WidthController(w._adaptive_cfg, policy=None, device="cpu", window_every=2,
                                         window_lag=1)
+        if w._adaptive_cfg.no_spec:       # a small buffer: full after two plain rounds, then flushed
+            w._catch_up = P.DraftCatchUp(draft_append, capacity=2 * bs)
     wd.w, wd.mr, wd.drafted = w, mr, drafted
     wd.seq = torch.full((bs,), p0, dtype=torch.int64)
-    wd.draft_appends = []
-    r2t = mr.req_to_token_pool.req_to_token
+    wd.draft_appends, wd.flat_appends = [], []
     wd.kv = torch.full((int(r2t.max()) + 1,), -1, dtype=torch.int64)
+    wd.dkv = torch.full((int(r2t.max()) + 1,), -1, dtype=torch.int64)   # drafter K/V: its position
     for b in range(bs):
         wd.kv[r2t[b, :p0]] = wd.T[b, :p0]
+        wd.dkv[r2t[b, :p0]] = torch.arange(p0)                           # the prompt's, at prefill
     wd.bonus = wd.T[:, p0].clone()
     wd.out = [[] for _ in range(bs)]
     return wd
@@ -226,26 +289,35 @@ def run_round(wd):
                                   seq_lens_sum=int(wd.seq.sum()), req_pool_indices=torch.arange(bs),
                                   spec_info=DraftInput(wd.bonus.clone()), sampling_info=None,
                                   return_logprob=False, token_to_kv_pool_allocator=None, out_cache_loc=None,
-                                  reqs=[types.SimpleNamespace(sampling_params=types.SimpleNamespace(
-                                      custom_params=cp)) for cp in getattr(wd, "custom_params", [None] * bs)])
+                                  input_ids=None, forward_mode="sched-DECODE", spec_algorithm="DDTREE-GPU",
+                                  reqs=[types.SimpleNamespace(rid=f"r{i}", sampling_params=types.SimpleNamespace(
+                                      custom_params=cp)) for i, cp in
+                                      enumerate(getattr(wd, "custom_params", [None] * bs))])
     for req, lim in zip(batch.reqs, getattr(wd, "req_limits", None) or []):   # (prompt length, max_new_tokens)
         req.origin_input_ids, req.sampling_params.max_new_tokens = [0] * lim[0], lim[1]
     wd.cur = dict(drafted=False)
-    n_built = len(wd.built)
+    n_built, n_appends = len(wd.built), len(wd.draft_appends)
+    seq_lens_before = batch.seq_lens
     res = wd.w._forward_tree_round(batch, None)
     wd.cur["budget"] = wd.built[-1] if len(wd.built) > n_built else None
     assert (wd.mr.attn_backend, wd.mr.decode_cuda_graph_runner) == wd.mr.home   # restored
+    assert (batch.forward_mode, batch.spec_algorithm, batch.input_ids) == ("sched-DECODE", "DDTREE-GPU", None)
+    assert batch.seq_lens is seq_lens_before                                     # the batch is restored
     toks = res.next_token_ids.view(bs, -1)
     for b in range(bs):
         n = int(res.accept_lens[b])
         wd.out[b] += toks[b, :n].tolist()
-    loc2d, commit, pos = wd.draft_appends[-1]
     r2t = wd.mr.req_to_token_pool.req_to_token
-    for b in range(bs):
-        n = int(commit[b])
-        p = int(wd.seq[b])
-        assert loc2d[b, :n].tolist() == r2t[b, p:p + n].tolist()      # the drafter's context K/V slots
-        assert pos.view(bs, -1)[b, :n].tolist() == list(range(p, p + n))
+    if wd.cur.get("plain"):                              # no speculation: the drafter's K/V waits
+        assert len(wd.draft_appends) == n_appends
+    else:
+        assert len(wd.draft_appends) == n_appends + 1
+        loc2d, commit, pos = wd.draft_appends[-1]
+        for b in range(bs):
+            n = int(commit[b])
+            p = int(wd.seq[b])
+            assert loc2d[b, :n].tolist() == r2t[b, p:p + n].tolist()      # the drafter's context K/V slots
+            assert pos.view(bs, -1)[b, :n].tolist() == list(range(p, p + n))
     wd.seq = res.new_seq_lens.clone()
     wd.bonus = res.next_draft_input.bonus_tokens.clone()
     wd.log.append(dict(wd.cur, commit=res.accept_lens.clone()))
@@ -258,8 +330,8 @@ def assert_lossless(wd, p0=5):
         assert n > 0 and wd.out[b] == wd.T[b, p0 + 1: p0 + 1 + n].tolist()
 
 
-def test_default_round_is_the_fixed_budget(world):
-    wd = make_worker(world, {})
+def test_fixed_budget_switch_runs_the_servers_budget(world):
+    wd = make_worker(world, {"SGLANG_DDTREE_ADAPTIVE": "0"})
     assert wd.w._adaptive is None
     for _ in range(6):
         r = run_round(wd)
@@ -276,16 +348,19 @@ def test_forced_cycle_installs_each_width_and_stays_lossless(world):
     for b in cycle:
         r = run_round(wd)
         N = b + 1
-        assert r["N"] == N and r["backend"] == N and r["runner"] == N and r["mask_in"]
-        if b == 0:
-            assert not r["drafted"] and r["budget"] is None               # no drafter, no tree build
+        assert r["N"] == N and r["backend"] == N and r["runner"] == N
+        if b == 0:   # SGLang's decode step on the plain state: no drafter, no tree, no mask
+            assert r["plain"] and not r["mask_in"] and not r["drafted"] and r["budget"] is None
             assert (wd.log[-1]["commit"] == 1).all()                      # one token per request
         else:
-            assert r["drafted"] and r["budget"] == b
+            assert r["mask_in"] and r["drafted"] and r["budget"] == b
     assert_lossless(wd)
-    # each non-widest state's mask buffer was written, the widest's too
-    for width in (1, 4, 8, 16):
+    # each tree width's mask buffer was written; the plain state's never
+    for width in (4, 8, 16):
         assert wd.w._verify_states.states[width].attn_backend.cuda_graph_custom_mask.any()
+    assert not wd.w._verify_states.states[1].attn_backend.cuda_graph_custom_mask.any()
+    # the plain rounds' drafter K/V was written later, batched: one flush per plain stretch
+    assert wd.flat_appends == [wd.bs, wd.bs, wd.bs, wd.bs] and wd.w._catch_up.rows == 0
 
 
 def test_policy_no_spec_and_a_probe_once_its_credit_is_there(world):

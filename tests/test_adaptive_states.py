@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import plain_decode as P
 from sglang_ddtree.budget_policy import NO_SPEC
 
 
@@ -16,6 +17,8 @@ class FakeArgs:
 
     def __init__(self, n):
         self.speculative_num_draft_tokens = n
+        self.enable_return_hidden_states = False
+        self.attention_backend, self.decode_attention_backend = "flashinfer", None
         self.log = []
 
     def override(self, source, **kw):
@@ -32,17 +35,23 @@ class FakeBackend:
 
 
 class FakeRunner:
-    def __init__(self, model_runner, *, attn_backend, speculative_num_steps, speculative_num_draft_tokens):
-        self.attn_backend, self.width = attn_backend, speculative_num_draft_tokens
+    def __init__(self, model_runner, *, attn_backend, speculative_num_steps=None,
+                 speculative_num_draft_tokens=None):
+        # SGLang's runner captures DECODE (width 1) on a non-speculative runner, else TARGET_VERIFY
+        plain = model_runner.spec_algorithm == "NONE"
+        assert plain == (speculative_num_draft_tokens is None)
+        self.attn_backend, self.width = attn_backend, 1 if plain else speculative_num_draft_tokens
+        self.hidden_full = model_runner.server_args.enable_return_hidden_states
         self.args_width = model_runner.server_args.speculative_num_draft_tokens
         self.backend_prepared = attn_backend.prepared   # prepared before capture?
         self.capture_bs, self.max_bs = [1, 2, 4, 8], 8
-        self.buffers = types.SimpleNamespace(input_ids=torch.zeros(8 * speculative_num_draft_tokens,
+        self.buffers = types.SimpleNamespace(input_ids=torch.zeros(8 * self.width,
                                                                    dtype=torch.int64))
 
 
 class FakeModelRunner:
     def __init__(self, n_max, graphs=True, fail_at=None):
+        self.spec_algorithm = "DDTREE-GPU"
         self.server_args = FakeArgs(n_max)
         self.attn_backend = FakeBackend(n_max)
         self.decode_cuda_graph_runner = (FakeRunner(self, attn_backend=self.attn_backend,
@@ -52,6 +61,7 @@ class FakeModelRunner:
         self.init_new_workspace = False
         self.built = []
         self.fail_at = fail_at
+        self.req_to_token_pool = types.SimpleNamespace(size=6)
 
     def _get_attention_backend(self, init_new_workspace=False):
         assert init_new_workspace
@@ -187,6 +197,18 @@ def fake_startup(monkeypatch):
     monkeypatch.setattr(W, "disable_causal_verify_shortcut",
                         lambda b, algo: (checked.append(("split", b)), _prepare(b)))
     monkeypatch.setattr(A, "graph_runner_cls", lambda: FakeRunner)
+    # the plain decode state's backend: SGLang's builder by name, seen on a non-speculative runner
+    import sglang.srt.speculative.spec_info as SI
+    monkeypatch.setattr(SI, "SpeculativeAlgorithm", types.SimpleNamespace(NONE="NONE"))
+
+    def build_plain(mr, name):
+        assert mr.spec_algorithm == "NONE" and mr.server_args.enable_return_hidden_states
+        b = FakeBackend(1)
+        b.name = name
+        mr.built.append(b)
+        return b
+
+    monkeypatch.setattr(P, "_build_backend", build_plain)
     monkeypatch.setattr(W, "get_tp_group", lambda: types.SimpleNamespace(world_size=1))
     timed = []
 
@@ -200,11 +222,11 @@ def fake_startup(monkeypatch):
     return types.SimpleNamespace(W=W, super_calls=super_calls, checked=checked, timed=timed)
 
 
-def test_default_builds_no_extra_state(fake_startup):
+def test_fixed_budget_builds_no_extra_state(fake_startup):
     W = fake_startup.W
     mr = FakeModelRunner(32)
     home = (mr.attn_backend, mr.decode_cuda_graph_runner)
-    w = _fake_worker(W, A.parse_config({}, budget=31, algo="DDTREE-GPU"), mr)
+    w = _fake_worker(W, A.parse_config({"SGLANG_DDTREE_ADAPTIVE": "0"}, budget=31, algo="DDTREE-GPU"), mr)
     W.DDTreeWorker.init_cuda_graphs(w)
     assert len(fake_startup.super_calls) == 1                       # DFLASH's own capture still runs
     assert mr.built == [] and mr.server_args.log == [] and fake_startup.timed == []
@@ -224,9 +246,15 @@ def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startu
     assert [b.width for b in mr.built] == [1, 8]                    # the widest is SGLang's own
     st = w._verify_states.states
     assert sorted(st) == [1, 8, 32] and st[32].attn_backend is home[0] and st[32].graph_runner is home[1]
-    for width in (1, 8):
-        assert st[width].graph_runner.width == width and st[width].graph_runner.backend_prepared
-        assert ("check", st[width].attn_backend) in fake_startup.checked
+    assert st[8].graph_runner.width == 8 and st[8].graph_runner.backend_prepared
+    assert ("check", st[8].attn_backend) in fake_startup.checked
+    # no speculation: a DECODE graph on the user's decode backend (not the tree-verify one), capturing
+    # hidden states for the drafter's deferred catch-up; the runner looks speculative again after
+    assert st[1].graph_runner.width == 1 and st[1].graph_runner.hidden_full
+    assert st[1].attn_backend.name == "flashinfer" and st[1].backend_name == "flashinfer"
+    assert ("check", st[1].attn_backend) not in fake_startup.checked and not st[1].attn_backend.prepared
+    assert mr.spec_algorithm == "DDTREE-GPU" and mr.server_args.enable_return_hidden_states is False
+    assert w._catch_up is not None and w._catch_up.capacity == 8 * 6
     assert mr.server_args.speculative_num_draft_tokens == 32
     assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
     # every captured (width, bs) timed once; the policy got that table
@@ -241,6 +269,12 @@ def test_adaptive_without_graphs(fake_startup):
     cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31"}, budget=31, algo="DDTREE-GPU")
     with pytest.raises(ValueError, match="need the target's CUDA graphs"):
         W.DDTreeWorker.init_cuda_graphs(_fake_worker(W, cfg, FakeModelRunner(32, graphs=False)))
+    # the default set without graphs: the fixed budget, logged, nothing built
+    mr = FakeModelRunner(32, graphs=False)
+    w = _fake_worker(W, A.parse_config({}, budget=31, algo="DDTREE-GPU"), mr)
+    w.budget = 31
+    W.DDTreeWorker.init_cuda_graphs(w)
+    assert w._adaptive is None and w._adaptive_cfg is None and w._verify_states is None and mr.built == []
     # the forced cycle (the GPU lossless check) needs no cost table: eager states
     cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31", "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "7,31"},
                          budget=31, algo="DDTREE-GPU")

@@ -94,7 +94,7 @@ def test_server_command_is_what_a_user_types():
     df = S.serving_server_cmd(arms["dflash"], opts, 110)
     assert _opt(df, "--attention-backend") == "flashinfer" and _opt(df, "--speculative-algorithm") == "DFLASH"
     assert "--speculative-num-draft-tokens" not in df
-    dd = S.serving_server_cmd(arms["ddtree_default"], opts, 120)
+    dd = S.serving_server_cmd(arms["ddtree"], opts, 120)
     assert _opt(dd, "--speculative-algorithm") == "DDTREE-GPU" and _opt(dd, "--speculative-draft-model-path") == "/d"
     assert "--attention-backend" not in dd and "--speculative-num-draft-tokens" not in dd
     for flag in ("--skip-tokenizer-init", "--mem-fraction-static", "--max-running-requests", "--skip-server-warmup"):
@@ -312,14 +312,14 @@ def test_whole_run_with_the_real_bench_serving_against_a_fake_server(tmp_path):
         return s
 
     out = str(tmp_path / "rep")
-    args = _args("--model-path", model, "--draft-model-path", "/nonexistent/drafter", "--arms", "base,ddtree_default",
+    args = _args("--model-path", model, "--draft-model-path", "/nonexistent/drafter", "--arms", "base,ddtree",
                  "--concurrency", "4", "--requests-per-level", "12", "--repeats", "1", "--warmup", "0",
                  "--min-level-seconds", "0", "--serving-input-len", "40", "--serving-output-len", "8",
                  "--identity-prompts", "4", "--identity-new-tokens", "12", "--identity-concurrency", "2",
                  "--port", str(_free_port()), "--workdir", str(tmp_path / "w"), "--out", out, "--no-env-probe",
                  "--prompts", str(_prompts_file(tmp_path)), "--max-input-tokens", "64", "--save-output-ids")
     doc = S.run(args, launcher=launcher)
-    assert [a["name"] for a in doc["arms"]] == ["base", "ddtree_default"]
+    assert [a["name"] for a in doc["arms"]] == ["base", "ddtree"]
     for a, s in zip(doc["arms"], servers):
         assert a["status"] == "ok", (a.get("error"), a.get("levels"), open(a["client_log"]).read()[-3000:])
         lv = a["levels"][0]
@@ -334,14 +334,14 @@ def test_whole_run_with_the_real_bench_serving_against_a_fake_server(tmp_path):
         assert len(ident) == 4 and all(r["kind"] == "ids" for r in ident)
         assert s.flushes >= 1     # --flush-cache
     assert doc["arms"][1]["levels"][0]["accept_length"] == 2.5
-    idn = doc["identity"]["arms"]["ddtree_default"]
+    idn = doc["identity"]["arms"]["ddtree"]
     assert idn["compared"] == 4 and idn["mismatched"] == sum(1 for x in idn["first_divergence"] if x is not None)
     want = [5 if (sum(ids) % 997) % 2 == 0 else None for ids in doc["prompt_ids"]]
     assert idn["first_divergence"] == want
     md = open(out + ".md").read()
     assert md == render_markdown(json.load(open(out + ".json")))
-    assert "| ddtree_default |" in md and "x base" in md and f"{idn['mismatched']} of 4 differ" in md
-    row = next(line for line in md.splitlines() if line.startswith("| ddtree_default |"))
+    assert "| ddtree |" in md and "x base" in md and f"{idn['mismatched']} of 4 differ" in md
+    row = next(line for line in md.splitlines() if line.startswith("| ddtree |"))
     assert "x /" in row      # a ratio to base in the throughput table
 
 
@@ -428,7 +428,7 @@ def test_dry_run_through_the_cli_prints_servers_and_client_commands(tmp_path, ca
                      "--prompts", str(_prompts_file(tmp_path)), "--out", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("[")]
-    assert [ln.split("]")[0][1:] for ln in lines] == ["base", "dflash", "ddtree_default", "c=1", "c=64"]
+    assert [ln.split("]")[0][1:] for ln in lines] == ["base", "dflash", "ddtree", "c=1", "c=64"]
     assert "--attention-backend flashinfer" in lines[0] and "--speculative-algorithm DDTREE-GPU" in lines[2]
     assert "--random-input-len 8192" in lines[3] and "--num-prompts 16" in lines[3] and "--num-prompts 256" in lines[4]
     assert not os.path.exists(str(tmp_path / "r") + ".json")

@@ -153,11 +153,11 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         defarms=base,dflash,ddtree_b16
       fi
       # AB_CLIENT=bench_serving: python -m sglang.bench_serving drives the levels (sglang_ddtree/ab/serving_client.py),
-      # AB_WORKLOAD=random|natural|long|mix (default random), arms default base,dflash,ddtree_default;
+      # AB_WORKLOAD=random|natural|long|mix (default random), arms default base,dflash,ddtree;
       # writes serving_h200_<tag>_<workload>.{json,md}
       local cl=() outname=ab_h200_$tag
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
-        cl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); defarms=base,dflash,ddtree_default
+        cl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); defarms=base,dflash,ddtree
         outname=serving_h200_${tag}_${AB_WORKLOAD:-random}
       fi
       local arms=${!arms_var:-${AB_ARMS:-$defarms}}
@@ -197,12 +197,12 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
               # (a name ending in _l<N>, e.g. scale_qwen3-30b-a3b_l24: N layers for that stage only, over SCALE_LAYERS;
               # AB_ARMS=none also deletes the written pair at the end: the next stage's disk)
       # (AB_CLIENT=bench_serving / AB_WORKLOAD as for ab_*: the A/B through sglang.bench_serving, arms default
-      # base,dflash,ddtree_default, report serving_h200_<shape>_<workload>)
+      # base,dflash,ddtree, report serving_h200_<shape>_<workload>)
       local shape=${st#scale_}; local sd=/tmp/models; local nl=${SCALE_LAYERS:-}
       if [[ "$shape" =~ ^(.*)_l([0-9]+)$ ]]; then shape=${BASH_REMATCH[1]}; nl=${BASH_REMATCH[2]}; fi
       local scl=() sarms=${AB_ARMS:-base,dflash,ddtree_b16} sout=scale_ab_${shape}_h200
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
-        scl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); sarms=${AB_ARMS:-base,dflash,ddtree_default}
+        scl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); sarms=${AB_ARMS:-base,dflash,ddtree}
         sout=serving_h200_${shape}_${AB_WORKLOAD:-random}
       fi
       { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${nl:+--layers $nl} \

@@ -81,6 +81,8 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"] = f"/tmp/synccheck_{name}.jsonl"
         elif p in ("cycle", "auto"):  # the adaptive budget (issue 17) over budgets 3, 7 and the stage's
             adaptive.append(p)        # (set below, once the budget is known)
+        elif p in ("default", "nospec"):  # the product default (no DDTree setting; the budget part is then
+            adaptive.append(p)            # the server's widest), or it with every round plain decoding
         elif p == "vattn":  # the target verify must run our tree_verify_attention (issue 13 item 2)
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "ddtree"
         elif p == "sglattn":  # the target verify through SGLang's masked extend kernel (the default
@@ -91,7 +93,16 @@ def parse_name(name):
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
-    if adaptive:
+    if algo == "ddtree" and not adaptive:
+        os.environ["SGLANG_DDTREE_ADAPTIVE"] = "0"    # the lossless matrix's fixed budgets
+    elif adaptive and adaptive[0] in ("default", "nospec"):
+        if algo != "ddtree":
+            raise ValueError(f"bad stage name {name!r}: default / nospec need ddtree")
+        if "nospec" in adaptive:
+            os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] = "0"
+        if not any(p.startswith("b") and p[1:].isdigit() for p in parts[3:]):
+            os.environ["DDTREE_STAGE_DEFAULT_BUDGET"] = "1"   # the server resolves its own widest
+    elif adaptive:
         if algo != "ddtree" or budget <= 7:
             raise ValueError(f"bad stage name {name!r}: cycle / auto need ddtree and a budget > 7")
         os.environ["SGLANG_DDTREE_BUDGETS"] = f"3,7,{budget}"
@@ -130,7 +141,7 @@ def stage_kwargs(name, models, port):
     if algo != "base":
         kw.update(speculative_algorithm=ALGOS[algo],
                   speculative_draft_model_path=os.path.join(models, PAIRS[pair]))
-    if algo in ("ddtree", "ddtreecpu"):
+    if algo in ("ddtree", "ddtreecpu") and not os.environ.get("DDTREE_STAGE_DEFAULT_BUDGET"):
         kw["speculative_num_draft_tokens"] = budget + 1
     return pair, algo, mode, budget, kw
 

@@ -34,8 +34,10 @@ PIN_SUFFIX = "_pin"
 
 
 def parse_arm(name: str) -> dict:
-    """'base' | 'dflash' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' | 'ddtree_auto[_b<B1>-<B2>-...]' ->
-    {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree_auto``: the adaptive budget
+    """'base' | 'dflash' | 'ddtree' | 'ddtree_b<B>' | 'ddtreecpu_b<B>' | 'ddtree_auto[_b<B1>-<B2>-...]' ->
+    {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree``: DDTREE-GPU as a user launches
+    it, with no DDTree setting (the adaptive default); ``ddtree_b<B>``: budget B fixed
+    (``SGLANG_DDTREE_ADAPTIVE=0``).  ``ddtree_auto``: the adaptive budget
     (sglang_ddtree/adaptive.py) over the budgets given (default 7, 15, 31) plus "no speculation",
     served at the widest budget; its ``env`` goes to the server's environment.  A DDTree arm may end
     in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify must run our tree-verify attention
@@ -67,6 +69,9 @@ def parse_arm(name: str) -> dict:
         if not arm.get("auto") or arm.get("pin") is not None:
             raise ValueError(f"arm {name!r}: only adaptive arms take {PIN_SUFFIX}<B>, once "
                              f"(ddtree_auto_b7-15-31{PIN_SUFFIX}15)")
+        if "SGLANG_DDTREE_BUDGETS" not in arm["env"]:
+            raise ValueError(f"arm {name!r}: {PIN_SUFFIX}<B> needs an arm that names its budgets "
+                             f"(ddtree_auto_b7-15-31{PIN_SUFFIX}15)")
         allowed = [int(b) for b in arm["env"]["SGLANG_DDTREE_BUDGETS"].split(",")]
         if arm["env"].get("SGLANG_DDTREE_NO_SPEC") == "1":
             allowed = [0] + allowed
@@ -90,6 +95,9 @@ def parse_arm(name: str) -> dict:
         arm["name"] = name
         arm["env"] = dict(arm.get("env") or {}, **{var: value})
         return arm
+    if name == "ddtree":   # the product default: no DDTree setting at all (adaptive over the default set)
+        return dict(name=name, kind="ddtree", algo=ALGO["ddtree"], budget=None, num_draft_tokens=None,
+                    auto=True, env={})
     kind, _, rest = name.partition("_")
     if kind not in ALGO:
         raise ValueError(f"unknown arm {name!r} (base, dflash, ddtree_b<B>, ddtreecpu_b<B>, ddtree_auto, "
@@ -109,8 +117,11 @@ def parse_arm(name: str) -> dict:
         budget = int(rest[1:])
     elif rest:
         raise ValueError(f"arm {name!r}: {kind} takes no suffix")
-    return dict(name=name, kind=kind, algo=ALGO[kind], budget=budget,
-                num_draft_tokens=None if budget is None else budget + 1)
+    arm = dict(name=name, kind=kind, algo=ALGO[kind], budget=budget,
+               num_draft_tokens=None if budget is None else budget + 1)
+    if kind == "ddtree":   # a fixed budget is an explicit choice since the adaptive default (issue 39)
+        arm["env"] = {"SGLANG_DDTREE_ADAPTIVE": "0"}
+    return arm
 
 
 def parse_arms(spec: str) -> List[dict]:

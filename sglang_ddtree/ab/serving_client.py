@@ -70,7 +70,7 @@ from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_pr
 from .servers import log_tail, parse_arm, popen_launcher, wait_healthy
 from .stats import first_diff, identity_check
 
-SERVING_DEFAULT_ARMS = "base,dflash,ddtree_default"
+SERVING_DEFAULT_ARMS = "base,dflash,ddtree"
 DEFAULT_ARM_ATTENTION = "base=flashinfer,dflash=flashinfer"
 
 # workload -> bench_serving dataset and lengths
@@ -97,14 +97,10 @@ RESULT_FIELDS = ("duration", "completed", "total_input_tokens", "total_output_to
 
 # ------------------------------------------------------------------------------------------ arms
 def parse_serving_arm(name: str) -> dict:
-    """The A/B's arms (:func:`servers.parse_arm`) plus ``ddtree_default``: ``--speculative-algorithm
-    DDTREE-GPU`` and the drafter, nothing else (what a user gets by default).  Arms pinned to a
-    budget (``_pin<B>``) need a per-request field bench_serving cannot put in the sampling params:
-    refused."""
-    name = name.strip()
-    if name == "ddtree_default":
-        return dict(name=name, kind="ddtree", algo="DDTREE-GPU", budget=None, num_draft_tokens=None)
-    arm = parse_arm(name)
+    """The A/B's arms (:func:`servers.parse_arm`; ``ddtree`` is ``--speculative-algorithm DDTREE-GPU``
+    and the drafter, nothing else: what a user gets by default).  Arms pinned to a budget
+    (``_pin<B>``) need a per-request field bench_serving cannot put in the sampling params: refused."""
+    arm = parse_arm(name.strip())
     if arm.get("pin") is not None:
         raise ValueError(f"arm {name!r}: pinned arms need custom_params in the sampling params, which "
                          "sglang.bench_serving does not send; use --client ab")

@@ -1,0 +1,207 @@
+"""No-speculation rounds on SGLang's own decode path (issue 39 item 2).
+
+A round that runs no speculation must cost what plain decoding's step costs for that batch: SGLang's
+DECODE forward, its decode CUDA graph, the user's decode attention backend.  Two pieces:
+
+* :func:`build_plain_decode_state`: a target attention backend of the user's decode backend and a
+  ``DecodeCudaGraphRunner`` captured in DECODE mode, both built while the model runner looks like a
+  plain (non-speculative) runner (:func:`plain_runner_view`), so they are exactly what a server
+  without speculation builds.  One difference: its graphs capture the target's hidden states
+  (``CaptureHiddenMode.FULL``; with the drafter's layers-to-capture set, the concatenated aux hidden
+  states [bs, H_aux]), which the drafter needs later.
+* :class:`DraftCatchUp`: the drafter's K/V for the tokens of no-speculation rounds is not written in
+  those rounds.  Their hidden rows, KV slots and positions wait in a flat buffer and are written in
+  one batched call (``DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc``) before anything else
+  writes drafter K/V (a speculative round, a prefill), when the batch's requests change, or when the
+  buffer is full.  The first rule keeps the order of writes: a waiting row's slot may be freed (its
+  request finished) and handed to another request, whose own drafter K/V for it is written by a
+  prefill or a speculative round, after the flush on the same stream, or stashed after the stale
+  row.  The second keeps the pending rows those of the running batch.
+
+Checked against SGLang 0.5.16: ``DecodeCudaGraphRunner.__init__`` chooses TARGET_VERIFY capture iff
+``model_runner.spec_algorithm.is_speculative()`` and FULL hidden capture iff
+``server_args.enable_return_hidden_states``
+(``sglang/srt/model_executor/runner/decode_cuda_graph_runner.py`` l.259-308); backends are built by
+``model_runner_components/attention_backend_setup._build_backend_from_str``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PLAIN_WIDTH = 1   # the verify width that names "no speculation" in the adaptive set
+
+
+def user_decode_backend(server_args) -> Optional[str]:
+    """The attention backend plain decoding would use on this server: ``--decode-attention-backend``
+    when the user split it and the split is not DDTree's own (decode = triton for the tree verify,
+    ``spec_algo.split_for_prefill_backend``), else ``--attention-backend``.  None: SGLang's default."""
+    from .spec_algo import SPLIT_ATTR
+
+    if getattr(server_args, SPLIT_ATTR, False):
+        return server_args.attention_backend
+    return server_args.decode_attention_backend or server_args.attention_backend
+
+
+@contextlib.contextmanager
+def plain_runner_view(model_runner):
+    """Inside: ``model_runner`` looks like a non-speculative runner (``spec_algorithm`` NONE) whose
+    decode graphs capture hidden states (``enable_return_hidden_states``).  Restored on exit."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sa = model_runner.server_args
+    old_algo, old_rhs = model_runner.spec_algorithm, sa.enable_return_hidden_states
+    model_runner.spec_algorithm = SpeculativeAlgorithm.NONE
+    sa.override("sglang_ddtree.plain_decode_capture", enable_return_hidden_states=True)
+    try:
+        yield
+    finally:
+        model_runner.spec_algorithm = old_algo
+        sa.override("sglang_ddtree.plain_decode_restore", enable_return_hidden_states=old_rhs)
+
+
+def _build_backend(model_runner, name: Optional[str]):
+    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
+        _build_backend_from_str)
+
+    saved = getattr(model_runner, "init_new_workspace", None)
+    try:
+        if name is None:
+            return model_runner._get_attention_backend(init_new_workspace=True)
+        return _build_backend_from_str(model_runner=model_runner, backend_str=name,
+                                       init_new_workspace=True)
+    finally:
+        if hasattr(model_runner, "init_new_workspace"):
+            model_runner.init_new_workspace = saved
+
+
+def build_plain_decode_state(model_runner, *, use_graphs: bool, backend_name: Optional[str],
+                             runner_cls=None, build_backend: Optional[Callable] = None,
+                             free_gb: Optional[Callable[[], float]] = None, algo: str = "DDTREE"):
+    """The no-speculation state: ``adaptive.VerifyState(width=1, attn_backend, graph_runner)`` built as
+    plain decoding builds its own (see the module docstring).  ``backend_name``: the user's decode
+    backend (:func:`user_decode_backend`); when it cannot be built here (e.g. not installed), the
+    target's own decode backend type is used and the reason logged.  ``runner_cls``: default SGLang's
+    ``DecodeCudaGraphRunner``; ``build_backend(model_runner, name)``: default SGLang's builder."""
+    from .adaptive import VerifyState, graph_runner_cls
+
+    build_backend = build_backend or _build_backend
+    tic = time.perf_counter()
+    before = free_gb() if free_gb else 0.0
+    with plain_runner_view(model_runner):
+        try:
+            backend = build_backend(model_runner, backend_name)
+            used = backend_name
+        except Exception as e:  # noqa: BLE001 - a missing backend falls back, logged
+            logger.warning("%s: plain decode on the %r attention backend failed to build (%s: %s); "
+                           "no-speculation rounds use the server's decode backend", algo,
+                           backend_name, type(e).__name__, e)
+            backend = build_backend(model_runner, None)
+            used = None
+        runner = None
+        if use_graphs:
+            runner = (runner_cls or graph_runner_cls())(model_runner, attn_backend=backend)
+    after = free_gb() if free_gb else 0.0
+    return VerifyState(width=PLAIN_WIDTH, attn_backend=backend, graph_runner=runner,
+                       build_s=time.perf_counter() - tic, mem_gb=before - after, backend_name=used)
+
+
+def plain_decode_forward_batch(batch, model_runner, *, input_ids, prefix, out_cache_loc,
+                               host_prefix_bound, host_prefix_bound_sum: int):
+    """A DECODE ``ForwardBatch`` for one token per request, made by SGLang's own ``init_new`` from the
+    scheduler's batch (its sampling, LoRA and logprob fields as plain decoding has them).
+
+    input_ids [bs] (the last committed token, not yet in the KV: the previous round's bonus); prefix
+    [bs] (committed KV length, device); out_cache_loc [bs] int64 (the KV slot of position prefix);
+    host_prefix_bound [bs] int32 CPU, an upper bound of prefix (the host lags one round under overlap
+    scheduling; a backend plans from it).  The batch's fields are restored; the forward batch has
+    spec_algorithm NONE, no spec_info and FULL hidden capture."""
+    from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch,
+                                                              ForwardMode)
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    names = ("input_ids", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "spec_info", "forward_mode",
+             "spec_algorithm")
+    saved = {n: getattr(batch, n) for n in names}
+    try:
+        batch.input_ids = input_ids
+        batch.seq_lens = prefix + 1
+        batch.seq_lens_cpu = host_prefix_bound + 1
+        batch.seq_lens_sum = int(host_prefix_bound_sum) + int(prefix.shape[0])
+        batch.out_cache_loc = out_cache_loc
+        batch.spec_info = None
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_algorithm = SpeculativeAlgorithm.NONE
+        fb = ForwardBatch.init_new(batch, model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                   return_hidden_states_before_norm=False)
+    finally:
+        for n, v in saved.items():
+            setattr(batch, n, v)
+    return fb
+
+
+class DraftCatchUp:
+    """The drafter's K/V owed for no-speculation rounds: rows of target hidden states [T, H], their KV
+    slots [T] and positions [T], written by ``append(target_hidden=, cache_loc=, positions=)`` in one
+    call at :meth:`flush`.  ``capacity``: rows held before a forced flush.  ``key``: what identifies
+    the batch's requests (their ids, in order); rows are only ever pending for one key."""
+
+    def __init__(self, append: Callable, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.append = append
+        self.capacity = int(capacity)
+        self.rows = 0
+        self.key: Optional[Sequence] = None
+        self._hidden = self._loc = self._pos = None
+        self.flushes = 0
+        self.flushed_rows = 0
+
+    def must_flush(self, key, *, speculative: bool, incoming: int = 0) -> bool:
+        """Pending rows must be written before this batch runs: it drafts (``speculative``), its
+        requests differ from the pending rows' (``key``), or ``incoming`` more rows would not fit."""
+        return self.rows > 0 and (speculative or key != self.key or self.rows + incoming > self.capacity)
+
+    def stash(self, hidden: torch.Tensor, cache_loc: torch.Tensor, positions: torch.Tensor, key) -> None:
+        """Keep one round's rows (hidden [bs, H], cache_loc [bs], positions [bs]; copied on the stream,
+        so the caller's buffers may be reused).  The caller flushes first when :meth:`must_flush`."""
+        bs = int(hidden.shape[0])
+        if self.rows and key != self.key:
+            raise RuntimeError("DraftCatchUp.stash: rows of another batch are pending (flush first)")
+        if self.rows + bs > self.capacity:
+            raise RuntimeError(f"DraftCatchUp.stash: {self.rows} + {bs} rows exceed the capacity "
+                               f"{self.capacity} (flush first)")
+        if self._hidden is None or self._hidden.shape[1:] != hidden.shape[1:] \
+                or self._hidden.dtype != hidden.dtype or self._hidden.device != hidden.device:
+            cap = max(self.capacity, bs)
+            self._hidden = torch.empty((cap,) + tuple(hidden.shape[1:]), dtype=hidden.dtype,
+                                       device=hidden.device)
+            self._loc = torch.empty((cap,), dtype=torch.int64, device=hidden.device)
+            self._pos = torch.empty((cap,), dtype=torch.int64, device=hidden.device)
+        r = self.rows
+        self._hidden[r:r + bs].copy_(hidden)
+        self._loc[r:r + bs].copy_(cache_loc.reshape(-1))
+        self._pos[r:r + bs].copy_(positions.reshape(-1))
+        self.rows = r + bs
+        self.key = key
+
+    def flush(self) -> int:
+        """Write every pending row's drafter K/V (one call); returns the rows written."""
+        n = self.rows
+        if n:
+            self.append(target_hidden=self._hidden[:n], cache_loc=self._loc[:n], positions=self._pos[:n])
+            self.flushes += 1
+            self.flushed_rows += n
+        self.rows, self.key = 0, None
+        return n
+
+
+def batch_key(reqs) -> tuple:
+    """The requests of a batch, in order (their rids: unique for the server's lifetime)."""
+    return tuple(r.rid for r in reqs)
