@@ -250,6 +250,7 @@ def test_parse_arms_and_commands():
     d = {a["name"]: a for a in arms}
     assert d["ddtree_b8"]["algo"] == "DDTREE-GPU" and d["ddtree_b8"]["num_draft_tokens"] == 9
     assert d["ddtreecpu_b16"]["algo"] == "DDTREE-CPU" and d["ddtreecpu_b16"]["num_draft_tokens"] == 17
+    assert d["ddtreecpu_b16"]["env"] == {"SGLANG_DDTREE_ADAPTIVE": "0"}
     assert d["dflash"]["num_draft_tokens"] is None
     assert d["ddtree_b8"]["env"] == {"SGLANG_DDTREE_ADAPTIVE": "0"}      # fixed: an explicit choice
     default = ab.parse_arm("ddtree")                                          # the product default

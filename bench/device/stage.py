@@ -93,7 +93,7 @@ def parse_name(name):
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
-    if algo == "ddtree" and not adaptive:
+    if algo in ("ddtree", "ddtreecpu") and not adaptive:
         os.environ["SGLANG_DDTREE_ADAPTIVE"] = "0"    # the lossless matrix's fixed budgets
     elif adaptive and adaptive[0] in ("default", "nospec"):
         if algo != "ddtree":

@@ -119,7 +119,7 @@ def parse_arm(name: str) -> dict:
         raise ValueError(f"arm {name!r}: {kind} takes no suffix")
     arm = dict(name=name, kind=kind, algo=ALGO[kind], budget=budget,
                num_draft_tokens=None if budget is None else budget + 1)
-    if kind == "ddtree":   # a fixed budget is an explicit choice since the adaptive default (issue 39)
+    if kind.startswith("ddtree"):   # a fixed budget is an explicit choice since the adaptive default (issue 39)
         arm["env"] = {"SGLANG_DDTREE_ADAPTIVE": "0"}
     return arm
 
