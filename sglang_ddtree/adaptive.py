@@ -116,7 +116,7 @@ def register_served(algo: str, budget: int, cfg: Optional["AdaptiveConfig"]) -> 
 
 def allowed_request_budgets(budget: int, cfg: Optional["AdaptiveConfig"]) -> List[int]:
     """The values ``custom_params["ddtree_budget"]`` may take on a server: its fixed budget, or the
-    adaptive set (0 = no speculation where ``SGLANG_DDTREE_NO_SPEC=1``)."""
+    adaptive set (0 = no speculation, unless ``SGLANG_DDTREE_NO_SPEC=0``)."""
     if cfg is None:
         return [int(budget)]
     return ([0] if cfg.no_spec else []) + list(cfg.budgets)
@@ -139,7 +139,7 @@ def request_budget_error(custom_params, served=None) -> Optional[str]:
                 f"got {val!r}")
     if val not in allowed:
         how = ("the server's fixed budget; launch with SGLANG_DDTREE_BUDGETS for a set"
-               if cfg is None else "the budgets in SGLANG_DDTREE_BUDGETS (0: SGLANG_DDTREE_NO_SPEC=1)")
+               if cfg is None else "the adaptive budgets; 0 = no speculation unless SGLANG_DDTREE_NO_SPEC=0")
         return (f"{algo}: custom_params.{REQUEST_BUDGET_KEY}={val} is not a budget this server runs: "
                 f"allowed {allowed} ({how})")
     return None
