@@ -466,6 +466,7 @@ class WidthController:
         self._t_launch: Optional[float] = None   # host clock of the last launch
         # this rank's overhead samples (its median is shared at windows: every rank the same value)
         self._local_overhead = deque(maxlen=int((policy or BudgetPolicy).overhead_window))
+        self._local_overhead_plain = deque(maxlen=int((policy or BudgetPolicy).overhead_window))
         self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
         # admissions, from the wall clock: this window's sums (host ms between launches, the table
         # cost of the rounds those intervals measured, ...) and decayed sums over windows
@@ -495,7 +496,8 @@ class WidthController:
                 self.intervals["other_batch"] += 1
             else:
                 bs, w = measured
-                ok = self.policy.observe_interval(bs, self._choice(w), ms, into=self._local_overhead)
+                ring = self._local_overhead_plain if w == 1 else self._local_overhead
+                ok = self.policy.observe_interval(bs, self._choice(w), ms, into=ring)
                 self.intervals["observed" if ok else "ignored"] += 1
             if 0.0 < ms <= self.MAX_GAP_MS:          # longer: the server was idle
                 acc["host"] += ms
@@ -503,7 +505,7 @@ class WidthController:
                     acc["prefills"] += 1
                 else:
                     acc["table"] += self._cost(*measured)
-                    acc["measured_rounds"] += 1
+                    acc["measured_plain" if measured[1] == 1 else "measured_rounds"] += 1
         if measuring:
             if batch is None:
                 if self._launched and self._launched[-1] is not None:
@@ -516,7 +518,7 @@ class WidthController:
         self._t_launch = now
 
     MAX_GAP_MS = 250.0   # a longer gap between launches is idle time, not a batch
-    _ACC_KEYS = ("host", "table", "measured_rounds", "prefills", "flagged", "rounds", "tokens")
+    _ACC_KEYS = ("host", "table", "measured_rounds", "measured_plain", "prefills", "flagged", "rounds", "tokens")
 
     def _close_window(self) -> Dict[str, Optional[float]]:
         """Fold this window's sums into the decayed ones (decay ``policy.ema``, as the acceptance)
@@ -533,15 +535,17 @@ class WidthController:
         attributed to prefills read 7.5 ms (median) where the wall clock says ~15.7."""
         acc, adm, d = self._acc, self._adm, self.policy.ema
         over = self.policy.overhead_of(self._local_overhead)
+        over_plain = self.policy.overhead_of(self._local_overhead_plain)
         for k in adm:
             adm[k] *= d
         if acc["prefills"] > 0:
-            adm["excess"] += acc["host"] - acc["table"] - acc["measured_rounds"] * (over or 0.0)
+            adm["excess"] += (acc["host"] - acc["table"] - acc["measured_rounds"] * (over or 0.0)
+                              - acc["measured_plain"] * (over_plain if over_plain is not None else (over or 0.0)))
             adm["prefills"] += acc["prefills"]
         for k in ("flagged", "rounds", "tokens"):
             adm[k] += acc[k]
         self._acc = dict.fromkeys(self._ACC_KEYS, 0.0)
-        out = {"overhead_ms": over, "prefill_ms": None, "finish_rate": None}
+        out = {"overhead_ms": over, "overhead_plain_ms": over_plain, "prefill_ms": None, "finish_rate": None}
         if adm["prefills"] > 0:
             out["prefill_ms"] = max(0.0, adm["excess"] / adm["prefills"])
         if adm["rounds"] >= 8 and adm["tokens"] > 0:
@@ -581,6 +585,9 @@ class WidthController:
                     for b in range(pol.buckets) if max(pol.bucket_count[b].values()) >= 1.0}
             out["overhead_ms"] = round(float(pol.overhead_ms), 3)
             out["overhead_samples"] = len(self._local_overhead)
+            if pol.overhead_plain_ms is not None:
+                out["overhead_plain_ms"] = round(float(pol.overhead_plain_ms), 3)
+                out["overhead_plain_samples"] = len(self._local_overhead_plain)
             out["prefill_ms"] = round(float(pol.prefill_ms), 3)
             out["finish_rate"] = round(float(pol.finish_rate), 5)
             out["prefills_weight"] = round(self._adm["prefills"], 2)

@@ -33,9 +33,15 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   per request (an admission, a finish) land in single rounds as spikes of 10-30 ms, and they do not
   scale with the number of rounds, so they must not count as a per-round cost; measured per batch
   size (H200, same run as above) the rare sizes around finishes read 12-28 ms against 0-1.5 ms at
-  the steady ones, and interpolation spread those spikes over the common sizes.  It is the same for
-  every width of a round, so it is added to every choice: a heavy per-round overhead makes tokens
-  per round worth more.
+  the steady ones, and interpolation spread those spikes over the common sizes.  Two values, one per
+  kind of round: a no-speculation round (SGLang's decode step replayed, no drafter, no tree:
+  ``plain_decode.py``) and a tree round at any width.  Measured on the H200 (Qwen3-8B-shaped chain
+  pair, c = 16, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s26_plain.md``, profile records):
+  plain rounds took 5.7-5.8 ms of wall clock for a 5.0 ms table cost, width-8 rounds 9.2-9.5 ms for
+  7.98; with one shared value (1.3-1.5 ms) the plain round read ~0.6 ms dearer than it was, the
+  policy chose width 8 at an estimated 9 % gain where the two served the same tokens per second, and
+  its width-61 probes (26 ms) came on top.  Within a kind the overhead is added to every width, so a
+  heavy per-round overhead makes tokens per round worth more.
 * the **admissions** (prefills between rounds): SGLang admits every waiting request in one prefill
   batch after the round in which others finished, so under load a prefill follows nearly every
   round and its cost is mostly fixed per batch (launches, no CUDA graph): measured on the H200
@@ -142,6 +148,8 @@ class BudgetPolicy:
     prior_accept: float = 0.0   # acceptance assumed before any round was seen
     accept: Dict[int, float] = field(default_factory=dict)
     overhead_ms: float = 0.0    # per-round ms outside the table, every batch size (signed; read floored)
+    overhead_plain_ms: Optional[float] = None   # the same for no-speculation rounds (None: not yet
+                                                # measured, tree rounds' value used)
     overhead_window: int = 64   # samples the median is taken over
     prefill_ms: float = 0.0     # ms of a prefill batch between rounds (measured from the wall clock)
     finish_rate: float = 0.0    # finishes per output token (Poisson rate; measured)
@@ -150,6 +158,7 @@ class BudgetPolicy:
     seen: Set[int] = field(default_factory=set)   # widths with a measured round
     paired: bool = False        # an update carried ``below``: estimates chain same-round gains
     samples: Deque[float] = field(default=None)   # this policy's own overhead samples (newest last)
+    samples_plain: Deque[float] = field(default=None)   # ... of no-speculation rounds
     age_edges: Tuple[int, ...] = ()   # request-age buckets (output tokens; see update_window)
     shrink: float = 4.0         # request-rounds of the pooled mean in each bucket's estimate
     # decayed sums per age bucket and width: accepted tokens, request-rounds, and what the next
@@ -180,6 +189,8 @@ class BudgetPolicy:
         self.bucket_accept = [dict(self.accept) for _ in range(nb)]
         if self.samples is None:
             self.samples = deque(maxlen=int(self.overhead_window))
+        if self.samples_plain is None:
+            self.samples_plain = deque(maxlen=int(self.overhead_window))
 
     @property
     def buckets(self) -> int:
@@ -372,9 +383,12 @@ class BudgetPolicy:
         n = float(len(ages))
         return {w: sum(c * self.bucket_accept[b][w] for b, c in hist.items()) / n for w in self.accept}
 
-    def overhead(self, bs: int) -> float:
-        """Per-round ms outside the cost table (0 until observed; never below 0).  One value for
-        every batch size (``bs`` is accepted so callers need not know that)."""
+    def overhead(self, bs: int, width: Optional[int] = None) -> float:
+        """Per-round ms outside the cost table (0 until observed; never below 0) of a round at
+        ``width``: no speculation (NO_SPEC) has its own value once measured, every tree width shares
+        one.  One value for every batch size (``bs`` is accepted so callers need not know that)."""
+        if width == NO_SPEC and self.overhead_plain_ms is not None:
+            return max(0.0, float(self.overhead_plain_ms))
         return max(0.0, float(self.overhead_ms))
 
     def tokens_per_request(self, width: int) -> float:
@@ -395,7 +409,7 @@ class BudgetPolicy:
     def round_ms(self, bs: int, width: int) -> float:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead
         + the expected admission prefill after it."""
-        return self.costs.cost(bs, width) + self.overhead(bs) + self.admission_ms(bs, width)
+        return self.costs.cost(bs, width) + self.overhead(bs, width) + self.admission_ms(bs, width)
 
     @staticmethod
     def overhead_of(samples: Sequence[float]) -> Optional[float]:
@@ -406,20 +420,22 @@ class BudgetPolicy:
                          into: Optional[Deque[float]] = None) -> bool:
         """One host-clock interval that measures a round of ``bs`` requests at ``width`` (which one:
         ``adaptive.WidthController``).  Appends ``interval - cost(bs, width)`` to ``into`` (default:
-        this policy's ``samples``, and ``overhead_ms`` becomes their median; the controller keeps each
-        rank's own ring and shares rank 0's median at windows), signed: a round faster than the
+        this policy's ring of the round's kind, ``samples_plain`` for NO_SPEC else ``samples``, and
+        ``overhead_plain_ms`` / ``overhead_ms`` becomes its median; the controller keeps each rank's
+        own rings and shares rank 0's medians at windows), signed: a round faster than the
         table pulls the median down, so noise in the host clock (an interval that is partly the
         previous round's) cancels instead of only ever adding.  Returns False (ignored) for an
         interval longer than 4x the cost + 20 ms (the server was idle or prefilling, not a round's
         overhead) or not a positive finite number."""
-        ring = self.samples if into is None else into
+        plain = width == NO_SPEC
+        ring = into if into is not None else (self.samples_plain if plain else self.samples)
         cost = self.costs.cost(bs, width)
         ms = float(interval_ms)
         if not (ms > 0 and ms < float("inf")) or ms > 4 * cost + 20.0:
             return False
         ring.append(ms - cost)
         if into is None:
-            self.overhead_ms = self.overhead_of(ring)
+            setattr(self, "overhead_plain_ms" if plain else "overhead_ms", self.overhead_of(ring))
         return True
 
     def tokens_per_ms(self, bs: int, width: int) -> float:

@@ -392,6 +392,34 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == 0.0
 
 
+def test_controller_keeps_the_plain_rounds_overhead_apart():
+    """Tree rounds cost 20 ms outside the table, plain rounds 0.5 ms (measured on the H200 the two
+    differ: ``budget_policy`` docstring).  One shared value makes width 4 look better (3 / 60 >
+    1 / 30); once plain rounds (pinned by requests here) have been measured on their own, plain
+    decoding is the choice (1 / 10.5 > 3 / 60), and the rings reach the policy through ``share``."""
+    t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
+    shared = []
+    clock = _Clock()
+    pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_PROBE_EVERY="1000"),
+                          policy=pol, device="cpu", window_every=4, window_lag=0, clock=clock,
+                          share=lambda d: shared.append(d) or d)
+    path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
+    extra = {1: 10.0 + 0.5, 4: 40.0 + 20.0, 16: 45.0 + 20.0}
+    ws = _drive(c, 12, path, clock, lambda w: extra[w])
+    assert set(ws[4:]) == {4} and pol.overhead_plain_ms is None           # plain never measured yet
+    for _ in range(8):                                                     # requests pin no speculation
+        w = c.next_width(1, requested=1)
+        c.record(path, w)
+        clock.ms += extra[w]
+    ws = _drive(c, 12, path, clock, lambda w: extra[w])
+    assert pol.overhead_ms == pytest.approx(20.0) and pol.overhead_plain_ms == pytest.approx(0.5)
+    assert set(ws[4:]) == {1}, ws
+    assert any(d["overhead_plain_ms"] == pytest.approx(0.5) for d in shared if d["overhead_plain_ms"])
+    snap = c.snapshot()
+    assert snap["overhead_plain_ms"] == pytest.approx(0.5) and snap["overhead_plain_samples"] >= 7
+
+
 def _controller(lag, clock):
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
     pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
@@ -473,17 +501,21 @@ def test_policy_observe_interval_filters_and_takes_the_median():
     assert pol.overhead_ms == pytest.approx(0.5)
     assert not pol.observe_interval(1, 4, 4 * 4.0 + 20.5)        # idle gap / prefill: ignored
     assert not pol.observe_interval(1, 4, 0.0) and not pol.observe_interval(1, 4, float("nan"))
-    assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_ms == pytest.approx(2.0)   # +5
-    assert pol.overhead(4) == pol.overhead(8) == pytest.approx(2.0)   # one value, every batch size
+    # a no-speculation round: its own ring and value (+5); tree rounds keep theirs (0.5)
+    assert pol.overhead(8, NO_SPEC) == pytest.approx(0.5)            # plain not measured yet: the tree's
+    assert pol.observe_interval(8, NO_SPEC, 7.0) and pol.overhead_plain_ms == pytest.approx(5.0)
+    assert pol.overhead_ms == pytest.approx(0.5) and list(pol.samples_plain) == [5.0]
+    assert pol.overhead(4) == pol.overhead(8) == pol.overhead(8, 4) == pytest.approx(0.5)   # every bs
+    assert pol.overhead(1, NO_SPEC) == pol.overhead(8, NO_SPEC) == pytest.approx(5.0)
     ring = collections.deque(maxlen=64)
     assert pol.observe_interval(1, 4, 9.0, into=ring) and list(ring) == [5.0]
-    assert pol.overhead_ms == pytest.approx(2.0)                 # a ring of its own: not the policy's
+    assert pol.overhead_ms == pytest.approx(0.5)                 # a ring of its own: not the policy's
     for _ in range(20):
         pol.observe_interval(1, 4, 1.0)                          # 3 ms under the table, every time
     assert pol.overhead_ms < 0 and pol.overhead(1) == 0.0        # floored where it is read
-    pol.overhead_ms = 5.0
+    pol.overhead_ms, pol.overhead_plain_ms = 5.0, 1.0
     assert pol.round_ms(8, 4) == pytest.approx(8.0 + 5.0)
-    assert pol.tokens_per_ms(8, NO_SPEC) == pytest.approx(8 / 7.0)
+    assert pol.tokens_per_ms(8, NO_SPEC) == pytest.approx(8 / 3.0)
     assert BudgetPolicy.overhead_of([]) is None
 
 
@@ -589,7 +621,8 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
         assert snap["prefills_weight"] > 0 and snap["prefill_ms"] == 0.0     # not shared yet
     # nothing measured yet: None (the policy keeps its values)
     fresh = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=BudgetPolicy(t), device="cpu")
-    assert fresh._close_window() == {"overhead_ms": None, "prefill_ms": None, "finish_rate": None}
+    assert fresh._close_window() == {"overhead_ms": None, "overhead_plain_ms": None, "prefill_ms": None,
+                                     "finish_rate": None}
 
 
 def test_paired_gains_remove_the_bias_of_which_rounds_ran_the_wide_tree():
