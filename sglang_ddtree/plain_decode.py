@@ -149,14 +149,18 @@ def plain_decode_forward_batch(batch, model_runner, *, input_ids, prefix, out_ca
 class DraftCatchUp:
     """The drafter's K/V owed for no-speculation rounds: rows of target hidden states [T, H], their KV
     slots [T] and positions [T], written by ``append(target_hidden=, cache_loc=, positions=)`` in one
-    call at :meth:`flush`.  ``capacity``: rows held before a forced flush.  ``key``: what identifies
-    the batch's requests (their ids, in order); rows are only ever pending for one key."""
+    call at :meth:`flush`.  ``capacity``: rows held before a forced flush, lowered at the first stash
+    so the buffer takes at most ``max_bytes`` (it is allocated after SGLang sized its KV pool: at
+    Kimi K2 widths a row of five target layers' hidden states is 70 KB) but never below one batch.
+    ``key``: what identifies the batch's requests (their ids, in order); rows are only ever pending
+    for one key."""
 
-    def __init__(self, append: Callable, capacity: int):
+    def __init__(self, append: Callable, capacity: int, max_bytes: int = 64 << 20):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.append = append
         self.capacity = int(capacity)
+        self.max_bytes = int(max_bytes)
         self.rows = 0
         self.key: Optional[Sequence] = None
         self._hidden = self._loc = self._pos = None
@@ -172,6 +176,9 @@ class DraftCatchUp:
         """Keep one round's rows (hidden [bs, H], cache_loc [bs], positions [bs]; copied on the stream,
         so the caller's buffers may be reused).  The caller flushes first when :meth:`must_flush`."""
         bs = int(hidden.shape[0])
+        if self._hidden is None:
+            row_bytes = max(1, hidden[0].numel() * hidden.element_size())
+            self.capacity = max(bs, min(self.capacity, self.max_bytes // row_bytes))
         if self.rows and key != self.key:
             raise RuntimeError("DraftCatchUp.stash: rows of another batch are pending (flush first)")
         if self.rows + bs > self.capacity:
@@ -179,7 +186,7 @@ class DraftCatchUp:
                                f"{self.capacity} (flush first)")
         if self._hidden is None or self._hidden.shape[1:] != hidden.shape[1:] \
                 or self._hidden.dtype != hidden.dtype or self._hidden.device != hidden.device:
-            cap = max(self.capacity, bs)
+            cap = self.capacity
             self._hidden = torch.empty((cap,) + tuple(hidden.shape[1:]), dtype=hidden.dtype,
                                        device=hidden.device)
             self._loc = torch.empty((cap,), dtype=torch.int64, device=hidden.device)

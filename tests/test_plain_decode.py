@@ -48,6 +48,18 @@ def test_catch_up_flush_rules_and_capacity():
         P.DraftCatchUp(d.append, capacity=0)
 
 
+def test_catch_up_buffer_is_bounded_in_bytes_but_holds_a_batch():
+    d = Drafter(64)
+    cu = P.DraftCatchUp(d.append, capacity=1000, max_bytes=10 * 4 * 2)   # 10 rows of 2 fp32
+    h = torch.ones(3, 2)
+    cu.stash(h, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), ("k",))
+    assert cu.capacity == 10 and cu._hidden.shape == (10, 2)
+    assert cu.must_flush(("k",), speculative=False, incoming=8)          # 3 + 8 > 10
+    big = P.DraftCatchUp(d.append, capacity=1000, max_bytes=8)             # less than one row
+    big.stash(torch.ones(4, 2), torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3]), ("k",))
+    assert big.capacity == 4 and big.rows == 4                            # still one batch
+
+
 def test_catch_up_copies_the_callers_rows():
     """The decode graph's hidden output is a view the next replay overwrites: stash copies it."""
     d = Drafter(8)
