@@ -63,6 +63,7 @@ ENV_OVERHEAD = "SGLANG_DDTREE_ROUND_OVERHEAD"   # measured (default) | off: the 
 ENV_AGE_BUCKETS = "SGLANG_DDTREE_AGE_BUCKETS"   # default | off | ascending edges (output tokens)
 ENV_ADAPTIVE = "SGLANG_DDTREE_ADAPTIVE"         # 1 (default) | 0: the server's budget, fixed
 DEFAULT_LADDER = (7, 15, 31)                    # budgets below the widest in the default set
+MIN_FREE_GB = 2.0   # the default set builds a width only with this much (or twice the largest state) free
 
 # request-age bucket edges (output tokens): x1.5 from 4.  Fine at young ages, where acceptance moves
 # most (toy chain pair: nothing for ~10 tokens, then rising over the next ~50: bench/results/

@@ -35,6 +35,7 @@ the reference heap, and walks the accept on the host (the published ports' recip
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from copy import deepcopy
@@ -490,11 +491,7 @@ class DDTreeWorker(DFlashWorkerV2):
             raise ValueError(f"{algo}: {adaptive.ENV_BUDGETS} / {adaptive.ENV_NO_SPEC} need the "
                              "target's CUDA graphs (the round cost table is measured from their "
                              "replays); drop --disable-cuda-graph")
-        free_gb = None
-        if torch.device(self.device).type == "cuda":
-            from sglang.srt.utils import get_available_gpu_memory
-
-            free_gb = lambda: get_available_gpu_memory(self.device, self.gpu_id)  # noqa: E731
+        free_gb = self._free_gb_reader()
 
         def prepare(backend):
             check_tree_verify_backend(backend, algo)
@@ -502,7 +499,25 @@ class DDTreeWorker(DFlashWorkerV2):
             enable_tree_verify_attention(backend, mr, algo)
 
         states = adaptive.TargetStates(mr, cfg.widest)
+        biggest_gb = 0.0
         for w in cfg.extra_widths:
+            if w != plain_decode.PLAIN_WIDTH and cfg.implicit and free_gb is not None:
+                # the default set fits the memory left after SGLang sized its KV pool: a width is
+                # built only with room for twice the largest state so far (at least MIN_FREE_GB);
+                # every TP rank decides on the smallest free memory of all of them
+                free = self._tp_min(free_gb())
+                need = max(adaptive.MIN_FREE_GB, 2.0 * biggest_gb)
+                if free < need:
+                    left = [x for x in cfg.extra_widths if x >= w]
+                    if self.ps.tp_rank == 0:
+                        logger.warning("%s adaptive budget: %.2f GB free (< %.2f): verify widths %s not "
+                                       "built; the set is %s", algo, free, need, left,
+                                       [x for x in cfg.widths if x not in left])
+                    cfg = dataclasses.replace(cfg, budgets=tuple(
+                        b for b in cfg.budgets if b + 1 not in left))
+                    self._adaptive_cfg = cfg
+                    adaptive.register_served(algo, self.budget, cfg)
+                    break
             if w == plain_decode.PLAIN_WIDTH:
                 # no speculation: SGLang's own decode step (DECODE graphs, the user's backend); the
                 # drafter's K/V for its tokens is written later, batched (plain_decode.DraftCatchUp)
@@ -518,6 +533,7 @@ class DDTreeWorker(DFlashWorkerV2):
                                                  free_gb=free_gb)
                 what = f"verify state for width {w} (budget {w - 1})"
             states.add(st)
+            biggest_gb = max(biggest_gb, st.mem_gb)
             if self.ps.tp_rank == 0:
                 logger.info("%s adaptive budget: %s built: %.2f s, %.3f GB (cuda graphs %s)", algo, what,
                             st.build_s, st.mem_gb, "on" if use_graphs else "off")
@@ -543,6 +559,26 @@ class DDTreeWorker(DFlashWorkerV2):
         prof, ctl = vars(self).get("_prof"), vars(self).get("_adaptive")
         if prof is not None and ctl is not None and prof.enabled:
             prof.extra = ctl.snapshot
+
+    def _free_gb_reader(self):
+        """A callable giving this GPU's free memory in GB (None off CUDA)."""
+        if torch.device(self.device).type != "cuda":
+            return None
+        from sglang.srt.utils import get_available_gpu_memory
+
+        return lambda: get_available_gpu_memory(self.device, self.gpu_id)
+
+    @staticmethod
+    def _tp_min(x: float) -> float:
+        """The smallest ``x`` over the TP ranks (start-up; every rank calls it at the same point)."""
+        tp = get_tp_group()
+        if tp.world_size <= 1:
+            return float(x)
+        import torch.distributed as dist
+
+        vals = [None] * tp.world_size
+        dist.all_gather_object(vals, float(x), group=tp.cpu_group)
+        return min(vals)
 
     @staticmethod
     def _tp_shared(obj):

@@ -293,3 +293,33 @@ def test_randomize_graph_input_ids_is_seeded_and_in_range():
     assert A.randomize_graph_input_ids(r, 151936) and torch.equal(a, r.buffers.input_ids)   # every rank alike
     assert not A.randomize_graph_input_ids(types.SimpleNamespace(), 100)
     assert not A.randomize_graph_input_ids(r, 0)
+
+
+def test_default_set_stops_building_widths_when_memory_runs_short(fake_startup, monkeypatch):
+    """The default set (no budget setting) builds the plain state, then widths while the free memory
+    covers twice the largest state so far (at least adaptive.MIN_FREE_GB); the rest are dropped from
+    the set, the cost table and what requests may pin, with a warning.  An explicit set is built as
+    asked."""
+    W = fake_startup.W
+    mr = FakeModelRunner(32)
+    cfg = A.parse_config({}, budget=31, algo="DDTREE-GPU")
+    assert cfg.implicit and cfg.widths == (1, 8, 16, 32)
+    w = _fake_worker(W, cfg, mr)
+    w.budget = 31
+    free = iter([50.0, 49.0, 1.5, 1.5])            # the plain state's build reads two, then width 8's check
+    monkeypatch.setattr(W.DDTreeWorker, "_free_gb_reader", lambda self: (lambda: next(free)))
+    A.register_served("DDTREE-GPU", 31, cfg)
+    W.DDTreeWorker.init_cuda_graphs(w)
+    assert sorted(w._verify_states.states) == [1, 32]                 # widths 8 and 16 not built
+    assert w._adaptive.cfg.widths == (1, 32) and w._adaptive_cfg.budgets == (31,)
+    assert w._adaptive.policy.costs.widths == [32]
+    assert A.allowed_request_budgets(31, w._adaptive_cfg) == [0, 31]
+    assert A.request_budget_error({A.REQUEST_BUDGET_KEY: 7}) is not None
+    # an explicit set: built whatever the free memory says
+    mr2 = FakeModelRunner(32)
+    w2 = _fake_worker(W, A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15,31"}, budget=31, algo="DDTREE-GPU"),
+                      mr2)
+    w2.budget = 31
+    monkeypatch.setattr(W.DDTreeWorker, "_free_gb_reader", lambda self: (lambda: 0.5))
+    W.DDTreeWorker.init_cuda_graphs(w2)
+    assert sorted(w2._verify_states.states) == [1, 8, 16, 32]
