@@ -171,9 +171,10 @@ def _int_list(algo: str, name: str, raw: str) -> List[int]:
 
 
 def default_budgets(budget: int) -> List[int]:
-    """The default set below the server's (widest) budget: :data:`DEFAULT_LADDER`'s budgets under it,
-    then it; e.g. 60 -> [7, 15, 31, 60] (a block-16 drafter), 28 -> [7, 15, 28] (block 8)."""
-    return sorted({b for b in DEFAULT_LADDER if b < budget} | {int(budget)})
+    """The default set below the server's (widest) budget: :data:`DEFAULT_LADDER`'s budgets at most
+    2/3 of it (a width barely narrower than the widest costs a graph set and saves little), then it;
+    e.g. 60 -> [7, 15, 31, 60] (a block-16 drafter), 28 -> [7, 15, 28] (block 8), 32 -> [7, 15, 32]."""
+    return sorted({b for b in DEFAULT_LADDER if 1.5 * b <= budget} | {int(budget)})
 
 
 def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[AdaptiveConfig]:

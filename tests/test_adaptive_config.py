@@ -21,6 +21,7 @@ def test_unset_is_the_default_set_with_no_speculation():
     # the set follows the server's budget: block-16 drafters default to 60, block 8 to 28
     assert _parse(budget=60).budgets == (7, 15, 31, 60) and _parse(budget=28).budgets == (7, 15, 28)
     assert _parse(budget=7).budgets == (7,) and _parse(budget=3).widths == (1, 4)
+    assert _parse(budget=32).budgets == (7, 15, 32) and _parse(budget=47).budgets == (7, 15, 31, 47)
     assert _parse(budget=100).widths[-1] == 101                   # the widest is the server's
 
 

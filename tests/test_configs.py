@@ -130,8 +130,10 @@ def test_config_parses_into_server_args(cfg, standins):
         assert sa.speculative_num_draft_tokens == raw.get("speculative-num-draft-tokens",
                                                           sa.speculative_num_draft_tokens)
     if raw.get("speculative-algorithm", "").startswith("DDTREE"):
-        # verify width = budget + 1 as written; the drafter sets the depth; the tree path is triton
-        assert sa.speculative_num_draft_tokens == raw["speculative-num-draft-tokens"]
+        # verify width = budget + 1 as written (else the drafter's default widest); the drafter sets
+        # the depth; the tree path is triton
+        if "speculative-num-draft-tokens" in raw:
+            assert sa.speculative_num_draft_tokens == raw["speculative-num-draft-tokens"]
         assert sa.speculative_num_steps == 1 and sa.speculative_eagle_topk == 1
         assert sa.attention_backend == "triton"
         # the settings resolved here travel to every TP rank on server_args (pickled into each
