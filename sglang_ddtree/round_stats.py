@@ -15,6 +15,10 @@ N (a host int); on the device this adds up, with static shapes and no host sync:
   request-rounds (``counterfactual_request_rounds``) are counted on the host;
 * ``tree_depth_hist [D + 1]`` and ``tree_depth_sum``: request-rounds by the depth of the built tree
   (its deepest node; 0 = root only), and the sum of those depths;
+* ``predicted [nb]`` (when the worker hands it over): the accepted tokens each of those budgets was
+  expected to give on the same request-rounds from the trees' own path scores
+  (``accept_estimate.expected_accept``: the drafter's probability of each node's path, summed), in
+  thousandths, so ``counterfactual / predicted`` is the drafter's calibration against the target;
 * on the host: rounds by chosen budget (``N - 1``; 0 = no speculation).
 
 Every ``every`` rounds (``SGLANG_DDTREE_STATS_EVERY``, default 64) the accumulators are copied to
@@ -192,9 +196,10 @@ class AcceptanceStats:
         nb, d = len(self.budgets), self.depth
         self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=self.device)
         # [request_rounds, accepted, hist (D+1), counterfactual (nb), tree depth hist (D+1),
-        #  tree depth sum] in one int64 vector: one copy
+        #  tree depth sum, predicted x 1000 (nb)] in one int64 vector: one copy
         self._o_cf, self._o_th = 3 + d, 3 + d + nb
-        self._acc = torch.zeros(self._o_th + d + 2, dtype=torch.int64, device=self.device)
+        self._o_pr = self._o_th + d + 2
+        self._acc = torch.zeros(self._o_pr + nb, dtype=torch.int64, device=self.device)
         self._ones = None
         self._rounds = 0
         self._host = self._new_host()
@@ -211,12 +216,19 @@ class AcceptanceStats:
             return None
         return cls(path=path, prometheus=prom, **kw)
 
+    def predicted_widths(self, width: int) -> List[int]:
+        """The verify widths whose expected acceptance a round of verify width ``width`` should hand
+        to :meth:`record` (``predicted``): each reported budget its tree holds, + 1."""
+        return [b + 1 for b in self.budgets if b <= int(width) - 1]
+
     def record(self, path: torch.Tensor, accept_len: torch.Tensor, *,
-               tree_depth: Optional[torch.Tensor] = None, width: Optional[int] = None) -> None:
+               tree_depth: Optional[torch.Tensor] = None, width: Optional[int] = None,
+               predicted: Optional[torch.Tensor] = None) -> None:
         """path [bs, W] int (root first, -1 padded): this round's accepted slots; accept_len [bs]:
         their count (the accept's own output, not recomputed here); tree_depth [bs, N] int: the built
         tree's slot depths (None: not counted); width: the round's verify width N, a host int (None:
-        the tree's budget + 1)."""
+        the tree's budget + 1); predicted [bs, n] float (optional): the expected acceptance of the
+        first n reported budgets (:meth:`predicted_widths`), summed in thousandths."""
         bs = path.shape[0]
         if bs == 0:
             return
@@ -233,10 +245,14 @@ class AcceptanceStats:
         if n_valid:
             cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid])   # [bs, n_valid]
             a[self._o_cf:self._o_cf + n_valid] += cf.to(torch.int64).sum(0)
+        if predicted is not None and n_valid:
+            if predicted.shape != (bs, n_valid):
+                raise ValueError(f"predicted must be [{bs}, {n_valid}], got {tuple(predicted.shape)}")
+            a[self._o_pr:self._o_pr + n_valid] += (predicted.to(torch.float64).sum(0) * 1000).round().to(torch.int64)
         if tree_depth is not None:
             td = tree_depth.amax(1).to(torch.int64).clamp_(0, d)                         # [bs]
             a[self._o_th:self._o_th + d + 1].index_add_(0, td, ones)
-            a[-1] += td.sum()
+            a[self._o_pr - 1] += td.sum()
         h = self._host
         for j in range(n_valid):
             h["cf_rounds"][j] += bs
@@ -271,7 +287,8 @@ class AcceptanceStats:
         return dict(self.meta, t=round(t, 3), rounds=rounds, request_rounds=v[0], accepted=v[1],
                     length_hist=v[2:3 + d], budgets=self.budgets, counterfactual=v[o_cf:o_th],
                     counterfactual_request_rounds=hc["cf_rounds"], tree_depth_hist=v[o_th:o_th + d + 1],
-                    tree_depth_sum=v[-1], chosen_budget_rounds=hc["chosen"])
+                    tree_depth_sum=v[o_th + d + 1], chosen_budget_rounds=hc["chosen"],
+                    predicted=[x / 1000.0 for x in v[self._o_pr:]])
 
     def _publish(self, rec: dict) -> None:
         if self.prom is not None:

@@ -58,7 +58,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import adaptive, ddtree, logprobs, plain_decode, sampling, tree_ops, verify_attn_hook
+from . import accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampling, tree_ops, verify_attn_hook
 from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .round_stats import make_round_observers
@@ -817,9 +817,12 @@ class DDTreeWorker(DFlashWorkerV2):
 
         # 2) tree: the first N - 1 best-first nodes (prefix-closed: a narrower tree is the wider one's
         # first slots), or the root alone -----------------------------------------------------------
+        predicted = None
         if N > 1:
             tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=draft_input.bonus_tokens.view(-1),
                                      backend=self.tree_backend, validate=False)
+            if self._stats is not None:   # opt-in telemetry: the tree's own acceptance estimate
+                predicted = accept_estimate.expected_accept(tree, lp, ids, self._stats.predicted_widths(N))
         else:
             tree = adaptive.root_only_tree(draft_input.bonus_tokens.view(-1), D)
         prof.mark()
@@ -837,7 +840,7 @@ class DDTreeWorker(DFlashWorkerV2):
         prof.mark()
         return self._accept_commit(batch, on_publish, tree, logits_output, target_out, draft_out,
                                    draft_input, block_loc, block_pos, prefix, bs, N,
-                                   defer_key=catch_key if plain else None)
+                                   defer_key=catch_key if plain else None, predicted=predicted)
 
     def _plain_decode(self, batch, draft_input, block_loc, prefix, host_bound, host_bound_sum):
         """A no-speculation round's target forward: SGLang's DECODE step of the root (the previous
@@ -918,7 +921,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _accept_commit(self, batch, on_publish, tree, logits_output, target_out, draft_out,
                        draft_input, block_loc, block_pos, prefix, bs, N,
-                       defer_key=None) -> GenerationBatchResult:
+                       defer_key=None, predicted=None) -> GenerationBatchResult:
         """Accept (greedy or sampled) over the N verify slots, then commit accepted K/V, drafter
         context and the bonus.  ``defer_key`` (a no-speculation round, N = 1): the drafter context of
         the round's token is stashed for a later batched write (``plain_decode.DraftCatchUp``)."""
@@ -938,7 +941,7 @@ class DDTreeWorker(DFlashWorkerV2):
             acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None:
-            self._stats.record(path, accept_len, tree_depth=tree.depth, width=N)
+            self._stats.record(path, accept_len, tree_depth=tree.depth, width=N, predicted=predicted)
         if self._adaptive is not None:
             # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
             # request one more round) are not counted in the acceptance estimate

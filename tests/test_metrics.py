@@ -335,7 +335,7 @@ def _worker_rounds(world, env, monkeypatch, registry, metrics: bool, n=8):
 
 def test_worker_round_fixed_budget(guarded, world, monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_STATS_EVERY", "2")
-    wd, widths, calls = _worker_rounds(world, {}, monkeypatch, guarded, True)
+    wd, widths, calls = _worker_rounds(world, {"SGLANG_DDTREE_ADAPTIVE": "0"}, monkeypatch, guarded, True)
     assert widths == [16] * 8 and calls == [16] * 8
     lab = dict(algo="DDTREE-GPU", budget="15", tp_rank="0")
     get = guarded.get_sample_value
@@ -382,3 +382,33 @@ def test_worker_round_metrics_off_does_nothing(guarded, world, monkeypatch):
     assert wd.w._stats is None and not wd.w._prof.enabled and calls == []
     assert FakeEvent.made == 0 and round_stats._Prometheus._made is None
     assert list(guarded.collect()) == []
+
+
+def test_stats_file_carries_each_budgets_predicted_acceptance(guarded, world, monkeypatch, tmp_path):
+    """With the stats file on, every tree round hands the tree's own acceptance estimate
+    (accept_estimate.expected_accept, for each reported budget the tree holds) to the stats; a
+    window's ``predicted`` is their sum over request-rounds, next to the exact ``counterfactual``.
+    The fake drafter's log-probs are random, so only the bookkeeping is checked here (the estimate
+    itself: tests/test_accept_estimate.py)."""
+    from sglang_ddtree import accept_estimate as AE
+
+    out = tmp_path / "stats.jsonl"
+    monkeypatch.setenv(round_stats.ENV_FILE, str(out))
+    monkeypatch.setenv("SGLANG_DDTREE_STATS_EVERY", "4")
+    seen, real = [], AE.expected_accept
+
+    def spy(*a, **k):
+        r = real(*a, **k)
+        seen.append((r.clone(), list(a[3])))
+        return r
+
+    monkeypatch.setattr(AE, "expected_accept", spy)
+    wd, widths, calls = _worker_rounds(world, {"SGLANG_DDTREE_ADAPTIVE": "0"}, monkeypatch, guarded, False, n=8)
+    wd.w._stats.flush()
+    recs = [json.loads(line) for line in open(out)]
+    assert [r["rounds"] for r in recs] == [4, 4] and recs[0]["budgets"] == [7, 15]
+    assert all(ws == [8, 16] for _, ws in seen) and len(seen) == 8          # both budgets, every round
+    for k, rec in enumerate(recs):
+        want = torch.stack([p for p, _ in seen[4 * k:4 * k + 4]]).sum((0, 1)).tolist()
+        assert rec["predicted"] == pytest.approx(want, abs=2e-3 * 4 * wd.bs)
+        assert all(0 < x <= 5 * rec["request_rounds"] for x in rec["predicted"])   # depth 5 at most
