@@ -77,7 +77,7 @@ def test_slot_reuse_never_leaves_a_stale_row_on_top(rng):
     plain (rows deferred) or speculative (the worker flushes, then writes its own rows).  The worker's
     rules -- flush before a prefill and whenever the batch's requests differ from the pending rows'
     -- must leave every live request's drafter K/V at every committed position as its own."""
-    slots = 400
+    slots = 600
     d = Drafter(slots)
     cu = P.DraftCatchUp(d.append, capacity=24)
     free = list(range(slots))
@@ -99,10 +99,10 @@ def test_slot_reuse_never_leaves_a_stale_row_on_top(rng):
         prefill()
     for _ in range(300):
         u = float(torch.rand((), generator=rng))
-        if u < 0.1 and len(live) < 8:
+        if (u < 0.1 and len(live) < 8 and len(free) > 16) or not live:
             prefill()
             continue
-        if u < 0.2 and len(live) > 1:                                  # a request finishes
+        if (u < 0.2 or len(free) < 2 * len(live) + 8) and len(live) > 1:   # a request finishes
             rid = list(live)[int(torch.randint(0, len(live), (), generator=rng))]
             free.extend(live.pop(rid))
             continue
