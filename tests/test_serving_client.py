@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -241,9 +242,12 @@ class _Handler(BaseHTTPRequestHandler):
             ids = fake.tok.encode(body["text"], add_special_tokens=False) if fake.tok else list(body["text"].encode())
         sp = body.get("sampling_params") or {}
         with fake.lock:
+            k = len(fake.requests)
             fake.requests.append(dict(n_in=len(ids), max_new=sp.get("max_new_tokens"), kind="ids" if "input_ids" in body
-                                      else "text", temperature=sp.get("temperature"), ignore_eos=sp.get("ignore_eos")))
+                                      else "text", temperature=sp.get("temperature"), ignore_eos=sp.get("ignore_eos"),
+                                      ids=tuple(ids)))
         out = _tokens(ids, int(sp.get("max_new_tokens", 16)), fake.diverge_at)
+        delay = fake.request_seconds(k) if fake.request_seconds else 0.0   # the k-th /generate request's time
 
         def chunk(k):
             return {"text": " ".join(f"w{t}" for t in out[:k]), "output_ids": out[:k],
@@ -254,7 +258,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for k in range(2, len(out) + 2, 2):     # two tokens per chunk, like a speculative round
+        steps = range(2, len(out) + 2, 2)      # two tokens per chunk, like a speculative round
+        for k in steps:
+            if delay:
+                time.sleep(delay / len(steps))
             self.wfile.write(b"data: " + json.dumps(chunk(min(k, len(out)))).encode() + b"\n\n")
             self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
@@ -263,8 +270,8 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeServer:
     """A fake SGLang server on the port of the launch_server command line it is given."""
 
-    def __init__(self, cmd, model, diverge_at=None):
-        self.cmd, self.model, self.diverge_at = cmd, model, diverge_at
+    def __init__(self, cmd, model, diverge_at=None, request_seconds=None):
+        self.cmd, self.model, self.diverge_at, self.request_seconds = cmd, model, diverge_at, request_seconds
         self.requests, self.flushes, self.lock, self.accept = [], 0, threading.Lock(), 1.0 if diverge_at is None else 2.5
         try:
             from transformers import AutoTokenizer
@@ -379,29 +386,49 @@ def test_natural_workload_sends_text_whose_length_bench_serving_reports(tmp_path
     assert all(x["kind"] == "text" and x["max_new"] == 6 for x in srv.requests) and len(srv.requests) == 7
 
 
-def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
-    """The first arm's short first pass scales the level's count; the next arm runs that count."""
+class _Srv:
+    def poll(self):
+        return None
+
+    def stop(self):
+        pass
+
+
+def _fake_clients(monkeypatch, duration):
+    """Every arm's bench_serving client replaced: a pass of n requests at concurrency c lasts
+    duration(arm port, c, n, pass index of that arm) s (output_throughput 100 n / duration).
+    Returns the (c, n) of every pass, in order."""
     calls = []
 
-    def fake_run(cmd, env, cwd, timeout, log_path):
-        n = int(_opt(cmd, "--num-prompts"))
-        c = int(_opt(cmd, "--max-concurrency"))
-        calls.append((c, n))
-        dur = n / (2.0 * c)       # 2 requests per second per slot
-        return dict(ok=True, rc=0, seconds=dur, result=dict(output_throughput=100.0 * n / dur, completed=n,
-                                                            duration=dur, median_ttft_ms=1.0, median_itl_ms=1.0))
+    class Client:
+        def __init__(self, args, env, cwd, log_path):
+            self.k = 0
 
-    monkeypatch.setattr(S, "run_bench_serving", fake_run)
+        def run(self, cmd, timeout):
+            n, c = int(_opt(cmd, "--num-prompts")), int(_opt(cmd, "--max-concurrency"))
+            calls.append((c, n))
+            dur = duration(int(_opt(cmd, "--port")), c, n, self.k)
+            self.k += 1
+            return dict(ok=True, rc=0, seconds=dur, result=dict(output_throughput=100.0 * n / dur, completed=n,
+                                                                duration=dur, median_ttft_ms=1.0, median_itl_ms=1.0))
+
+        def close(self):
+            pass
+
+        def info(self):
+            return dict(mode="fake", passes=self.k)
+
+    monkeypatch.setattr(S, "make_client", Client)
     monkeypatch.setattr(S.client, "run_level", lambda url, prompts, c, m, *a, **k: (
         [dict(ok=True, output_ids=[1, 2, 3]) for _ in prompts], 0.1, False))
     monkeypatch.setattr(S, "wait_healthy", lambda *a, **k: None)
+    return calls
 
-    class Srv:
-        def poll(self):
-            return None
 
-        def stop(self):
-            pass
+def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
+    """The first arm's short first pass scales the level's count; the next arm runs that count."""
+    calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))   # 2 requests per second per slot
+    Srv = _Srv
     model = _model_dir(tmp_path)
     args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "dflash,base", "--concurrency", "1,4",
                  "--repeats", "3", "--warmup", "0", "--min-level-seconds", "20", "--level-seconds-margin", "1.5",
@@ -413,6 +440,7 @@ def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
     assert calls == [(1, 16)] + [(1, 60)] * 3 + [(4, 16)] + [(4, 240)] * 3 + [(1, 60)] * 3 + [(4, 240)] * 3
     base, dflash = doc["arms"]
     assert base["levels"][0]["calibration"]["num_prompts"] == 16 and "calibration" not in dflash["levels"][0]
+    assert [x["num_prompts"] for x in base["levels"][0]["calibration_passes"]] == [16]
     assert all(lv["duration"] >= 20 for a in doc["arms"] for lv in a["levels"])
     assert doc["identity"]["arms"]["dflash"]["identical"]
     md = open(str(tmp_path / "r") + ".md").read()
@@ -432,3 +460,145 @@ def test_dry_run_through_the_cli_prints_servers_and_client_commands(tmp_path, ca
     assert "--attention-backend flashinfer" in lines[0] and "--speculative-algorithm DDTREE-GPU" in lines[2]
     assert "--random-input-len 8192" in lines[3] and "--num-prompts 16" in lines[3] and "--num-prompts 256" in lines[4]
     assert not os.path.exists(str(tmp_path / "r") + ".json")
+
+
+# ------------------------------------------------------------------------------------------ level sizing (s26)
+def test_a_cold_first_pass_does_not_size_the_level(tmp_path, monkeypatch):
+    """2026-12-04 s26 on the H200 (bench/results/raw/serving_h200_text_natural_s26_harness.json.gz,
+    --min-level-seconds 20 --level-seconds-margin 1.0 --warmup 0): base's first pass at c=16, the
+    server's first traffic, took 13.25 s for 64 requests (1236 tok/s), the count was scaled from it
+    to 112, and warm the 112 took 3.2 s (9140 tok/s): the level ran SHORT.  Sizing now re-scales
+    from the short 112-pass (to 20 s x 1.05, the least margin: -> 752, 21.1 s), which then counts as
+    the first repeat."""
+    base_port = _free_port()
+
+    def duration(port, c, n, k):
+        if port == base_port:
+            return 13.25 if k == 0 else n * 256 / 9140.0
+        return n * 256 / 4492.0          # dflash, slower: runs the same count, longer
+    calls = _fake_clients(monkeypatch, duration)
+    model = _model_dir(tmp_path)
+    args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "16",
+                 "--repeats", "2", "--warmup", "0", "--min-level-seconds", "20", "--level-seconds-margin", "1.0",
+                 "--requests-per-level", "64", "--identity-prompts", "2", "--workdir", str(tmp_path / "w"),
+                 "--out", str(tmp_path / "r"), "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)),
+                 "--port", str(base_port))
+    doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+    assert doc["settings"]["requests_per_level"] == {"16": 752}      # not 112
+    assert calls == [(16, 64), (16, 112)] + [(16, 752)] * 2 + [(16, 752)] * 2
+    base, dflash = doc["arms"]
+    lv = base["levels"][0]
+    assert [x["num_prompts"] for x in lv["calibration_passes"]] == [64, 112]
+    assert lv["calibration"]["num_prompts"] == 64 and lv["calibration"]["seconds"] == 13.25
+    assert lv["num_prompts"] == 752 and lv["repeats"] == 2 and not lv["short"] and lv["duration"] >= 20
+    assert not dflash["levels"][0]["short"] and dflash["levels"][0]["num_prompts"] == 752
+    md = open(str(tmp_path / "r") + ".md").read()
+    assert " short" not in md.split("## Every repeat")[0]
+
+
+def test_calibration_passes_are_bounded(tmp_path, monkeypatch):
+    """A server whose pass lasts 1 s whatever the count: at most MAX_CALIBRATION_PASSES uncounted
+    passes, then the repeats run at the last count and the level is flagged short."""
+    calls = _fake_clients(monkeypatch, lambda port, c, n, k: 1.0)
+    model = _model_dir(tmp_path)
+    args = _args("--model-path", model, "--arms", "base", "--concurrency", "4", "--repeats", "2", "--warmup", "0",
+                 "--min-level-seconds", "20", "--level-seconds-margin", "1.0", "--requests-per-level", "16",
+                 "--identity-prompts", "2", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                 "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
+    doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+    lv = doc["arms"][0]["levels"][0]
+    ns = [x["num_prompts"] for x in lv["calibration_passes"]]
+    # x 20 s x 1.05 (the least margin) / 1 s: 16 -> 336 -> 7056 -> capped at 100000 (+ one wave of 4
+    # from the third pass on)
+    assert ns == [16, 336, 7056, 100004] and len(ns) == S.MAX_CALIBRATION_PASSES
+    assert lv["short"] and lv["repeats"] == 2 and len(calls) == S.MAX_CALIBRATION_PASSES + 2
+
+
+@needs_sglang
+def test_level_sizing_against_a_server_slow_on_its_first_pass(tmp_path):
+    """The real bench_serving (the persistent client) against a fake server whose pass duration is
+    set per request: the first pass's 9 requests (bench_serving's warm-up one and 8) take 0.7 s each,
+    every later one 0.05 s, like a server's cold first traffic.  Sized from the first pass alone
+    (before: 8 in ~1.4 s -> 16), the level lasted ~0.2 s and was SHORT; now every counted repeat
+    lasts >= --min-level-seconds, and all the arm's passes ran in one client process."""
+    model = _model_dir(tmp_path)
+    servers = []
+
+    def launcher(cmd, env, log_path):
+        servers.append(FakeServer(cmd, model, request_seconds=lambda k: 0.7 if k < 9 else 0.05))
+        return servers[-1]
+
+    args = _args("--model-path", model, "--arms", "base", "--concurrency", "4", "--requests-per-level", "8",
+                 "--repeats", "2", "--warmup", "0", "--min-level-seconds", "2", "--level-seconds-margin", "1.2",
+                 "--serving-input-len", "40", "--serving-output-len", "8", "--identity-prompts", "2",
+                 "--identity-new-tokens", "4", "--port", str(_free_port()), "--workdir", str(tmp_path / "w"),
+                 "--out", str(tmp_path / "r"), "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)),
+                 "--max-input-tokens", "64")
+    doc = S.run(args, launcher=launcher)
+    a = doc["arms"][0]
+    assert a["status"] == "ok", (a.get("error"), a.get("levels"), open(a["client_log"]).read()[-3000:])
+    lv = a["levels"][0]
+    n = doc["settings"]["requests_per_level"]["4"]
+    assert n == lv["num_prompts"] > 16 and lv["completed"] == n          # before: 16
+    assert not lv["short"] and lv["duration"] >= 2 and lv["repeats"] == 2
+    cal = lv["calibration_passes"]
+    assert [x["num_prompts"] for x in cal[:2]] == [8, 16] and cal[0]["seconds"] > 1.0 and cal[1]["seconds"] < 1.0
+    assert a["client"]["mode"] == "persistent" and a["client"]["processes"] == 1
+    assert a["client"]["passes"] == len(cal) + 2
+
+
+@needs_sglang
+def test_persistent_client_runs_passes_as_the_command_line_does(tmp_path):
+    """One client process, several passes: each sends the requests a `python -m sglang.bench_serving`
+    process sends (the same token ids: bench_serving re-seeds per pass) and writes the same result
+    line; an argparse error is that pass's exit code 2 and the process lives on; a pass past its
+    timeout kills the process, the next pass starts another."""
+    model = _model_dir(tmp_path)
+    port = _free_port()
+    srv = FakeServer(["x", "--port", str(port)], model)
+    w = S.workload_settings("random", input_len=24, output_len=4)
+    env = S.client_env(None, None)
+
+    def cmd(tag, n=6):
+        return S.bench_serving_cmd(sys.executable, port, model, w, 2, n, str(tmp_path / f"{tag}.jsonl"), seed=3)
+
+    def load(since):      # the pass's requests (after bench_serving's warm-up one)
+        return [r["ids"] for r in srv.requests[since + 1:]]
+    log = str(tmp_path / "bs.log")
+    bsc = S.PersistentClient(env, str(tmp_path), log)
+    try:
+        k0 = len(srv.requests)
+        ref = S.run_bench_serving(cmd("sub"), env, str(tmp_path), 300, str(tmp_path / "sub.log"))
+        sub_ids = load(k0)
+        results, ids = [], []
+        for tag in ("p0", "p1"):
+            k = len(srv.requests)
+            results.append(bsc.run(cmd(tag), 300))
+            ids.append(load(k))
+        assert ref["ok"] and all(r["ok"] for r in results), open(log).read()[-3000:]
+        # the same requests (their arrival order at 2 in flight varies)
+        assert len(sub_ids) == 6 and [sorted(x) for x in ids] == [sorted(sub_ids)] * 2
+        keep = ("completed", "total_input_tokens", "total_output_tokens", "dataset_name", "random_input_len",
+                "max_concurrency")
+        assert all({k: r["result"][k] for k in keep} == {k: ref["result"][k] for k in keep} for r in results)
+        bad = cmd("bad")
+        bad[bad.index("--request-rate") + 1] = "not-a-number"
+        r = bsc.run(bad, 120)
+        assert not r["ok"] and r["rc"] == 2 and bsc.info()["processes"] == 1
+        srv.request_seconds = lambda k: 30.0
+        r = bsc.run(cmd("slow"), 4)
+        assert not r["ok"] and r["error"] == "timed out after 4 s" and bsc.proc is None
+        srv.request_seconds = None
+        r = bsc.run(cmd("again", n=4), 300)
+        assert r["ok"] and r["result"]["completed"] == 4
+        assert bsc.info() == dict(mode="persistent", processes=2, passes=5, import_s=bsc.import_s)
+    finally:
+        bsc.close()
+        srv.stop()
+    assert "in the persistent client, pass 5" in open(log).read()
+
+
+def test_the_per_pass_client_stays_behind_a_flag(tmp_path):
+    assert isinstance(S.make_client(_args(), {}, str(tmp_path), "log"), S.PersistentClient)
+    c = S.make_client(_args("--bench-serving-per-pass"), {}, str(tmp_path), "log")
+    assert type(c) is S.PerPassClient and c.info()["mode"] == "per-pass"

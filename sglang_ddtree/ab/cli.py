@@ -129,6 +129,9 @@ def build_parser(default_out: str = DEFAULT_OUT):
     g.add_argument("--level-seconds-margin", type=float, default=1.5,
                    help="bench_serving: head room for arms faster than the first (a level shorter than "
                         "--min-level-seconds is flagged 'short')")
+    g.add_argument("--bench-serving-per-pass", action="store_true",
+                   help="bench_serving: a `python -m sglang.bench_serving` process per pass (each pays `import "
+                        "sglang`), instead of one persistent client process per arm that runs every pass in-process")
     g.add_argument("--arm-attention", default=DEFAULT_ARM_ATTENTION,
                    help="bench_serving: ARM=BACKEND,... the --attention-backend of those arms (others: no flag); 'none'")
     g.add_argument("--identity-prompts", type=int, default=16, help="bench_serving: greedy identity requests per arm")

@@ -7,13 +7,18 @@ speculative flags, its attention backend from ``--arm-attention`` -- default bas
 ``flashinfer``, DDTree arms without the flag (the plugin picks) -- and ``--server-args`` for every
 arm), waited for on ``/health_generate``, warmed up by one uncounted bench_serving pass at the
 largest concurrency (16 output tokens), then for each concurrency c and each repeat (``--repeats``,
-radix cache flushed by bench_serving's ``--flush-cache`` after its own one-request warm-up):
+radix cache flushed by bench_serving's ``--flush-cache`` after its own one-request warm-up), one pass:
 
     python -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port P --model M --tokenizer M
         --dataset-name D ... --num-prompts n_c --max-concurrency c --request-rate inf --seed S
         --output-file F --flush-cache --warmup-requests 1 --ready-check-timeout-sec 0 --disable-tqdm
 
-and the JSON line it appends to F is parsed (its 0.5.16 field names: output_throughput,
+run in one persistent client process per arm (:class:`PersistentClient`: ``import sglang.bench_serving``
+once, then every pass of the arm in-process through its entry point ``cli_main()`` with exactly these
+arguments, so the same argparse Namespace; ``--bench-serving-per-pass``: a process per pass, which pays
+bench_serving's ``import sglang`` and set-up each time: ~10 s a pass on a CPU host, 21-28 s on the H200
+host in s26, passes of 3-8 s of load taking 26-35 s), and
+the JSON line it appends to F is parsed (its 0.5.16 field names: output_throughput,
 request_throughput, median/p99 ttft/itl/tpot/e2e, completed, duration, total_input_tokens,
 total_output_tokens, accept_length, ...; failed = n_c - completed).  A level reports the median of
 its repeats' output tok/s and the latencies of that repeat.  After the levels, the identity
@@ -35,15 +40,25 @@ Workloads (``--workload``; ``--serving-input-len`` / ``--serving-output-len`` /
   a ShareGPT-format JSON (``--dataset-name sharegpt --dataset-path F --sharegpt-output-len 256``):
   bench_serving sends their text, the server tokenizes it (the prompt lengths bench_serving reports
   come from the same tokenizer; ``sglang.bench_serving`` cannot send token ids for file datasets:
-  0.5.16's sharegpt / custom loaders assert ``not --tokenize-prompt``).  A level of n requests uses
-  the first n prompts (the pool repeats once exhausted; the report gives the distinct count).
+  0.5.16's sharegpt / custom loaders assert ``not --tokenize-prompt``).  A level of n requests sends
+  the pool's first n prompts (in an order bench_serving shuffles with the seed).  The pool is not a cap: a level
+  larger than it cycles the prompts (``natural_texts``; the report gives the distinct count per
+  level), so one pass then sends some prompt texts more than once (their prefixes hit the radix
+  cache within the pass, alike in every arm).
 
 Level sizes: ``--requests-per-level`` gives the first count per level (``auto``: max(16, 4c));
 with ``--min-level-seconds S`` (default 20; 0: off) the first arm to run a level (the reference
-arm, it runs first) scales it: when its first pass lasts less than S, the count becomes
-ceil(n x S x ``--level-seconds-margin`` / duration), rounded up to a multiple of c, and the level
-is run again (the short pass is kept as ``calibration``).  Every later arm runs that same count
-(the same requests), so a faster arm's level may last less than S: the report flags it.
+arm, it runs first) sizes it with uncounted calibration passes: the first pass at a level never
+counts (it may be the server's first traffic: in s26 64 requests took 13.3 s cold, then 112 took
+3.2 s, so sizing from the first pass alone left the level at 3.2 s); after every pass shorter than
+S the count becomes ceil(n x S x ``--level-seconds-margin`` / duration), rounded up to a multiple
+of c (plus one more wave of c from the third calibration pass on; a margin under
+:data:`MIN_SIZING_MARGIN` counts as that: a level aimed at exactly S lands on either side of it by
+run-to-run noise, and the repeats below S are flagged), and the level runs again, until
+a pass lasts >= S: that pass is the first repeat (at most :data:`MAX_CALIBRATION_PASSES` uncounted
+passes; the level keeps them as ``calibration_passes``, the first also as ``calibration``).  Every
+later arm runs that same count (the same requests), so a faster arm's level may last less than S:
+the report flags it.
 
 Ratios are only taken within one run (one card, one call).  bench_serving imports the ``datasets``
 package at import time (sglang/benchmark/datasets/mmmu.py); where it is missing (the GPU host's
@@ -71,6 +86,8 @@ from .servers import log_tail, parse_arm, popen_launcher, wait_healthy
 from .stats import first_diff, identity_check
 
 SERVING_DEFAULT_ARMS = "base,dflash,ddtree"
+MAX_CALIBRATION_PASSES = 4     # uncounted sizing passes per level (the first arm's), at most
+MIN_SIZING_MARGIN = 1.05       # sizing aims at least this far over --min-level-seconds (run-to-run noise)
 DEFAULT_ARM_ATTENTION = "base=flashinfer,dflash=flashinfer"
 
 # workload -> bench_serving dataset and lengths
@@ -270,11 +287,10 @@ def client_env(base_env: Optional[dict], standin: Optional[str]) -> dict:
 
 
 def run_bench_serving(cmd: List[str], env: dict, cwd: str, timeout: float, log_path: str) -> dict:
-    """Run one bench_serving command; ``{ok, result | error, rc, seconds}`` (its output appended to
+    """Run one bench_serving command in a process of its own (``--bench-serving-per-pass``; it pays
+    ``import sglang`` every pass); ``{ok, result | error, rc, seconds}`` (its output appended to
     ``log_path``)."""
-    out_file = cmd[cmd.index("--output-file") + 1]
-    if os.path.exists(out_file):
-        os.remove(out_file)
+    out_file = _fresh_output_file(cmd)
     t0 = time.time()
     try:
         with open(log_path, "ab") as log:
@@ -285,15 +301,218 @@ def run_bench_serving(cmd: List[str], env: dict, cwd: str, timeout: float, log_p
     except subprocess.TimeoutExpired:
         return dict(ok=False, rc=None, error=f"timed out after {timeout:.0f} s", seconds=round(time.time() - t0, 1),
                     log_tail=log_tail(log_path, 20))
+    return _pass_result(rc, out_file, t0, log_path)
+
+
+def _fresh_output_file(cmd: List[str]) -> str:
+    out_file = cmd[cmd.index("--output-file") + 1]
+    if os.path.exists(out_file):
+        os.remove(out_file)
+    return out_file
+
+
+def _pass_result(rc, out_file: str, t0: float, log_path: str, prefix: str = "") -> dict:
     res = dict(rc=rc, seconds=round(time.time() - t0, 1))
     try:
         res["result"] = parse_result_file(out_file)
         res["ok"] = rc == 0
         if rc != 0:
-            res["error"] = f"exit code {rc}"
+            res["error"] = f"{prefix}exit code {rc}"
     except (OSError, ValueError) as e:
-        res.update(ok=False, error=f"exit code {rc}; {e}", log_tail=log_tail(log_path, 20))
+        res.update(ok=False, error=f"{prefix}exit code {rc}; {e}", log_tail=log_tail(log_path, 20))
     return res
+
+
+# The persistent client's process: imports sglang.bench_serving once, then runs one pass per request
+# line on stdin ({"argv": [the arguments after `-m sglang.bench_serving`]}) by calling its entry point
+# cli_main() with sys.argv set to them: the argparse Namespace is the one the command line builds, and
+# run_benchmark(that Namespace) runs as under `python -m`.  State bench_serving 0.5.16 keeps between
+# calls, and why none of it needs a reset: the module global `args` (run_benchmark reassigns it first
+# thing), random / numpy seeds (run_benchmark re-seeds from --seed: the same requests as a fresh
+# process), the event loop (asyncio.run makes a new one per pass), aiohttp sessions (one per request),
+# datasets.common.get_available_tokens (lru_cache(1) keyed by the tokenizer, which is loaded afresh per
+# pass), set_ulimit (idempotent).  Its output goes where the per-pass processes' went (the arm's client
+# log: this process's stdout / stderr); each pass's status line ({"rc", "seconds"}) goes to the fd in
+# argv[1].  SystemExit (argparse errors, bench_serving's sys.exit(1)) becomes the pass's exit code, an
+# exception exit code 1 (traceback in the log); KeyboardInterrupt ends the process.
+WORKER_SRC = r'''
+import json, os, sys, time, traceback, warnings
+proto = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+t0 = time.time()
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        import sglang.bench_serving as bs
+except Exception:
+    traceback.print_exc()
+    sys.stdout.flush(); sys.stderr.flush()
+    proto.write(json.dumps({"ready": False, "error": traceback.format_exc()[-1500:]}) + "\n")
+    sys.exit(1)
+print("persistent bench_serving client: imported %s in %.1f s" % (bs.__file__, time.time() - t0), flush=True)
+proto.write(json.dumps({"ready": True, "import_s": round(time.time() - t0, 2)}) + "\n")
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    if not line.strip():
+        continue
+    req = json.loads(line)
+    t1 = time.time()
+    sys.argv = ["sglang.bench_serving"] + list(req["argv"])
+    rc = 0
+    try:
+        bs.cli_main()
+    except SystemExit as e:
+        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except Exception:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush(); sys.stderr.flush()
+    proto.write(json.dumps({"rc": rc, "seconds": round(time.time() - t1, 2)}) + "\n")
+'''
+
+
+class PerPassClient:
+    """``--bench-serving-per-pass``: every pass a ``python -m sglang.bench_serving`` process (:func:`run_bench_serving`)."""
+    mode = "per-pass"
+
+    def __init__(self, env: dict, cwd: str, log_path: str):
+        self.env, self.cwd, self.log_path = env, cwd, log_path
+        self.starts = self.passes = 0
+        self.import_s = None
+
+    def run(self, cmd: List[str], timeout: float) -> dict:
+        self.passes += 1
+        self.starts += 1
+        return run_bench_serving(cmd, self.env, self.cwd, timeout, self.log_path)
+
+    def close(self):
+        pass
+
+    def info(self) -> dict:
+        return dict(mode=self.mode, processes=self.starts, passes=self.passes, import_s=self.import_s)
+
+
+class _Timeout(Exception):
+    pass
+
+
+class PersistentClient(PerPassClient):
+    """One arm's bench_serving client: one process (:data:`WORKER_SRC`, started with the pass
+    command's interpreter on the first pass) that imports ``sglang.bench_serving`` once and runs every
+    pass of the arm (warm-up, calibration, levels x repeats) in-process, with the arguments the
+    per-pass command line has (:func:`bench_serving_cmd`), writing the same result line to the same
+    ``--output-file``.  A pass that runs past its timeout kills the process (as subprocess.run's
+    timeout did); the next pass starts a new one."""
+    mode = "persistent"
+
+    def __init__(self, env: dict, cwd: str, log_path: str):
+        super().__init__(env, cwd, log_path)
+        self.proc = None
+        self._rfd = None
+        self._buf = b""
+
+    def _log(self, text: str):
+        with open(self.log_path, "ab") as log:
+            log.write(text.encode())
+
+    def _read(self, deadline: float) -> Optional[dict]:
+        """The next status line from the process (None: it exited); _Timeout past ``deadline``."""
+        import select
+        while b"\n" not in self._buf:
+            left = deadline - time.time()
+            if left <= 0:
+                raise _Timeout()
+            ready, _, _ = select.select([self._rfd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(self._rfd, 65536)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _start(self, python: str, deadline: float) -> Optional[str]:
+        r, w = os.pipe()
+        try:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen([python, "-c", WORKER_SRC, str(w)], env=self.env, cwd=self.cwd,
+                                             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                             pass_fds=(w,))
+        except OSError:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        self._rfd, self._buf = r, b""
+        self.starts += 1
+        msg = self._read(deadline)
+        if not msg or not msg.get("ready"):
+            rc = self.proc.wait()
+            self._reset()
+            return f"the bench_serving client process did not start (exit code {rc})"
+        self.import_s = msg.get("import_s")
+        return None
+
+    def _reset(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc is not None and self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        if self._rfd is not None:
+            os.close(self._rfd)
+        self.proc, self._rfd, self._buf = None, None, b""
+
+    def run(self, cmd: List[str], timeout: float) -> dict:
+        if cmd[1:3] != ["-m", "sglang.bench_serving"]:
+            raise ValueError(f"not a bench_serving command line: {cmd[:3]}")
+        self.passes += 1
+        out_file = _fresh_output_file(cmd)
+        t0 = time.time()
+        deadline = t0 + timeout
+        self._log("\n$ " + shlex.join(cmd) + f"\n# (in the persistent client, pass {self.passes})\n")
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                self._reset()
+                why = self._start(cmd[0], deadline)
+                if why:
+                    return dict(ok=False, rc=None, error=why, seconds=round(time.time() - t0, 1),
+                                log_tail=log_tail(self.log_path, 20))
+            try:
+                self.proc.stdin.write((json.dumps({"argv": cmd[3:]}) + "\n").encode())
+                self.proc.stdin.flush()
+                msg = self._read(deadline)
+            except BrokenPipeError:
+                msg = None
+        except _Timeout:
+            self._reset()
+            self._log(f"# timed out after {timeout:.0f} s: the client process killed\n")
+            return dict(ok=False, rc=None, error=f"timed out after {timeout:.0f} s", seconds=round(time.time() - t0, 1),
+                        log_tail=log_tail(self.log_path, 20))
+        if msg is None:     # the process died mid-pass
+            rc = self.proc.wait()
+            self._reset()
+            return _pass_result(rc, out_file, t0, self.log_path, prefix="client process died, ")
+        return _pass_result(int(msg.get("rc", 1)), out_file, t0, self.log_path)
+
+    def close(self):
+        """Kill the process: it holds nothing unwritten between passes (every result line is closed by
+        then), and an interpreter that imported sglang takes ~2 s to exit on its own."""
+        self._reset()
+
+
+def make_client(args, env: dict, cwd: str, log_path: str):
+    """The arm's bench_serving client: :class:`PersistentClient`, or :class:`PerPassClient` with
+    ``--bench-serving-per-pass``."""
+    cls = PerPassClient if getattr(args, "bench_serving_per_pass", False) else PersistentClient
+    return cls(env, cwd, log_path)
 
 
 # ------------------------------------------------------------------------------------------ levels
@@ -494,6 +713,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
         return rec
     t0 = time.time()
     server = None
+    bsc = make_client(args, cenv, tmpdir, client_log)
 
     def left(default=3600.0):
         return default if deadline_at is None else max(5.0, deadline_at - time.time())
@@ -512,41 +732,54 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
             wc = bench_serving_cmd(python, port, opts["model_path"], workload, maxc, min(wn, maxc),
                                    os.path.join(tmpdir, f"warmup_{arm['name']}.jsonl"), args.serving_seed,
                                    dataset_for(min(wn, maxc)), output_len=16)
-            w = run_bench_serving(wc, cenv, tmpdir, left(), client_log)
+            w = bsc.run(wc, left())
             rec["warmup"] = dict(ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
                                  output_throughput=(w.get("result") or {}).get("output_throughput"))
         for c in levels:
             if deadline_at is not None and time.time() > deadline_at - 5:
                 rec.setdefault("skipped_levels", []).append(c)
                 continue
-            calibration = None
+            sizing = c not in counts and bool(args.min_level_seconds)   # this arm sizes the level
             if c not in counts:
-                n = requests_per_level(args.requests_per_level, c, 1 << 30)
-                if args.min_level_seconds:
-                    probe = _one_run(args, python, port, opts, workload, c, n, dataset_for, cenv, tmpdir, client_log,
-                                     arm, "calib", left())
-                    dur = (probe.get("result") or {}).get("duration") or 0.0
-                    calibration = dict(num_prompts=n, seconds=dur, ok=probe.get("ok"),
-                                       output_throughput=(probe.get("result") or {}).get("output_throughput"))
-                    if probe.get("ok") and dur < args.min_level_seconds:
-                        n = scaled_count(n, c, dur, args.min_level_seconds, args.level_seconds_margin)
-                counts[c] = n
+                counts[c] = requests_per_level(args.requests_per_level, c, 1 << 30)
             n = counts[c]
-            reps = []
-            for rep in range(max(1, args.repeats)):
-                if rep and deadline_at is not None and time.time() > deadline_at - 5:
+            calibration, reps = [], []
+            while len(reps) < max(1, args.repeats):
+                if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
                     break
-                reps.append(_one_run(args, python, port, opts, workload, c, n, dataset_for, cenv, tmpdir, client_log,
-                                     arm, f"r{rep}", left()))
+                tag = f"calib{len(calibration)}" if sizing else f"r{len(reps)}"
+                r = _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, tag, left())
+                if sizing:
+                    dur = (r.get("result") or {}).get("duration") or 0.0
+                    short = bool(r.get("ok")) and dur < args.min_level_seconds
+                    # the first pass never counts (the server's first traffic at this level: it may be
+                    # much slower than the next, 2026-12-04 s26: 13.3 s for 64 requests cold, then
+                    # 3.2 s for 112); a short pass is re-scaled from and run again
+                    if not calibration or (short and len(calibration) < MAX_CALIBRATION_PASSES):
+                        calibration.append(dict(num_prompts=n, seconds=dur, ok=r.get("ok"),
+                                                output_throughput=(r.get("result") or {}).get("output_throughput")))
+                        if short:   # from the third pass on, one more wave: a pass's fixed cost (ramp-up,
+                            # the last wave's tail) makes linear scaling from a warm pass fall a little short
+                            n = scaled_count(n, c, dur, args.min_level_seconds,
+                                             max(args.level_seconds_margin, MIN_SIZING_MARGIN)) \
+                                + (c if len(calibration) >= 3 else 0)
+                        if not r.get("ok"):
+                            sizing = False
+                        continue
+                    sizing = False         # long enough (or out of calibration passes): the first repeat
+                reps.append(r)
+            counts[c] = n
             lv = level_summary(c, n, reps, args.min_level_seconds)
             lv["command"] = reps[0].get("command") if reps else None
             if calibration:
-                lv["calibration"] = calibration
+                lv["calibration"] = calibration[0]
+                lv["calibration_passes"] = calibration
             rec["levels"].append(lv)
             print(f"[{arm['name']}] c={c:3d} n={n}: {lv.get('output_throughput')} tok/s (repeats "
                   f"{lv['output_throughput_repeats']}), TTFT med {lv.get('median_ttft_ms')} ms, ITL med "
                   f"{lv.get('median_itl_ms')} ms, accept {lv.get('accept_length')}, failed {lv.get('failed')}"
-                  f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}",
+                  f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}"
+                  f"{' (calibration ' + ', '.join(str(x['num_prompts']) + ' in ' + _f(x['seconds']) + ' s' for x in calibration) + ')' if calibration else ''}",
                   flush=True)
         # the identity requests: the same token-id prompts for every arm, greedy, through /generate
         ic = int(args.identity_concurrency)
@@ -562,6 +795,8 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
         rec.update(error=repr(e)[:1000], log_tail=log_tail(log_path))
         print(f"[{arm['name']}] ERROR {e!r}", flush=True)
     finally:
+        bsc.close()
+        rec["client"] = bsc.info()
         if server is not None:
             try:
                 server.stop()
@@ -571,10 +806,11 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
     return rec
 
 
-def _one_run(args, python, port, opts, workload, c, n, dataset_for, cenv, tmpdir, client_log, arm, tag, timeout):
+def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, tag, timeout):
     out = os.path.join(tmpdir, f"bs_{arm['name']}_c{c}_{tag}.jsonl")
-    cmd = bench_serving_cmd(python, port, opts["model_path"], workload, c, n, out, args.serving_seed, dataset_for(n))
-    r = run_bench_serving(cmd, cenv, tmpdir, timeout, client_log)
+    cmd = bench_serving_cmd(opts["python"], port, opts["model_path"], workload, c, n, out, args.serving_seed,
+                            dataset_for(n))
+    r = bsc.run(cmd, timeout)
     r["command"] = shlex.join(cmd)
     return r
 
