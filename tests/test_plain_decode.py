@@ -80,7 +80,7 @@ def test_slot_reuse_never_leaves_a_stale_row_on_top(rng):
     slots = 600
     d = Drafter(slots)
     cu = P.DraftCatchUp(d.append, capacity=24)
-    free = list(range(slots))
+    free = list(range(slots))[::-1]
     live = {}                    # rid -> [slots of positions 0..len-1]
     nxt = 0
 
@@ -90,7 +90,7 @@ def test_slot_reuse_never_leaves_a_stale_row_on_top(rng):
             cu.flush()
         rid, n = nxt, int(torch.randint(1, 6, (), generator=rng))
         nxt += 1
-        got = [free.pop(int(torch.randint(0, len(free), (), generator=rng))) for _ in range(n)]
+        got = [free.pop() for _ in range(n)]          # LIFO: just-freed slots first (the worst case)
         live[rid] = got
         for p, s in enumerate(got):
             d.kv[s] = (rid, p)
@@ -111,7 +111,7 @@ def test_slot_reuse_never_leaves_a_stale_row_on_top(rng):
         plain = float(torch.rand((), generator=rng)) < 0.6
         if cu.must_flush(key, speculative=not plain, incoming=len(rids) if plain else 0):
             cu.flush()
-        new = [free.pop(int(torch.randint(0, len(free), (), generator=rng))) for _ in rids]
+        new = [free.pop() for _ in rids]
         for rid, s in zip(rids, new):
             live[rid].append(s)
         if plain:
