@@ -124,8 +124,10 @@ def parse_arm(name: str) -> dict:
     return arm
 
 
-def parse_arms(spec: str) -> List[dict]:
-    arms = [parse_arm(a) for a in spec.split(",") if a.strip()]
+def parse_arms(spec: str, parse=None) -> List[dict]:
+    """Comma list -> arms (``parse``: one arm's parser, default :func:`parse_arm`), distinct, the
+    reference arm first."""
+    arms = [(parse or parse_arm)(a) for a in spec.split(",") if a.strip()]
     names = [a["name"] for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate arms in {spec!r}")

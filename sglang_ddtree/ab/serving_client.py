@@ -82,7 +82,7 @@ from . import client
 from .client import http_json
 from .environment import env_info
 from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_prompts
-from .servers import log_tail, parse_arm, popen_launcher, wait_healthy
+from .servers import log_tail, parse_arm, parse_arms, popen_launcher, wait_healthy
 from .stats import first_diff, identity_check
 
 SERVING_DEFAULT_ARMS = "base,dflash,ddtree"
@@ -125,12 +125,8 @@ def parse_serving_arm(name: str) -> dict:
 
 
 def parse_serving_arms(spec: str) -> List[dict]:
-    arms = [parse_serving_arm(a) for a in spec.split(",") if a.strip()]
-    names = [a["name"] for a in arms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate arms in {spec!r}")
-    arms.sort(key=lambda a: a["kind"] != "base")   # the reference runs first: it sizes the levels
-    return arms
+    """:func:`servers.parse_arms` with :func:`parse_serving_arm` (the reference also sizes the levels)."""
+    return parse_arms(spec, parse=parse_serving_arm)
 
 
 def parse_arm_attention(spec: str) -> Dict[str, str]:
