@@ -829,7 +829,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
         # 3) verify inputs, 4) target verify, on the width's target state (no speculation: SGLang's
         # plain decode step) -------------------------------------------------------------------------
-        plain = N == plain_decode.PLAIN_WIDTH and self._catch_up is not None
+        plain = N == plain_decode.PLAIN_WIDTH   # width 1 exists only with the plain state (_init_adaptive)
         with (contextlib.nullcontext() if ctl is None else self._verify_states.installed(N)):
             if plain:
                 target_out = self._plain_decode(batch, draft_input, block_loc, prefix, host_bound,
