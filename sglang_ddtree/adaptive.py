@@ -71,6 +71,8 @@ MIN_FREE_GB = 2.0   # the default set builds a width only with this much (or twi
 DEFAULT_AGE_EDGES = (4, 6, 9, 14, 20, 30, 45, 68, 100, 150, 230, 340, 510, 770, 1150, 1730, 2600, 3900,
                      5800, 8800, 13000, 20000, 30000, 45000, 68000, 100000)
 DEFAULT_PROBE_EVERY = 16
+PREDICT_EVERY = 4        # a tree round narrower than the widest predicts every width on every k-th round
+DRAFT_PROBE_SHARE = 0.01  # a no-speculation stretch pays draft-only probes from 1 % of its rounds' time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +355,8 @@ def cost_table_from_timer(batch_sizes: Mapping[int, Sequence[int]],
         raise ValueError("no-spec needs the width-1 timings")
     if base is None:
         base = dict(rows[min(rows)])
-    return CostTable(verify_ms=rows, base_ms=base)
+    return CostTable(verify_ms=rows, base_ms=base,
+                     draft_ms={int(bs): float(ms) for bs, ms in draft_ms.items()} if draft_ms else None)
 
 
 def randomize_graph_input_ids(runner, vocab_size: int, seed: int = 0) -> bool:
@@ -459,6 +462,12 @@ class WidthController:
         self.probe_share = float(probe_share)
         self.probe_credit = 0.0
         self._since_probe = 0
+        # this round hands the policy the tree's own estimate of every width (``predict``); in a
+        # no-speculation round that is a draft-only probe (the drafter block and the widest tree, no
+        # verify), paid from ``draft_credit``
+        self.predict = False
+        self.draft_probes = 0
+        self.draft_credit = 0.0
         self._limits = None   # (key, [2, bs] device tensor) of the last batch: token limits, prompt lengths
         self._clock = clock
         self._share = share
@@ -573,11 +582,15 @@ class WidthController:
         weights (decayed request-round counts), the shared
         overhead and this rank's sample count, the rounds per width, probes and the interval counts."""
         out = {"chosen": {str(w): n for w, n in sorted(self.chosen.items())}, "probes": self.probes,
-               "intervals": dict(self.intervals), "lag": self.lag}
+               "draft_probes": self.draft_probes, "intervals": dict(self.intervals), "lag": self.lag}
         if self.policy is not None:
             pol = self.policy
             out["accept"] = {str(w): round(a, 4) for w, a in sorted(pol.accept.items())}
             out["accept_weight"] = {str(w): round(c, 2) for w, c in sorted(pol.accept_count.items())}
+            if pol.ratio is not None:             # the tree's estimate: calibration and its weight
+                out["calibration"] = {str(w): round(r, 4) for w, r in sorted(pol.ratio.items())}
+                out["calibration_weight"] = {str(w): round(c, 2) for w, c in sorted(pol.cal_n.items())}
+                out["predicted_weight"] = round(sum(pol.pred_n), 2)
             if pol.batch_accept is not None:      # the last choice's batch, weighed by its ages
                 out["accept_batch"] = {str(w): round(x, 4) for w, x in sorted(pol.batch_accept.items())}
             if pol.buckets > 1:                   # per age bucket (its lower edge) with any weight
@@ -601,9 +614,31 @@ class WidthController:
         cap = 2.0 * self._cost(bs, self.spec_widths[0])
         return max(w for w in self.spec_widths if self._cost(bs, w) <= cap)
 
+    def _draft_probe(self, bs: int) -> bool:
+        """A no-speculation round chosen by the policy: True when it should also run the drafter block
+        and predict every width from the widest tree (a draft-only probe), paid from
+        :data:`DRAFT_PROBE_SHARE` of the rounds' predicted time, at most every ``probe_every`` rounds.
+        It replaces the widest-width verify probe there: at c = 64 on the Qwen3-8B-shaped chain pair
+        (H200, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s26_plain.md``) a width-61 verify probe
+        took 99 ms at bs 63, 14 plain steps, where the drafter block is part of one."""
+        draft = self.policy.costs.draft_cost(bs)
+        self._since_probe += 1
+        self.draft_credit = min(self.draft_credit + DRAFT_PROBE_SHARE * self.policy.round_ms(bs, NO_SPEC),
+                                draft)
+        if self._since_probe < self.cfg.probe_every or self.draft_credit < draft - 1e-9:
+            return False
+        self.draft_credit -= draft
+        self._since_probe = 0
+        self.draft_probes += 1
+        return True
+
     def _probe_or(self, bs: int, w: int) -> int:
         """``w`` (the policy's choice) or, on a probe round, the widest width (its counts give every
-        narrower width's too), once the credit covers its extra cost over ``w``."""
+        narrower width's too), once the credit covers its extra cost over ``w``.  A no-speculation
+        choice with a drafter cost row probes with the drafter alone (:meth:`_draft_probe`)."""
+        if w == 1 and self.policy.costs.draft_cost(bs) is not None:
+            self.predict = self._draft_probe(bs)
+            return w
         cur = self._cost(bs, w)
         widest = self.cfg.widest
         if w >= widest:
@@ -620,6 +655,7 @@ class WidthController:
         self.probe_credit -= extra
         self._since_probe = 0
         self.probes += 1
+        self.predict = True          # a probe's pairs calibrate the wide widths
         return widest
 
     def next_width(self, bs: int, requested: Optional[int] = None, reqs=None) -> int:
@@ -628,11 +664,13 @@ class WidthController:
         the policy's choice (the forced test cycle still wins).  ``reqs``: the batch's SGLang
         requests; with age buckets the policy weighs them by their ages (output tokens so far, the
         host's view: one round behind under overlap scheduling)."""
-        for sums, counts, below in self.window.due():
+        for sums, counts, below, pred in self.window.due():
             if self.policy is not None:
                 ws = self.spec_widths
+                by_width = None if pred is None else {
+                    k: [dict(zip(ws, x)) for x in v] for k, v in pred.items()}
                 self.policy.update_window([dict(zip(ws, x)) for x in sums], [dict(zip(ws, x)) for x in counts],
-                                          [dict(zip(ws, x)) for x in below])
+                                          [dict(zip(ws, x)) for x in below], pred=by_width)
                 local = self._close_window()
                 shared = self._share(local) if self._share else local
                 for key, val in shared.items():
@@ -641,6 +679,7 @@ class WidthController:
         r = self.round
         self.round += 1
         cfg = self.cfg
+        self.predict = False
         if cfg.cycle is not None:
             b = cfg.cycle[r % len(cfg.cycle)]
             w = 1 if b == 0 else b + 1
@@ -655,20 +694,25 @@ class WidthController:
                 ages = [len(r.output_ids) for r in reqs]
             c = self.policy.choose(bs, ages)
             w = self._probe_or(bs, 1 if c == NO_SPEC else c)
+        if w > 1 and r % PREDICT_EVERY == 0:
+            self.predict = True
         self.chosen[w] = self.chosen.get(w, 0) + 1
         self._launch((int(bs), w))
         return w
 
-    def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None) -> None:
+    def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None,
+               predicted: Optional[torch.Tensor] = None) -> None:
         """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``; with the
         batch's SGLang requests and its committed lengths ``seq_lens`` [bs] (device), request-rounds
         past a request's max_new_tokens are not counted (:meth:`remaining_and_age`; see
-        ``round_stats.CounterfactualWindow``) and each counts in its request's age bucket."""
+        ``round_stats.CounterfactualWindow``) and each counts in its request's age bucket.
+        ``predicted`` [bs, len(spec_widths)] (a round with :attr:`predict`): every width's expected
+        acceptance from the widest tree (``accept_estimate.expected_accept``)."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
         left = age = None
         if reqs is not None and seq_lens is not None:
             left, age = self.remaining_and_age(reqs, seq_lens)
-        self.window.record(path, n_valid, left, age)
+        self.window.record(path, n_valid, left, age, predicted=predicted)
 
     def remaining_and_age(self, reqs, seq_lens: torch.Tensor):
         """(:func:`remaining_tokens`, :func:`output_tokens`) for a batch of SGLang requests, [bs] each

@@ -107,10 +107,13 @@ def _interp(table: Mapping[int, float], bs: int) -> float:
 @dataclass
 class CostTable:
     """Round cost in ms: ``verify_ms[width][bs]`` for each verify width, ``base_ms[bs]`` for a plain
-    decode step.  Every value must be a positive finite number."""
+    decode step, ``draft_ms[bs]`` (optional) for the drafter's block forward alone (included in every
+    verify width's cost; what a draft-only probe adds to a plain step).  Every value must be a
+    positive finite number."""
 
     verify_ms: Dict[int, Dict[int, float]]
     base_ms: Dict[int, float]
+    draft_ms: Optional[Dict[int, float]] = None
 
     def __post_init__(self):
         if not self.verify_ms:
@@ -120,6 +123,8 @@ class CostTable:
                 raise ValueError(f"verify width must be >= 2 (budget >= 1), got {w}")
             self._check_row(f"verify_ms[{w}]", row)
         self._check_row("base_ms", self.base_ms)
+        if self.draft_ms is not None:
+            self._check_row("draft_ms", self.draft_ms)
 
     @staticmethod
     def _check_row(name, row):
@@ -135,6 +140,10 @@ class CostTable:
 
     def cost(self, bs: int, width: int) -> float:
         return _interp(self.base_ms, bs) if width == NO_SPEC else _interp(self.verify_ms[width], bs)
+
+    def draft_cost(self, bs: int) -> Optional[float]:
+        """The drafter block's ms at ``bs`` (None when the table has no draft row)."""
+        return None if not self.draft_ms else _interp(self.draft_ms, bs)
 
 
 @dataclass
@@ -168,6 +177,18 @@ class BudgetPolicy:
     bucket_below: List[Dict[int, float]] = field(default=None)
     bucket_accept: List[Dict[int, float]] = field(default=None)   # per-bucket estimates
     batch_accept: Optional[Dict[int, float]] = None   # the last choice's batch (choose with ages)
+    # the tree's own estimate (update_window's ``pred``): decayed by ``pred_ema`` per window, the
+    # predicted accepted tokens per age bucket and width and the request-rounds they cover; and,
+    # decayed by ``cal_ema``, the calibration pairs per width (prediction, exact count, request-rounds)
+    pred_ema: float = 0.5
+    cal_ema: float = 0.95
+    cal_shrink: float = 8.0     # request-rounds of the narrower width's ratio in each width's ratio
+    pred_sum: List[Dict[int, float]] = field(default=None)
+    pred_n: List[float] = field(default=None)
+    cal_pred: Dict[int, float] = field(default=None)
+    cal_exact: Dict[int, float] = field(default=None)
+    cal_n: Dict[int, float] = field(default=None)
+    ratio: Dict[int, float] = field(default=None)   # exact / predicted per width (after a prediction)
 
     def __post_init__(self):
         if not 0.0 <= self.ema < 1.0:
@@ -187,6 +208,14 @@ class BudgetPolicy:
         self.bucket_count = [dict.fromkeys(ws, 0.0) for _ in range(nb)]
         self.bucket_below = [dict.fromkeys(ws, 0.0) for _ in range(nb)]
         self.bucket_accept = [dict(self.accept) for _ in range(nb)]
+        for name, val in (("pred_ema", self.pred_ema), ("cal_ema", self.cal_ema)):
+            if not 0.0 <= val < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {val}")
+        if not self.cal_shrink >= 0:
+            raise ValueError(f"cal_shrink must be >= 0, got {self.cal_shrink}")
+        self.pred_sum = [dict.fromkeys(ws, 0.0) for _ in range(nb)]
+        self.pred_n = [0.0] * nb
+        self.cal_pred, self.cal_exact, self.cal_n = (dict.fromkeys(ws, 0.0) for _ in range(3))
         if self.samples is None:
             self.samples = deque(maxlen=int(self.overhead_window))
         if self.samples_plain is None:
@@ -236,7 +265,8 @@ class BudgetPolicy:
         self.update_window([sums], [counts], None if below is None else [below])
 
     def update_window(self, sums: Sequence[Mapping[int, float]], counts: Sequence[Mapping[int, float]],
-                      below: Optional[Sequence[Mapping[int, float]]] = None) -> None:
+                      below: Optional[Sequence[Mapping[int, float]]] = None,
+                      pred: Optional[Mapping[str, Sequence[Mapping[int, float]]]] = None) -> None:
         """One window, per age bucket ``b`` (``round_stats.CounterfactualWindow`` with this policy's
         ``age_edges``): ``sums[b][w]`` tokens accepted over ``counts[b][w]`` request-rounds of
         requests in bucket ``b`` that measured verify width ``w``.  What follows holds per bucket.
@@ -288,8 +318,21 @@ class BudgetPolicy:
         so a sparse bucket reads the pooled value) and :meth:`choose` weighs the buckets by the ages
         of the batch it chooses for.  That is also what a burst of fresh requests needs: their
         low-acceptance rounds land in the young buckets and leave the older ones' estimates alone.
-        ``accept`` (no batch mix given) is the pooled estimate over every bucket."""
+        ``accept`` (no batch mix given) is the pooled estimate over every bucket.
+
+        **The tree's own estimate** (``pred``: ``round_stats.CounterfactualWindow``'s, per age bucket
+        ``{width: value}``: ``all`` / ``n`` the predicted accepted tokens and request-rounds over
+        every request-round that carried a prediction, ``on`` / ``exact`` / ``on_n`` the prediction,
+        the exact count and the request-rounds where both exist).  Once any arrived, the estimate of
+        every width is ``ratio[w] * predicted mean[w]`` (:meth:`_pred_estimate`): the predicted mean
+        decays by ``pred_ema`` per window (0.5: a change of workload shows within a window or two,
+        where the counts above need ~10), read per age bucket (shrunk towards the pooled mean by
+        ``shrink`` request-rounds); the calibration ratio ``exact / predicted`` decays by ``cal_ema``
+        over the request-rounds where both exist, so a wide width measured only by probes keeps its
+        ratio between probes and its estimate still follows the predictions of every round."""
         nb = self.buckets
+        if pred is not None:
+            self._fold_pred(pred)
         if len(sums) != nb or len(counts) != nb or (below is not None and len(below) != nb):
             raise ValueError(f"sums, counts and below need one entry per age bucket ({nb})")
         known = []
@@ -307,6 +350,8 @@ class BudgetPolicy:
                 for w in t:
                     t[w] *= self.ema
         if not any(known):
+            if pred is not None:
+                self._estimate()
             return
         if below is not None:
             self.paired = True
@@ -329,6 +374,68 @@ class BudgetPolicy:
                 self.seen.add(w)
         self._estimate()
         self.rounds_seen += 1
+
+    def _fold_pred(self, pred: Mapping[str, Sequence[Mapping[int, float]]]) -> None:
+        """Decay, then add one window's predictions (see :meth:`update_window`)."""
+        nb = self.buckets
+        parts = {k: pred[k] for k in ("all", "n", "on", "exact", "on_n")}
+        if any(len(v) != nb for v in parts.values()):
+            raise ValueError(f"pred needs one entry per age bucket ({nb}) in all, n, on, exact, on_n")
+        for k, v in parts.items():
+            for row in v:
+                for w, x in row.items():
+                    if not float(x) >= 0:
+                        raise ValueError(f"pred[{k!r}] at width {w}: {x!r} (must be >= 0)")
+        d, dc = self.pred_ema, self.cal_ema
+        for b in range(nb):
+            self.pred_n[b] *= d
+            n_b = max((float(x) for x in parts["n"][b].values()), default=0.0)
+            self.pred_n[b] += n_b
+            for w in self.pred_sum[b]:
+                self.pred_sum[b][w] = d * self.pred_sum[b][w] + float(parts["all"][b].get(w, 0.0))
+        for w in self.cal_n:
+            self.cal_pred[w] = dc * self.cal_pred[w] + sum(float(parts["on"][b].get(w, 0.0)) for b in range(nb))
+            self.cal_exact[w] = dc * self.cal_exact[w] + sum(float(parts["exact"][b].get(w, 0.0)) for b in range(nb))
+            self.cal_n[w] = dc * self.cal_n[w] + sum(float(parts["on_n"][b].get(w, 0.0)) for b in range(nb))
+
+    def _pred_estimate(self) -> bool:
+        """``accept`` / ``bucket_accept`` as calibrated predictions (see :meth:`update_window`); False
+        (nothing changed) before any prediction.  The ratio of the narrowest width starts from 1 (the
+        drafter taken at its word) with ``cal_shrink`` request-rounds of weight; each wider width's
+        from the narrower width's ratio with the same weight, so a width without pairs reads its
+        neighbour's.  Estimates are made non-decreasing in the width (a wider tree holds the narrower
+        one) and at most ``w - 1`` (the tree's nodes)."""
+        n_pool = sum(self.pred_n)
+        if n_pool <= 0:
+            return False
+        ws = sorted(self.accept)
+        pm = {w: sum(t[w] for t in self.pred_sum) / n_pool for w in ws}
+        ratio, prev, k = {}, 1.0, float(self.cal_shrink)
+        for w in ws:
+            P, E, n = self.cal_pred[w], self.cal_exact[w], self.cal_n[w]
+            if n > 0 and P > 0:
+                pbar = P / n
+                prev = (E + k * prev * pbar) / (P + k * pbar)
+            ratio[w] = prev
+        self.ratio = ratio
+
+        def calibrated(mean: Mapping[int, float]) -> Dict[int, float]:
+            out, best = {}, 0.0
+            for w in ws:
+                best = max(best, min(ratio[w] * mean[w], float(w - 1)))
+                out[w] = best
+            return out
+
+        self.accept.update(calibrated(pm))
+        if self.buckets == 1:
+            self.bucket_accept[0] = dict(self.accept)
+            return True
+        ks = float(self.shrink)
+        for b in range(self.buckets):
+            nb_ = self.pred_n[b]
+            mean = {w: (self.pred_sum[b][w] + ks * pm[w]) / (nb_ + ks) if nb_ + ks > 0 else pm[w] for w in ws}
+            self.bucket_accept[b] = calibrated(mean)
+        return True
 
     def _chain(self, S: Mapping[int, float], C: Mapping[int, float], B: Mapping[int, float]) -> Dict[int, float]:
         """Estimates of the seen widths from decayed sums (see :meth:`update_window`)."""
@@ -354,7 +461,10 @@ class BudgetPolicy:
         return out
 
     def _estimate(self) -> None:
-        """``accept`` (pooled) and ``bucket_accept`` from the decayed sums (see :meth:`update_window`)."""
+        """``accept`` (pooled) and ``bucket_accept`` from the decayed sums (see :meth:`update_window`):
+        the calibrated predictions once there are any, else the counts alone."""
+        if self._pred_estimate():
+            return
         S, C = self.accept_sum, self.accept_count
         B = self._pooled(self.bucket_below)
         self.accept.update(self._chain(S, C, B))

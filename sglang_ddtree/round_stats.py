@@ -347,6 +347,14 @@ class CounterfactualWindow:
     edges[k]``; no edges or no ``age``: one bucket).  Why (``budget_policy.BudgetPolicy``):
     acceptance depends on a request's age, and which ages a width's rounds see depends on the width.
 
+    ``predicted`` [bs, len(budgets)] (device float, optional): each budget's expected acceptance
+    read off the round's widest tree before the verify (``accept_estimate.expected_accept``; a
+    draft-only probe round hands it with ``n_valid = 0``).  Kept apart, under the same mask, clip
+    and age buckets as the counts: its sum and request-rounds over every request-round that carries
+    it (what the policy reads as the batch's current acceptance at every budget), and, at each budget
+    the round's tree holds, the prediction and the exact count side by side on the same
+    request-rounds (the calibration ratio ``exact / predicted``).
+
     A closed window is copied to pinned memory behind an event and handed out by ``due()`` once
     ``lag`` more rounds were recorded: at the same round on every TP rank (if the copy is somehow
     not complete by then, ``due`` waits for it and counts ``waits``)."""
@@ -368,6 +376,11 @@ class CounterfactualWindow:
         # budget; [1]: at budget k >= 1, what budget k - 1 accepted on those same request-rounds (the
         # pair a gain is measured on); [2]: request-rounds counted
         self._acc = torch.zeros(3, nb, nk, dtype=torch.int64, device=self.device)
+        # the tree's own estimate (``predicted``), fp64 per (age bucket, budget): [0] predicted
+        # accepted tokens over every request-round that carries a prediction, [1] those request-
+        # rounds, [2] at a budget the round's tree holds: the prediction, [3] the exact count and
+        # [4] the request-rounds, over the same request-rounds (the calibration pairs)
+        self._pred = torch.zeros(5, nb, nk, dtype=torch.float64, device=self.device)
         self._rounds = 0
         self._inflight = []   # (due round, event or None, host copy of _acc)
         self.waits = 0
@@ -377,41 +390,72 @@ class CounterfactualWindow:
         return len(self.age_edges) + 1
 
     def record(self, path: torch.Tensor, n_valid: int, remaining: Optional[torch.Tensor] = None,
-               age: Optional[torch.Tensor] = None) -> None:
+               age: Optional[torch.Tensor] = None, predicted: Optional[torch.Tensor] = None) -> None:
         bs = path.shape[0]
-        if n_valid > 0 and bs:
+        nk = len(self.budgets)
+        if predicted is not None and tuple(predicted.shape) != (bs, nk):
+            raise ValueError(f"predicted must be [{bs}, {nk}] (every budget), got {tuple(predicted.shape)}")
+        if (n_valid > 0 or predicted is not None) and bs:
             if age is None or not self.age_edges:
                 bucket = torch.zeros(bs, dtype=torch.int64, device=path.device)
             else:
                 bucket = torch.bucketize(age.reshape(bs).to(torch.int64), self._edges_dev, right=True)
-            cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid]).to(torch.int64)
-            if remaining is None:
-                ones = torch.ones_like(cf)
-            else:
+            live = left = None
+            if remaining is not None:
                 left = remaining.reshape(bs, 1).to(torch.int64)
                 live = left > 0
-                cf = torch.minimum(cf, (left - 1).clamp(min=0)) * live   # [bs, n_valid]
-                ones = live.to(torch.int64).expand(bs, n_valid)
-            self._acc[2, :, :n_valid].index_add_(0, bucket, ones)
-            self._acc[0, :, :n_valid].index_add_(0, bucket, cf)
-            self._acc[1, :, 1:n_valid].index_add_(0, bucket, cf[:, :n_valid - 1])
+            cf = None
+            if n_valid > 0:
+                cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid]).to(torch.int64)
+                if live is None:
+                    ones = torch.ones_like(cf)
+                else:
+                    cf = torch.minimum(cf, (left - 1).clamp(min=0)) * live   # [bs, n_valid]
+                    ones = live.to(torch.int64).expand(bs, n_valid)
+                self._acc[2, :, :n_valid].index_add_(0, bucket, ones)
+                self._acc[0, :, :n_valid].index_add_(0, bucket, cf)
+                self._acc[1, :, 1:n_valid].index_add_(0, bucket, cf[:, :n_valid - 1])
+            if predicted is not None:
+                pr = predicted.to(torch.float64)
+                if live is None:
+                    weight = torch.ones((bs, 1), dtype=torch.float64, device=pr.device)
+                else:   # the same clip as the counts: a request keeps at most remaining - 1 accepted
+                    pr = torch.minimum(pr, (left - 1).clamp(min=0).to(torch.float64)) * live
+                    weight = live.to(torch.float64)
+                self._pred[0].index_add_(0, bucket, pr)
+                self._pred[1].index_add_(0, bucket, weight.expand(bs, nk))
+                if cf is not None:
+                    self._pred[2, :, :n_valid].index_add_(0, bucket, pr[:, :n_valid])
+                    self._pred[3, :, :n_valid].index_add_(0, bucket, cf.to(torch.float64))
+                    self._pred[4, :, :n_valid].index_add_(0, bucket, weight.expand(bs, n_valid))
         self._rounds += 1
         if self._rounds % self.every == 0:
             ev, host = _async_host_copy(self._acc)
+            ev_p, host_p = _async_host_copy(self._pred)
             self._acc.zero_()
-            self._inflight.append((self._rounds + self.lag, ev, host))
+            self._pred.zero_()
+            self._inflight.append((self._rounds + self.lag, (ev, ev_p), host, host_p))
 
     def due(self) -> List[tuple]:
-        """Windows whose hand-out round has come: [(sums, counts, below)], each [age bucket][budget],
-        ``below[b][k]`` (k >= 1) = what budget k - 1 accepted on the request-rounds counted at budget
-        k (``below[b][0]`` = 0): the same rounds, so ``sums[b][k] / below[b][k]`` is budget k's gain
-        over budget k - 1 free of which rounds happened to run the wider tree."""
+        """Windows whose hand-out round has come: [(sums, counts, below, pred)], each of the first
+        three [age bucket][budget], ``below[b][k]`` (k >= 1) = what budget k - 1 accepted on the
+        request-rounds counted at budget k (``below[b][0]`` = 0): the same rounds, so
+        ``sums[b][k] / below[b][k]`` is budget k's gain over budget k - 1 free of which rounds happened
+        to run the wider tree.  ``pred``: None when no round of the window carried a prediction, else
+        a dict of [age bucket][budget] lists: ``all`` / ``n`` (predicted accepted tokens / request-
+        rounds over every predicted request-round), ``on`` / ``exact`` / ``on_n`` (the prediction,
+        the exact count and the request-rounds where both exist)."""
         out = []
         while self._inflight and self._inflight[0][0] <= self._rounds:
-            _, ev, host = self._inflight.pop(0)
-            if ev is not None and not ev.query():
+            _, events, host, host_p = self._inflight.pop(0)
+            late = [ev for ev in events if ev is not None and not ev.query()]
+            for ev in late:
                 ev.synchronize()
-                self.waits += 1
+            self.waits += bool(late)
             sums, below, counts = host.tolist()
-            out.append((sums, counts, below))
+            p_all, p_n, p_on, p_exact, p_on_n = host_p.tolist()
+            pred = None
+            if any(x > 0 for row in p_n for x in row):
+                pred = dict(all=p_all, n=p_n, on=p_on, exact=p_exact, on_n=p_on_n)
+            out.append((sums, counts, below, pred))
         return out

@@ -803,28 +803,38 @@ class DDTreeWorker(DFlashWorkerV2):
             block_ids_out=block_ids, positions_out=block_pos, cache_loc_out=block_loc,
             mask_token_id=int(self._mask_token_id))
         host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
+        # the policy's estimate of every width from the widest tree (adaptive.WidthController.predict);
+        # in a no-speculation round that is a draft-only probe: the drafter block, no verify
+        predict = ctl is not None and ctl.predict
+        drafts = N > 1 or predict
         catch_key = None
         if self._catch_up is not None:
             if self._catch_up.rows or N == 1:
                 catch_key = plain_decode.batch_key(batch.reqs)
-            if self._catch_up.must_flush(catch_key, speculative=N > 1, incoming=bs if N == 1 else 0):
+            if self._catch_up.must_flush(catch_key, speculative=drafts, incoming=bs if N == 1 else 0):
                 self._catch_up.flush()         # the drafter's K/V owed for no-speculation rounds
         draft_out = None
-        if N > 1:
+        if drafts:
             lp, ids, draft_out = self._draft_block(batch, block_ids, block_pos, block_loc, prefix,
                                                    host_bound, host_bound_sum, bs)
         prof.mark()
 
         # 2) tree: the first N - 1 best-first nodes (prefix-closed: a narrower tree is the wider one's
         # first slots), or the root alone -----------------------------------------------------------
-        predicted = None
+        predicted = predicted_all = None
+        roots = draft_input.bonus_tokens.view(-1)
         if N > 1:
-            tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=draft_input.bonus_tokens.view(-1),
-                                     backend=self.tree_backend, validate=False)
+            tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=roots, backend=self.tree_backend,
+                                     validate=False)
             if self._stats is not None:   # opt-in telemetry: the tree's own acceptance estimate
                 predicted = accept_estimate.expected_accept(tree, lp, ids, self._stats.predicted_widths(N))
         else:
-            tree = adaptive.root_only_tree(draft_input.bonus_tokens.view(-1), D)
+            tree = adaptive.root_only_tree(roots, D)
+        if predict:
+            widest = ctl.cfg.widest
+            wide = tree if N == widest else ddtree.build_tree(lp, ids, widest - 1, root_tokens=roots,
+                                                               backend=self.tree_backend, validate=False)
+            predicted_all = accept_estimate.expected_accept(wide, lp, ids, ctl.spec_widths)
         prof.mark()
 
         # 3) verify inputs, 4) target verify, on the width's target state (no speculation: SGLang's
@@ -840,7 +850,8 @@ class DDTreeWorker(DFlashWorkerV2):
         prof.mark()
         return self._accept_commit(batch, on_publish, tree, logits_output, target_out, draft_out,
                                    draft_input, block_loc, block_pos, prefix, bs, N,
-                                   defer_key=catch_key if plain else None, predicted=predicted)
+                                   defer_key=catch_key if plain else None, predicted=predicted,
+                                   predicted_all=predicted_all)
 
     def _plain_decode(self, batch, draft_input, block_loc, prefix, host_bound, host_bound_sum):
         """A no-speculation round's target forward: SGLang's DECODE step of the root (the previous
@@ -921,10 +932,12 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _accept_commit(self, batch, on_publish, tree, logits_output, target_out, draft_out,
                        draft_input, block_loc, block_pos, prefix, bs, N,
-                       defer_key=None, predicted=None) -> GenerationBatchResult:
+                       defer_key=None, predicted=None, predicted_all=None) -> GenerationBatchResult:
         """Accept (greedy or sampled) over the N verify slots, then commit accepted K/V, drafter
         context and the bonus.  ``defer_key`` (a no-speculation round, N = 1): the drafter context of
-        the round's token is stashed for a later batched write (``plain_decode.DraftCatchUp``)."""
+        the round's token is stashed for a later batched write (``plain_decode.DraftCatchUp``).
+        ``predicted`` [bs, n]: the stats file's estimate; ``predicted_all`` [bs, widths]: the adaptive
+        policy's (every width of its set)."""
         B, prof = self.block_size, self._prof
         sampling_info = batch.sampling_info
         if sampling_info is not None:
@@ -945,7 +958,8 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._adaptive is not None:
             # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
             # request one more round) are not counted in the acceptance estimate
-            self._adaptive.record(path, N, getattr(batch, "reqs", None), prefix.view(-1))
+            self._adaptive.record(path, N, getattr(batch, "reqs", None), prefix.view(-1),
+                                  predicted=predicted_all)
         prof.mark()
 
         # 6) commit: one launch (ddtree.commit_round): the emitted tokens (accepted path tokens, then the

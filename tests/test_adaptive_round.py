@@ -299,7 +299,8 @@ def run_round(wd):
     n_built, n_appends = len(wd.built), len(wd.draft_appends)
     seq_lens_before = batch.seq_lens
     res = wd.w._forward_tree_round(batch, None)
-    wd.cur["budget"] = wd.built[-1] if len(wd.built) > n_built else None
+    # the verified tree is the round's first build (a prediction round builds the widest one after it)
+    wd.cur["budget"] = wd.built[n_built] if len(wd.built) > n_built else None
     assert (wd.mr.attn_backend, wd.mr.decode_cuda_graph_runner) == wd.mr.home   # restored
     assert (batch.forward_mode, batch.spec_algorithm, batch.input_ids) == ("sched-DECODE", "DDTREE-GPU", None)
     assert batch.seq_lens is seq_lens_before                                     # the batch is restored
@@ -400,6 +401,58 @@ def test_policy_switches_widths_and_learns_from_wide_rounds(world):
     for _ in range(6):
         run_round(wd)
     assert pol.seen == {4, 16}
+    assert_lossless(wd)
+
+
+def test_no_spec_stretch_probes_with_the_drafter_alone(world):
+    """No speculation is the choice and the table knows the drafter's cost: the probe is draft-only
+    (the drafter's K/V owed by the plain rounds written first, the drafter block, the widest tree, a
+    plain decode step: one token per request), never a widest-width verify; its predictions reach the
+    policy, whose estimate then covers every width."""
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1", "SGLANG_DDTREE_PROBE_EVERY": "4"}
+    wd = make_worker(world, env)
+    table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2},
+                      draft_ms={1: 0.5, 8: 0.6})
+    ctl = wd.w._adaptive
+    ctl.policy, ctl._clock = BudgetPolicy(table, allow_no_spec=True), (lambda: 0.0)
+    for _ in range(6):
+        run_round(wd)
+    assert wd.log[-1]["N"] == 1 and ctl.draft_probes == 0
+    ctl.draft_credit = 1e9
+    probe_at = None
+    for i in range(8):
+        n_built = len(wd.built)
+        r = run_round(wd)
+        assert r["N"] == 1 and r["plain"] and (wd.log[-1]["commit"] == 1).all()
+        if r["drafted"]:
+            assert probe_at is None and wd.built[n_built:] == [15]      # the widest tree, no verify
+            probe_at = i
+    assert probe_at is not None and ctl.draft_probes == 1 and ctl.probes == 0
+    for _ in range(3):
+        run_round(wd)
+    pol = ctl.policy
+    assert sum(pol.pred_n) > 0 and set(pol.ratio) == {4, 16}
+    assert_lossless(wd)
+
+
+def test_narrow_rounds_predict_every_width_on_their_cadence(world):
+    """Width 4 is the choice: every PREDICT_EVERY-th round also builds the widest tree (budget 15)
+    for the estimate, and verifies the narrow one; the policy's calibration pairs come from them."""
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_PROBE_EVERY": "1000"}
+    wd = make_worker(world, env)
+    table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
+    pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
+    ctl = wd.w._adaptive
+    ctl.policy, ctl._clock = pol, (lambda: 0.0)
+    per_round = []
+    for _ in range(12):
+        n_built = len(wd.built)
+        r = run_round(wd)
+        assert r["N"] == 4 and r["budget"] == 3
+        per_round.append(wd.built[n_built:])
+    assert [b for b in per_round] == [[3, 15] if i % A.PREDICT_EVERY == 0 else [3] for i in range(12)]
+    assert pol.cal_n[4] > 0 and pol.cal_n[16] == 0 and sum(pol.pred_n) > 0
+    assert pol.ratio[16] == pytest.approx(pol.ratio[4])
     assert_lossless(wd)
 
 
@@ -647,7 +700,7 @@ def test_request_rounds_past_max_new_tokens_are_not_counted(world):
         run_round(wd)
     ctl.window.due()
     assert len(got) == 8
-    for (sums, counts, below), seq, log in zip(got, seq_before, wd.log):
+    for (sums, counts, below, _pred), seq, log in zip(got, seq_before, wd.log):
         acc = (log["commit"] - 1).tolist()                          # accepted per request (width 16)
         left = [5 + 1 - int(seq[0]) - 1, 5 + 4 - int(seq[1]) - 1]   # tokens each may still emit
         want = [0, min(acc[1], max(left[1] - 1, 0)) if left[1] > 0 else 0, acc[2]]

@@ -52,7 +52,7 @@ def test_window_counts_only_widths_the_round_covers(rng):
                 want_b[j] += int(cf[:, j - 1].sum())     # the narrower budget on the same rounds
         win.record(path, n_valid)
         if (r + 1) % 3 == 0:
-            windows.append(([want_s], [want_c], [want_b]))      # one age bucket
+            windows.append(([want_s], [want_c], [want_b], None))   # one age bucket, no prediction
             want_s, want_c, want_b = [0] * 3, [0] * 3, [0] * 3
     # window k (closed after round 3k+3) is handed out once 2 more rounds were recorded
     assert got == windows[:3]
@@ -99,9 +99,68 @@ def test_window_skips_finished_requests_clips_last_rounds_and_counts_per_age_buc
         win.record(path, n_valid, rem, age)
         got += win.due()
         if (r + 1) % 2 == 0:
-            want.append((s, c, bl))
+            want.append((s, c, bl, None))
             s, c, bl = new()
     assert got == want
+
+
+def test_window_predictions_pair_with_the_exact_counts_per_bucket(rng):
+    """``predicted`` [bs, budgets] (the tree's own estimate): under the same mask, clip and age buckets
+    as the counts, the window sums it over every request-round that carries it (``all`` / ``n``) and,
+    at each budget the round's tree holds, pairs it with the exact count on the same request-rounds
+    (``on`` / ``exact`` / ``on_n``); a draft-only probe (``n_valid = 0``) adds to ``all`` / ``n``
+    alone, and a window without predictions hands out None.  Brute force over random rounds."""
+    budgets = [3, 7, 15]
+    edges = (3, 8)
+    win = CounterfactualWindow(budgets, device="cpu", every=3, lag=0, age_edges=edges)
+    py = random.Random(int(torch.randint(0, 2 ** 31, (), generator=rng)))
+    zero = lambda: {k: [[0.0] * 3 for _ in range(3)] for k in ("all", "n", "on", "exact", "on_n")}
+    got, want, acc, any_pred = [], [], zero(), False
+    for r in range(30):
+        b = py.choice([0] + budgets)
+        bs = py.randint(1, 5)
+        if b == 0:
+            path = torch.full((bs, 7), -1, dtype=torch.int32)
+            path[:, 0] = 0
+            n_valid = 0
+        else:
+            path = _round_path(rng, bs, b)
+            n_valid = budgets.index(b) + 1
+        pred = None
+        if py.random() < 0.6:
+            pred = torch.rand(bs, 3, generator=rng, dtype=torch.float64).cumsum(1) * 2
+        rem = None if py.random() < 0.3 else torch.tensor([py.randint(-2, 6) for _ in range(bs)])
+        age = None if py.random() < 0.2 else torch.tensor([py.randint(1, 12) for _ in range(bs)])
+        if pred is not None:
+            any_pred = True
+            cf = tree_ops.counterfactual_accept_len(path, budgets[:n_valid]) if n_valid else None
+            for i in range(bs):
+                left = None if rem is None else int(rem[i])
+                if left is not None and left <= 0:
+                    continue
+                k = 0 if age is None else sum(int(age[i]) >= e for e in edges)
+                clip = (lambda x: x) if left is None else (lambda x: min(x, left - 1))
+                for j in range(3):
+                    acc["all"][k][j] += clip(float(pred[i, j]))
+                    acc["n"][k][j] += 1
+                for j in range(n_valid):
+                    acc["on"][k][j] += clip(float(pred[i, j]))
+                    acc["exact"][k][j] += clip(int(cf[i, j]))
+                    acc["on_n"][k][j] += 1
+        win.record(path, n_valid, rem, age, predicted=pred)
+        got += [x[3] for x in win.due()]
+        if (r + 1) % 3 == 0:
+            want.append(acc if any_pred else None)
+            acc, any_pred = zero(), False
+    assert len(got) == len(want) == 10 and any(w is None for w in want) == any(g is None for g in got)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        for key in w:
+            assert torch.allclose(torch.tensor(g[key], dtype=torch.float64), torch.tensor(w[key], dtype=torch.float64)), key
+    with pytest.raises(ValueError, match="every budget"):
+        win.record(path, n_valid, predicted=torch.zeros(path.shape[0], 2))
 
 
 def test_remaining_tokens_from_prompt_length_and_max_new_tokens():
@@ -524,11 +583,11 @@ def test_controller_record_drops_wider_widths():
                           window_every=1, window_lag=0)
     path = torch.tensor([[0, 2, 5, 9, -1, -1, -1]], dtype=torch.int32)     # slots 2, 5 <= 7; 9 > 7
     c.record(path, 8)                               # a width-8 round: widths 4 and 8 known, 16 not
-    assert c.window.due() == [([[1, 2, 0]], [[1, 1, 0]], [[0, 1, 0]])]
+    assert c.window.due() == [([[1, 2, 0]], [[1, 1, 0]], [[0, 1, 0]], None)]
     c.record(path, 1)                               # no-spec: nothing known
-    assert c.window.due() == [([[0, 0, 0]], [[0, 0, 0]], [[0, 0, 0]])]
+    assert c.window.due() == [([[0, 0, 0]], [[0, 0, 0]], [[0, 0, 0]], None)]
     c.record(path, 16)
-    assert c.window.due() == [([[1, 2, 3]], [[1, 1, 1]], [[0, 1, 2]])]
+    assert c.window.due() == [([[1, 2, 3]], [[1, 1, 1]], [[0, 1, 2]], None)]
     assert NO_SPEC == 0
 
 
