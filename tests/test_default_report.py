@@ -1,0 +1,100 @@
+"""bench/default_report.py, issue 39's proof table, on hand-made serving reports: each cell's verdict
+follows the issue's bars worked out by hand (>= 0.97x max(base, dflash); >= 1.05x dflash only where
+dflash beats base; identical outputs or classified near ties; 3 repeats of >= 20 s), a cell never
+mixes arms of two reports, and the report with more repeats wins a cell."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import default_report as R  # noqa: E402
+
+
+def report(levels, *, workload="random", pair="text", repeats=3, min_s=20.0, short=(), mismatched=None,
+           classified=None, date="2026-12-05"):
+    """levels: {c: {arm: tok/s}} (an arm missing at c is absent from that level)."""
+    arms = {}
+    for c, by in levels.items():
+        for name, t in by.items():
+            arms.setdefault(name, []).append(dict(concurrency=c, output_throughput=t, repeats=repeats,
+                                                  partial=False, short=(name, c) in short,
+                                                  median_ttft_ms=10.0, accept_length=1.0))
+    idn = dict(reference="base", arms={a: dict(compared=8, mismatched=(mismatched or {}).get(a, 0))
+                                       for a in arms if a != "base"})
+    if classified:
+        idn["classification"] = dict(arms=classified)
+    return dict(kind="ab_serving", meta=dict(date=date),
+                settings=dict(pair=pair, workload=dict(name=workload), concurrency=sorted(levels),
+                              min_level_seconds=min_s),
+                arms=[dict(name=n, levels=lv) for n, lv in arms.items()], identity=idn)
+
+
+def cells_of(*docs):
+    return R.assemble([(f"r{i}.json", d) for i, d in enumerate(docs)])
+
+
+def test_the_bars_as_the_issue_states_them():
+    doc = report({1: dict(base=100.0, dflash=120.0, ddtree=130.0),     # 1.08x dflash: pass
+                  4: dict(base=100.0, dflash=120.0, ddtree=122.0),     # beats both, but 1.02x dflash
+                  16: dict(base=100.0, dflash=80.0, ddtree=98.0),      # dflash loses: 0.98x base passes
+                  64: dict(base=100.0, dflash=80.0, ddtree=96.0)})     # 0.96x base fails
+    cells = cells_of(doc)
+    st = {c: cells[("text", "random", c)]["status"] for c in (1, 4, 16, 64)}
+    assert st == {1: "PASS", 4: "FAIL", 16: "PASS", 64: "FAIL"}
+    assert "dflash" in cells[("text", "random", 4)]["fails"][0]
+    assert cells[("text", "random", 16)]["x_best"] == pytest.approx(0.98)
+
+
+def test_outputs_must_be_identical_or_classified_near_ties():
+    lv = {1: dict(base=100.0, dflash=90.0, ddtree=150.0)}
+    assert cells_of(report(lv, mismatched={"ddtree": 2}))[("text", "random", 1)]["status"] == "FAIL"
+    ties = report(lv, mismatched={"ddtree": 2}, classified={"ddtree": dict(near_tie=2, error=0)})
+    assert cells_of(ties)[("text", "random", 1)]["status"] == "PASS"
+    err = report(lv, mismatched={"ddtree": 2}, classified={"ddtree": dict(near_tie=1, error=1)})
+    assert cells_of(err)[("text", "random", 1)]["status"] == "FAIL"
+
+
+def test_short_or_few_repeats_is_incomplete_whatever_the_ratio():
+    lv = {1: dict(base=100.0, dflash=90.0, ddtree=150.0)}
+    assert cells_of(report(lv, repeats=2))[("text", "random", 1)]["status"] == "INCOMPLETE"
+    assert cells_of(report(lv, min_s=15.0))[("text", "random", 1)]["status"] == "INCOMPLETE"
+    assert cells_of(report(lv, short={("dflash", 1)}))[("text", "random", 1)]["status"] == "INCOMPLETE"
+
+
+def test_a_cell_never_mixes_reports_and_more_repeats_win():
+    a = report({4: dict(base=100.0, dflash=90.0)})
+    b = report({4: dict(ddtree=150.0)})
+    assert cells_of(a, b) == {}
+    two = report({4: dict(base=100.0, dflash=90.0, ddtree=90.0)}, repeats=2)
+    three = report({4: dict(base=100.0, dflash=90.0, ddtree=99.0)}, repeats=3, date="2026-12-01")
+    for order in ((two, three), (three, two)):
+        cell = cells_of(*order)[("text", "random", 4)]
+        assert cell["tok_s"]["ddtree"] == 99.0 and cell["status"] == "PASS"
+
+
+def test_missing_lists_the_matrix_gaps_and_refuses_other_reports():
+    cells = cells_of(report({c: dict(base=1.0, dflash=1.0, ddtree=1.0) for c in (1, 4, 16, 64)}),
+                     report({16: dict(base=1.0, dflash=1.0, ddtree=1.0)}, workload="long"))
+    gaps = R.missing(cells)
+    assert not any(g.startswith("text / random") for g in gaps)
+    assert "text / long: c = 1, 4, 64 not measured" in gaps
+    assert any(g.startswith("text / natural: c = 1, 4, 16, 64") for g in gaps)
+    assert gaps[0].startswith("pairs: 1 measured")
+    with pytest.raises(ValueError, match="not a bench_serving"):
+        R.assemble([("x.json", dict(kind="ab"))])
+
+
+def test_the_command_writes_json_and_markdown(tmp_path):
+    src = tmp_path / "serving.json"
+    src.write_text(json.dumps(report({1: dict(base=100.0, dflash=120.0, ddtree=130.0)})))
+    out = tmp_path / "default_h200"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "default_report.py"), str(out), str(src)],
+                   check=True, capture_output=True)
+    doc = json.loads((tmp_path / "default_h200.json").read_text())
+    assert doc["passed"] == doc["total"] == 1
+    md = (tmp_path / "default_h200.md").read_text()
+    assert "**1 of 1 cells pass.**" in md and "| text | random | 1 | 100 | 120 | 130 | 1.08 | 1.08 |" in md
