@@ -611,8 +611,11 @@ class WidthController:
     def _first_width(self, bs: int) -> int:
         if self.policy is None:
             return self.cfg.widest
-        cap = 2.0 * self._cost(bs, self.spec_widths[0])
-        return max(w for w in self.spec_widths if self._cost(bs, w) <= cap)
+        ws = [w for w in self.policy.candidates(bs) if w != NO_SPEC]
+        if not ws:                     # past every tree width's graphs: plain decoding
+            return 1
+        cap = 2.0 * self._cost(bs, ws[0])
+        return max(w for w in ws if self._cost(bs, w) <= cap)
 
     def _draft_probe(self, bs: int) -> bool:
         """A no-speculation round chosen by the policy: True when it should also run the drafter block
@@ -643,6 +646,8 @@ class WidthController:
         widest = self.cfg.widest
         if w >= widest:
             self._since_probe, self.probe_credit = 0, 0.0
+            return w
+        if widest not in self.policy.candidates(bs):   # past the widest width's graphs: no probe
             return w
         extra = max(self._cost(bs, widest) - cur, 0.0)
         self._since_probe += 1

@@ -142,8 +142,15 @@ class CostTable:
         return _interp(self.base_ms, bs) if width == NO_SPEC else _interp(self.verify_ms[width], bs)
 
     def draft_cost(self, bs: int) -> Optional[float]:
-        """The drafter block's ms at ``bs`` (None when the table has no draft row)."""
-        return None if not self.draft_ms else _interp(self.draft_ms, bs)
+        """The drafter block's ms at ``bs`` (None when the table has no draft row or ``bs`` is past
+        its largest batch: the drafter would run without its graph)."""
+        return None if not self.draft_ms or bs > max(self.draft_ms) else _interp(self.draft_ms, bs)
+
+    def covers(self, bs: int, width: int) -> bool:
+        """``bs`` is within the batch sizes timed for ``width`` (its CUDA graphs): past them a round
+        runs eagerly, and the table, clamped there, would price it as the largest graph."""
+        row = self.base_ms if width == NO_SPEC else self.verify_ms[width]
+        return bs <= max(row)
 
 
 @dataclass
@@ -552,8 +559,15 @@ class BudgetPolicy:
         """Expected output tokens per millisecond of a round of ``bs`` requests at ``width``."""
         return bs * self.tokens_per_request(width) / self.round_ms(bs, width)
 
-    def candidates(self) -> List[int]:
-        return ([NO_SPEC] if self.allow_no_spec else []) + self.costs.widths
+    def candidates(self, bs: Optional[int] = None) -> List[int]:
+        """The choices for a batch of ``bs`` requests: no speculation (if allowed) and every tree
+        width whose graphs cover ``bs``; when no-speculation is allowed, a batch past every tree
+        width's graphs (``spec_algo.SPEC_GRAPH_MAX_BS`` by default) runs plain decoding only; when it
+        is not, every width stays (eager past its graphs).  ``bs`` None: every choice."""
+        ws = self.costs.widths
+        if bs is not None and self.allow_no_spec:
+            ws = [w for w in ws if self.costs.covers(bs, w)]
+        return ([NO_SPEC] if self.allow_no_spec else []) + ws
 
     def choose(self, bs: int, ages: Optional[Sequence[int]] = None) -> int:
         """The verify width for the next round of ``bs`` requests (NO_SPEC: plain decode); ``ages``:
@@ -562,7 +576,7 @@ class BudgetPolicy:
         if bs < 1:
             raise ValueError(f"batch size must be >= 1, got {bs}")
         self.batch_accept = None if not ages or self.buckets == 1 else self.mix_accept(ages)
-        scores = {w: self.tokens_per_ms(bs, w) for w in self.candidates()}
+        scores = {w: self.tokens_per_ms(bs, w) for w in self.candidates(bs)}
         best = max(scores, key=lambda w: (scores[w], -w))   # ties: the narrower (cheaper) width
         if self.current in scores and scores[best] <= scores[self.current] * (1 + self.hysteresis):
             return self.current

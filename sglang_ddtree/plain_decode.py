@@ -52,18 +52,29 @@ def user_decode_backend(server_args) -> Optional[str]:
 @contextlib.contextmanager
 def plain_runner_view(model_runner):
     """Inside: ``model_runner`` looks like a non-speculative runner (``spec_algorithm`` NONE) whose
-    decode graphs capture hidden states (``enable_return_hidden_states``).  Restored on exit."""
+    decode graphs capture hidden states (``enable_return_hidden_states``) at the batch sizes plain
+    decoding captures (``spec_algo.PLAIN_GRAPH_BS_ATTR`` when argument resolution trimmed the
+    speculative graphs' list).  Restored on exit."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from .spec_algo import PLAIN_GRAPH_BS_ATTR
 
     sa = model_runner.server_args
     old_algo, old_rhs = model_runner.spec_algorithm, sa.enable_return_hidden_states
+    dec = getattr(getattr(sa, "cuda_graph_config", None), "decode", None)
+    plain_bs = getattr(sa, PLAIN_GRAPH_BS_ATTR, None)
+    old_bs = (dec.bs, dec.max_bs) if dec is not None else None
     model_runner.spec_algorithm = SpeculativeAlgorithm.NONE
     sa.override("sglang_ddtree.plain_decode_capture", enable_return_hidden_states=True)
+    if plain_bs and dec is not None:
+        dec.bs, dec.max_bs = list(plain_bs), max(plain_bs)
     try:
         yield
     finally:
         model_runner.spec_algorithm = old_algo
         sa.override("sglang_ddtree.plain_decode_restore", enable_return_hidden_states=old_rhs)
+        if old_bs is not None:
+            dec.bs, dec.max_bs = old_bs
 
 
 def _build_backend(model_runner, name: Optional[str]):

@@ -92,8 +92,9 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
 
         _resolve_dflash_draft_attention_backend(server_args)
-        if server_args.max_running_requests is None:
-            server_args.max_running_requests = 48
+        if server_args.max_running_requests is None and \
+                plain_floor_graphs(server_args, settings.budget, self.name) is None:
+            server_args.max_running_requests = 48   # SGLang's own default for speculative servers
         if server_args.enable_mixed_chunk:
             server_args.enable_mixed_chunk = False
             logger.warning("%s: mixed chunked prefill disabled", self.name)
@@ -118,6 +119,46 @@ def _ddtree_target_attention_backend(view) -> dict:
                     "verify needs a backend that applies a custom mask", view.attention_backend,
                     SUPPORTED_TARGET_BACKENDS[0])
     return {"attention_backend": SUPPORTED_TARGET_BACKENDS[0]}
+
+
+# The adaptive default (no-speculation rounds among the choices) runs as many requests as plain
+# decoding would: SGLang's speculative servers cap --max-running-requests at 48 when it is not given
+# (DFLASH too), which at c = 64 is a quarter of the batch plain decoding runs.  Tree widths keep CUDA
+# graphs up to SPEC_GRAPH_MAX_BS requests (a width-61 verify graph at bs 64 is 3,904 tokens; four
+# widths and the drafter up to SGLang's H200 default of 256 would multiply start-up time and graph
+# memory); the no-speculation state captures SGLang's whole decode list (PLAIN_GRAPH_BS_ATTR), and
+# above SPEC_GRAPH_MAX_BS the policy runs plain decoding (budget_policy.BudgetPolicy.candidates).
+SPEC_GRAPH_MAX_BS = 64
+PLAIN_GRAPH_BS_ATTR = "_ddtree_plain_graph_bs"
+
+
+def plain_floor_graphs(server_args, budget: int, algo: str) -> Optional[list]:
+    """At argument resolution, when ``--max-running-requests`` is not given and the adaptive set has
+    no-speculation rounds with CUDA graphs (:func:`adaptive.parse_config` of the environment: the
+    default): trim SGLang's decode CUDA-graph batch sizes to those <= :data:`SPEC_GRAPH_MAX_BS` (the
+    tree widths' and the drafter's graphs), keep the whole list on ``server_args``
+    (``PLAIN_GRAPH_BS_ATTR``, for the no-speculation state's graphs) and return it; else None (the
+    caller caps the running requests at 48, as SGLang does for speculative servers).  A bad
+    ``SGLANG_DDTREE_*`` adaptive value raises ValueError here, at argument resolution."""
+    import os
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from .adaptive import parse_config
+
+    cfg = parse_config(os.environ, budget=budget, algo=algo)
+    dec = server_args.cuda_graph_config.decode
+    if cfg is None or not cfg.no_spec or cfg.cycle is not None or dec.backend == Backend.DISABLED \
+            or not dec.bs:
+        return None
+    full = sorted(int(b) for b in dec.bs)
+    spec = [b for b in full if b <= SPEC_GRAPH_MAX_BS] or full[:1]
+    dec.bs, dec.max_bs = spec, max(spec)
+    object.__setattr__(server_args, PLAIN_GRAPH_BS_ATTR, full)
+    logger.info("%s: --max-running-requests as plain decoding (not given); tree widths keep CUDA graphs "
+                "up to bs %d, no-speculation rounds up to bs %d (above %d every round is plain decoding)",
+                algo, max(spec), max(full), max(spec))
+    return full
 
 
 # backends that may serve the target's prefill while its TARGET_VERIFY runs on triton (page size 1,

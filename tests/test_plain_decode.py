@@ -1,6 +1,7 @@
 """No-speculation rounds on SGLang's decode path (sglang_ddtree/plain_decode.py, issue 39 item 2):
 the deferred drafter K/V (DraftCatchUp) against a brute-force replay of slot ownership, the backend
 plain decoding would use, and the runner / batch views restored on every exit."""
+import contextlib
 import types
 
 import pytest
@@ -175,6 +176,29 @@ def test_plain_runner_view_restores_on_error():
             assert mr.server_args.enable_return_hidden_states is True
             raise RuntimeError("capture failed")
     assert mr.spec_algorithm == "DDTREE" and mr.server_args.enable_return_hidden_states is False
+
+
+def test_plain_runner_view_captures_plain_decodings_batch_sizes():
+    """Argument resolution trimmed the decode graph list for the tree widths (spec_algo.
+    plain_floor_graphs) and kept the whole one: inside the view SGLang's runner reads the whole list,
+    after it (also on error) the trimmed one again; without a kept list nothing changes."""
+    pytest.importorskip("sglang.srt.speculative.spec_info")
+    from sglang_ddtree.spec_algo import PLAIN_GRAPH_BS_ATTR
+
+    args = Args()
+    args.cuda_graph_config = types.SimpleNamespace(decode=types.SimpleNamespace(bs=[1, 2, 4, 64], max_bs=64))
+    mr = types.SimpleNamespace(spec_algorithm="DDTREE", server_args=args)
+    with P.plain_runner_view(mr):
+        assert args.cuda_graph_config.decode.bs == [1, 2, 4, 64]
+    object.__setattr__(args, PLAIN_GRAPH_BS_ATTR, [1, 2, 4, 64, 128, 256])
+    for fail in (False, True):
+        with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+            with P.plain_runner_view(mr):
+                dec = args.cuda_graph_config.decode
+                assert (dec.bs, dec.max_bs) == ([1, 2, 4, 64, 128, 256], 256)
+                if fail:
+                    raise RuntimeError("capture failed")
+        assert (args.cuda_graph_config.decode.bs, args.cuda_graph_config.decode.max_bs) == ([1, 2, 4, 64], 64)
 
 
 def test_build_plain_state_falls_back_to_the_servers_backend():

@@ -165,7 +165,9 @@ for algo, extra, env in cases:
         out.append({"ok": True, "n": sa.speculative_num_draft_tokens, "attn": sa.attention_backend,
                     "draft_attn": sa.speculative_draft_attention_backend, "steps": sa.speculative_num_steps,
                     "topk": sa.speculative_eagle_topk, "mrr": sa.max_running_requests,
-                    "algo": sa.speculative_algorithm})
+                    "algo": sa.speculative_algorithm, "graph_bs": list(sa.cuda_graph_config.decode.bs or []),
+                    "graph_max_bs": sa.cuda_graph_config.decode.max_bs,
+                    "plain_bs": getattr(sa, "_ddtree_plain_graph_bs", None)})
     except Exception as e:
         out.append({"ok": False, "type": type(e).__name__, "msg": str(e)})
     for k in env:
@@ -184,6 +186,13 @@ CASES = [
     ("DDTREE-GPU", ["--speculative-draft-window-size", "64"], {}),
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_TOPK": "nope"}),
     ("DDTREE-GPU", ["--speculative-num-draft-tokens", "17"], {"SGLANG_DDTREE_BUDGET": "32"}),
+    # the running-request cap: lifted for the adaptive default only (plain decoding's floor)
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_ADAPTIVE": "0"}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "0"}),
+    ("DDTREE-GPU", ["--max-running-requests", "32"], {}),
+    ("DDTREE-GPU", ["--disable-cuda-graph"], {}),
+    ("DFLASH", [], {}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "maybe"}),
 ]
 
 
@@ -193,14 +202,24 @@ def test_server_args_resolution_and_rejections(tiny_models):
     out = json.loads(r.stdout.split("RESULT", 1)[1])
     ok = out[0]
     assert ok["ok"] and ok["n"] == 29 and ok["attn"] == "triton" and ok["draft_attn"] == "triton"
-    assert ok["steps"] == 1 and ok["topk"] == 1 and ok["mrr"] == 48 and ok["algo"] == "DDTREE-GPU"
+    assert ok["steps"] == 1 and ok["topk"] == 1 and ok["algo"] == "DDTREE-GPU"
+    # the adaptive default runs as many requests as plain decoding (SGLang sizes it: None here); the
+    # tree widths' graphs stop at 64 requests, the no-speculation state keeps SGLang's whole list
+    assert ok["mrr"] is None and ok["plain_bs"] and max(ok["plain_bs"]) > 64
+    assert ok["graph_bs"] == [b for b in ok["plain_bs"] if b <= 64] and ok["graph_max_bs"] == 64
+    fixed, no_ns, given, eager, dflash, bad = out[10:]
+    for res in (fixed, no_ns, eager, dflash):        # no plain-decoding floor: SGLang's speculative cap
+        assert res["ok"] and res["mrr"] == 48 and res["plain_bs"] is None, res
+    assert dflash["graph_max_bs"] == max(ok["plain_bs"])   # DFLASH's own graphs untouched
+    assert given["ok"] and given["mrr"] == 32 and given["plain_bs"] is None
+    assert not bad["ok"] and bad["type"] == "ValueError" and "SGLANG_DDTREE_NO_SPEC must be 0 or 1" in bad["msg"]
     assert out[1]["ok"] and out[1]["n"] == 65 and out[1]["algo"] == "DDTREE-CPU"
     assert out[2]["ok"] and out[2]["n"] == 9
     expect = ["must be >= 2", "must be in [1, 256]",
               "'flashmla' is not one whose TARGET_VERIFY", "--page-size 1 only",
               "--speculative-draft-window-size", "SGLANG_DDTREE_TOPK must be an integer",
               "disagrees"]
-    for res, msg in zip(out[3:], expect):
+    for res, msg in zip(out[3:10], expect):
         assert not res["ok"] and res["type"] == "ValueError", res
         assert msg in res["msg"], (msg, res["msg"])
 

@@ -143,3 +143,28 @@ def test_bad_predictions_are_refused():
         BudgetPolicy(table(), pred_ema=1.0)
     with pytest.raises(ValueError, match="draft_ms"):
         CostTable(verify_ms={8: {1: 1.0}}, base_ms={1: 1.0}, draft_ms={1: 0.0})
+
+
+def test_past_the_tree_widths_graphs_only_plain_decoding_is_a_choice():
+    """Tree widths are timed (captured) up to bs 64, plain decoding up to 256: at bs 100 a tree round
+    would run eagerly and the table, clamped at 64, would price it as a bs-64 graph; the policy then
+    runs plain decoding however well the trees accept, and the controller neither starts wide nor
+    probes there.  Within the graphs the choice is unchanged."""
+    from sglang_ddtree import adaptive as A
+
+    t = CostTable(verify_ms={8: {1: 5.0, 64: 9.0}, 16: {1: 6.0, 64: 12.0}}, base_ms={1: 4.0, 64: 7.0, 256: 12.0},
+                  draft_ms={1: 1.0, 64: 2.0})
+    pol = BudgetPolicy(t, hysteresis=0.0)
+    pol.accept.update({8: 4.0, 16: 6.0})
+    assert pol.candidates(64) == [NO_SPEC, 8, 16] and pol.choose(64) == 16
+    assert pol.candidates(100) == [NO_SPEC] and pol.choose(100) == NO_SPEC
+    assert t.draft_cost(100) is None and t.draft_cost(64) == pytest.approx(2.0)
+    strict = BudgetPolicy(t, allow_no_spec=False)       # no plain option: the widths stay (eager)
+    assert strict.candidates(100) == [8, 16]
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    ctl = A.WidthController(cfg, policy=BudgetPolicy(t), device="cpu")
+    assert ctl._first_width(100) == 1 and ctl._first_width(8) == 16
+    ctl.probe_credit = ctl.draft_credit = 1e9
+    ctl._since_probe = 10 ** 6
+    assert ctl._probe_or(100, 1) == 1 and ctl.probes == 0 and ctl.draft_probes == 0 and not ctl.predict
+    assert ctl._probe_or(64, 1) == 1 and ctl.draft_probes == 1 and ctl.predict
