@@ -312,7 +312,7 @@ def warm_batch_sizes(max_bs: int):
 
 def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, max_bs: int,
                        tree_backend: str, full_mask: bool, device, req_to_token=None,
-                       assign_locs=None, kv_commit: str = "remap") -> dict:
+                       assign_locs=None, kv_commit: str = "remap", tree_max_bs: Optional[int] = None) -> dict:
     """Run every per-round kernel once per (verify width, batch-size bucket), and SGLang's
     ``assign_extend_cache_locs`` once per bucket, on throwaway inputs at start-up.
 
@@ -325,13 +325,16 @@ def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, m
     slots (N > 1 under remap), as the round calls it; SGLang's ``assign_extend_cache_locs``
     specialises on ``next_power_of_2(bs)`` and the row length of ``req_to_token`` (hence the zero
     row here).  With the adaptive budget every width first used mid-serving would stall the batch.
-    widths: verify widths (1 = no speculation: only the accept and the commit run).
-    Returns {"widths", "batch_sizes", "s"}."""
+    widths: verify widths (1 = no speculation: only the accept and the commit run), width 1 at batch
+    sizes up to ``max_bs``, tree widths (and ``assign_locs``) up to ``tree_max_bs`` (default
+    ``max_bs``: the tree widths' CUDA graphs stop there, ``spec_algo.SPEC_GRAPH_MAX_BS``, and past
+    them the policy runs no tree).  Returns {"widths", "batch_sizes", "tree_batch_sizes", "s"}."""
     import time as _time
 
     t0 = _time.perf_counter()
     D, dev = block_size - 1, device
     sizes = warm_batch_sizes(int(max_bs))
+    tree_sizes = warm_batch_sizes(min(int(max_bs), int(tree_max_bs or max_bs)))
     K = max(1, min(int(topk), int(vocab_size)))
     widths = sorted({int(w) for w in widths if int(w) >= 1})
     row = (torch.zeros(1, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
@@ -339,7 +342,7 @@ def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, m
            torch.zeros(1, max([block_size, *widths]), dtype=torch.int32, device=dev))
     remap = kv_commit == "remap"
     for N in widths:
-        for b in sizes:
+        for b in (sizes if N == 1 else tree_sizes):
             zeros = torch.zeros(b, dtype=torch.int64, device=dev)
             if N > 1:
                 lp = torch.randn(b, D, K, device=dev).log_softmax(-1).sort(-1, descending=True).values
@@ -357,13 +360,14 @@ def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, m
             ddtree.commit_round(tree, acc, zeros, zeros, row, remap=remap,
                                 block_size=block_size if remap and N > 1 else None, backend=tree_backend)
     if assign_locs is not None and req_to_token is not None:
-        for b in sizes:
+        for b in tree_sizes:
             zeros = torch.zeros(b, dtype=torch.int64, device=dev)
             assign_locs(req_pool_indices=zeros, req_to_token=row, start_offset=zeros,
                         end_offset=zeros + 1, batch_size=b, draft_token_num=1, device=dev)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
-    return {"widths": widths, "batch_sizes": sizes, "s": round(_time.perf_counter() - t0, 3)}
+    return {"widths": widths, "batch_sizes": sizes, "tree_batch_sizes": tree_sizes,
+            "s": round(_time.perf_counter() - t0, 3)}
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -466,14 +470,16 @@ class DDTreeWorker(DFlashWorkerV2):
                     full_mask=verify_attn_hook.state_of(
                         verify_attention_backend(mr.attn_backend)) is None,
                     device=self.device, req_to_token=mr.req_to_token_pool.req_to_token,
-                    assign_locs=assign_extend_cache_locs_func, kv_commit=self._kv_commit)
+                    assign_locs=assign_extend_cache_locs_func, kv_commit=self._kv_commit,
+                    tree_max_bs=max(self.server_args.cuda_graph_config.decode.bs or [1]))
             except Exception as e:  # noqa: BLE001
                 logger.warning("%s: warming the per-round kernels failed (%s: %s); their first uses "
                                "will compile them while serving", self.algo_name, type(e).__name__, e)
                 info = None
             if info is not None and self.ps.tp_rank == 0:
-                logger.info("%s: per-round kernels warmed for verify widths %s, batch sizes %s in %.2f s",
-                            self.algo_name, info["widths"], info["batch_sizes"], info["s"])
+                logger.info("%s: per-round kernels warmed for verify widths %s, batch sizes %s (tree "
+                            "widths %s) in %.2f s", self.algo_name, info["widths"], info["batch_sizes"],
+                            info["tree_batch_sizes"], info["s"])
 
     def _init_adaptive(self, cfg: "adaptive.AdaptiveConfig") -> None:
         mr = self._target_worker.model_runner

@@ -555,6 +555,16 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
                          full_mask=False, device="cpu", kv_commit="move")
     assert len(calls["mask"]) == 2 * len(sizes)   # our verify attention: no FULL mask to warm
     assert {c[2:4] for c in calls["commit"]} == {(False, None)}   # move: no remap, no drafter slots
+    # tree widths only up to their CUDA graphs' largest batch (tree_max_bs), no speculation up to max_bs
+    for k in calls:
+        calls[k].clear()
+    info = W.warm_round_kernels(widths=(1, 8), block_size=6, topk=5, vocab_size=50, max_bs=40,
+                                tree_backend="reference", full_mask=True, device="cpu", req_to_token=r2t,
+                                assign_locs=assign, tree_max_bs=8)
+    assert info["batch_sizes"] == W.warm_batch_sizes(40) and info["tree_batch_sizes"] == sizes
+    assert sorted(calls["build"]) == sorted(sizes) and [c[0] for c in calls["assign"]] == sizes
+    assert sorted(b for N, b, *_ in calls["commit"] if N == 1) == W.warm_batch_sizes(40)
+    assert max(b for N, b, *_ in calls["commit"] if N == 8) == 8
 
 
 def test_warm_round_kernels_launch_the_triton_kernels(device):
