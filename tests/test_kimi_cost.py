@@ -129,7 +129,7 @@ def test_full_size_config_is_k2s(full_configs):
                                                     "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
     assert cfg["hidden_size"] % 128 == 0 and cfg["moe_intermediate_size"] % 64 == 0  # Marlin
     assert full_configs["target_bytes"] <= 30e9 and full_configs["target_bytes"] == K.sizes(K.K2)["target"]
-    assert abs(full_configs["target_bytes"] - 29.72e9) < 0.01e9  # the default the README states
+    assert abs(full_configs["target_bytes"] - 29.72e9) < 0.01e9  # the default bench/device/README.md states
     d = json.load(open(os.path.join(full_configs["drafter"], "config.json")))
     assert d["architectures"] == ["DFlashDraftModel"]
     assert (d["hidden_size"], d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"],

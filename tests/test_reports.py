@@ -148,12 +148,13 @@ def test_ab_text_classification_recomputes(tmp_path):
                                            "verdict_flips_at_recomputed_noise")})
 
 
-def test_readme_results_table_comes_from_the_ab_report():
-    """The README's A/B table is `bench/ab_serve.py --summary bench/results/ab_h200.json`, verbatim."""
+def test_results_readme_table_comes_from_the_ab_report():
+    """The tiny-pair A/B table of bench/results/README.md is `bench/ab_serve.py --summary
+    bench/results/ab_h200.json`, verbatim."""
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "ab_serve.py"), "--summary",
                         os.path.join(RES, "ab_h200.json")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(RES, "README.md")).read()
     block = readme.split("<!-- ab-summary:start -->\n", 1)[1].split("<!-- ab-summary:end -->", 1)[0]
     assert block.strip() == r.stdout.strip()
 
