@@ -172,19 +172,32 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
                    # shape's disk), the A/B on chain prompts (token ids), then check-outputs: every arm = the chain
                    # (AB_PROMPT_LEN=8000-8192: a long-context arm; add AB_EXTRA "--max-input-tokens 8192" and
                    # AB_SERVER_ARGS "--context-length 9000": the configs allow 40960 positions)
+      # AB_CLIENT=bench_serving: sglang.bench_serving drives the load (AB_WORKLOAD random|long|mix: token ids;
+      # natural has no meaning on a permutation pair), arms default base,dflash,ddtree, every server launched with
+      # only its own flags; the identity requests are the chain prompts (16, 256 new tokens, 4 in flight) and
+      # check-outputs compares every arm's with the chain; report serving_h200_<shape>chain_<workload>
       local shape=${st#scalechain_}; local sd=/tmp/models
-      { timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
+      local ccl=(--token-ids --arms ${AB_ARMS:-base,dflash,ddtree_b7,ddtree_b15} --max-new-tokens ${AB_NEW:-64})
+      local cout=scalechain_ab_${shape}_h200
+      if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
+        [ "${AB_WORKLOAD:-random}" = natural ] && ccl=(natural)
+        ccl=(--client bench_serving --workload ${AB_WORKLOAD:-random} --arms ${AB_ARMS:-base,dflash,ddtree}
+             --identity-concurrency 4)
+        cout=serving_h200_${shape}chain_${AB_WORKLOAD:-random}
+      fi
+      { if [ "${ccl[0]}" = natural ]; then echo "scalechain: AB_WORKLOAD=natural has no meaning on the chain pair"; false; else
+        timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
         && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $sd/${shape}chain_target | cut -f1)" \
         && python3 $DEV/mk_chain_prompts.py /tmp/chain_prompts.jsonl --n ${AB_PROMPTS:-128} --len ${AB_PROMPT_LEN:-2-40} \
         && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab \
-             --model-path $sd/${shape}chain_target --draft-model-path $sd/${shape}chain_drafter --token-ids \
-             --prompts /tmp/chain_prompts.jsonl --arms ${AB_ARMS:-base,dflash,ddtree_b7,ddtree_b15} \
-             --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} --max-new-tokens ${AB_NEW:-64} \
+             --model-path $sd/${shape}chain_target --draft-model-path $sd/${shape}chain_drafter \
+             --prompts /tmp/chain_prompts.jsonl "${ccl[@]}" \
+             --concurrency ${AB_CONCURRENCY:-1,4,16,64} --num-prompts ${AB_PROMPTS:-128} \
              --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port --workdir /tmp/abw_${shape}chain \
-             --out $OUT/scalechain_ab_${shape}_h200 --save-output-ids --no-progress ${AB_EXTRA:-} \
+             --out $OUT/$cout --save-output-ids --no-progress ${AB_EXTRA:-} \
              ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} \
-        && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/scalechain_ab_${shape}_h200.json \
-             $sd/${shape}chain_target/perm.json --arm all --record; } > $LOG/$st.log 2>&1; rc=$?
+        && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/$cout.json \
+             $sd/${shape}chain_target/perm.json --arm all --record; fi; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
       grep -a -E "^\{|^written|^chain|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):
