@@ -72,7 +72,7 @@ DEFAULT_AGE_EDGES = (4, 6, 9, 14, 20, 30, 45, 68, 100, 150, 230, 340, 510, 770, 
                      5800, 8800, 13000, 20000, 30000, 45000, 68000, 100000)
 DEFAULT_PROBE_EVERY = 16
 PREDICT_EVERY = 4        # a tree round narrower than the widest predicts every width on every k-th round
-DRAFT_PROBE_SHARE = 0.01  # a no-speculation stretch pays draft-only probes from 1 % of its rounds' time
+DRAFT_PROBE_SHARE = 0.005  # a no-speculation stretch pays draft-only probes from 0.5 % of its rounds' time
 
 
 @dataclasses.dataclass(frozen=True)
