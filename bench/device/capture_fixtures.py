@@ -130,7 +130,7 @@ def main():
                     "source": (f"text pair (bench/textpair: Qwen3 target + DFlash drafter trained on the "
                                f"Python stdlib; held-out prompts), block_size {L}, " if pair == "text" else
                                f"tiny {pair} pair (bench/device/mk_models.py: {pair}_target + DFlash drafter "
-                               f"bench/device/weights/drafter.safetensors, block_size {L}), ")
+                               f"bench/device/weights/drafter.safetensors.xz, block_size {L}), ")
                               + f"SGLang 0.5.16 DFlashWorkerV2 draft forward, decode round {rounds_bs8} of a "
                               "batch-8 greedy run",
                     "captured_by": f"bench/device/capture_fixtures.py {pair} /tmp/models $OUT/fixtures PORT "

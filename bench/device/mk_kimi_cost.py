@@ -21,7 +21,7 @@ OUT_DIR/kimicost_target  : DeepseekV3ForCausalLM at Kimi K2's widths -- hidden 7
                            max_position_embeddings 4096.
 OUT_DIR/kimicost_drafter : DFlashDraftModel at Kimi-K2.5-DFlash's widths (hidden 7168, 64 q / 8 kv heads x 128,
                            intermediate 18432, block 8, mask id 1023) computing the toy drafter of
-                           mk_models.py (bench/device/weights/drafter.safetensors), widened with
+                           mk_models.py (bench/device/weights/drafter.safetensors.xz), widened with
                            bench/scale/transform.py's scale_drafter; ``--drafter-layers`` (default 2, the
                            toy's; more are identity layers at full cost; z-lab's K2.5 drafter has 6 for 61
                            target layers); target_layer_ids [1, 2] as the toy's.

@@ -10,8 +10,8 @@ OUT_DIR/mla_target : DeepseekV3ForCausalLM, MLA + MoE in the DeepSeek-V3 / Kimi-
 OUT_DIR/drafter    : DFlashDraftModel (2 layers, hidden 256, block_size 8, target_layer_ids [1, 2],
                      mask_token_id 1023).  One drafter serves both targets: they share vocab (1024),
                      hidden size, embeddings and lm_head.  Weights: --drafter file (trained by
-                     train_drafter.py; default bench/device/weights/drafter.safetensors if present),
-                     else random.
+                     train_drafter.py; default the committed bench/device/weights/drafter.safetensors.xz,
+                     see committed_weights), else random.
 
 Both targets are deterministic "permutation chains": embeddings E ~ N(0, 1), lm_head row perm[t] =
 E[t], all other weights small (std 0.02).  The residual stream stays close to E[last token], so the
@@ -20,10 +20,13 @@ bf16 noise cannot flip it, and every correct decoding path must emit exactly per
 token).  perm.json is saved next to each target.
 """
 import argparse
+import hashlib
 import json
+import lzma
 import os
 import random
 import shutil
+import tempfile
 
 import torch
 
@@ -38,7 +41,44 @@ STD = 0.02
 SEED = 20261130
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DRAFTER = os.path.join(HERE, "weights", "drafter.safetensors")
+WEIGHTS_DIR = os.path.join(HERE, "weights")
+# how the committed drafters are compressed: LZMA2 with 2-byte alignment (bf16 values), 5.0 -> 3.4 MB
+XZ_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "lc": 0, "lp": 1, "pb": 1}]
+
+
+def committed_weights(name: str) -> str:
+    """A plain ``.safetensors`` file of the committed drafter ``weights/NAME.safetensors.xz``.
+
+    The trained drafters are committed xz-compressed (the same bf16 file byte for byte, 5.0 -> 3.4
+    MB each: what a device call carries is bounded, issue 40).  Every reader wants a file
+    (safetensors' ``load_file``, a copy into a model folder SGLang loads), so the first call on a
+    machine decompresses it to ``<tempdir>/sglang-ddtree-weights/<sha256 of the .xz>/NAME.safetensors``
+    and later calls reuse it (the file name stays the committed one: records that name the drafter
+    by its base name are unchanged).  Without the ``.xz`` (a drafter just trained into
+    ``weights/NAME.safetensors``, not compressed yet): that plain path."""
+    plain = os.path.join(WEIGHTS_DIR, name + ".safetensors")
+    if not os.path.exists(plain + ".xz"):
+        return plain
+    with open(plain + ".xz", "rb") as f:
+        blob = f.read()
+    d = os.path.join(tempfile.gettempdir(), "sglang-ddtree-weights", hashlib.sha256(blob).hexdigest()[:16])
+    out = os.path.join(d, name + ".safetensors")
+    if not os.path.exists(out):
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{out}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(lzma.decompress(blob))
+        os.replace(tmp, out)   # atomic: concurrent callers see a whole file or none
+    return out
+
+
+def compress_weights(safetensors_bytes: bytes, path: str) -> None:
+    """Write a drafter as it is committed (``path`` ends in ``.safetensors.xz``)."""
+    with open(path, "wb") as f:
+        f.write(lzma.compress(safetensors_bytes, format=lzma.FORMAT_XZ, filters=XZ_FILTERS))
+
+
+DEFAULT_DRAFTER = committed_weights("drafter")
 
 QWEN3 = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,

@@ -1,7 +1,7 @@
 """Train the tiny DFlash drafter against the deterministic toy target (CPU or GPU, seeded).
 
 usage: python bench/device/train_drafter.py --steps 75 --threads 2
-       (the committed bench/device/weights/drafter.safetensors; ~1 min on 2 CPU cores; --ckpt-dir D
+       (the committed bench/device/weights/drafter.safetensors.xz; ~1 min on 2 CPU cores; --ckpt-dir D
         saves an evaluated checkpoint every 5 steps from step 40 to pick another operating point)
 
 The drafter forward re-implements exactly what SGLang 0.5.16 runs (sglang/srt/models/dflash.py and
@@ -119,7 +119,8 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--noise", type=float, default=0.1, help="std of noise added to target features")
-    ap.add_argument("--out", default=M.DEFAULT_DRAFTER)
+    ap.add_argument("--out", default=os.path.join(M.WEIGHTS_DIR, "drafter.safetensors.xz"),
+                    help="a .safetensors file, xz-compressed as committed when it ends in .xz")
     ap.add_argument("--cosine", action="store_true")
     ap.add_argument("--ckpt-dir", default="")
     ap.add_argument("--ckpt-from", type=int, default=40)
@@ -183,11 +184,16 @@ def main():
 
 def save(P, path, step, t0, ev):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     meta = {"format": "pt", "steps": str(step), "seconds": f"{time.time()-t0:.0f}",
             "eval": str(ev), "script": "bench/device/train_drafter.py", "seed": str(M.SEED),
             "block_size": str(M.BLOCK_SIZE)}
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in P.items()}, path, metadata=meta)
+    blob = save({k: v.detach().to(torch.bfloat16).contiguous() for k, v in P.items()}, metadata=meta)
+    if path.endswith(".xz"):
+        M.compress_weights(blob, path)
+    else:
+        with open(path, "wb") as f:
+            f.write(blob)
     print("saved", path, os.path.getsize(path), "bytes", flush=True)
 
 

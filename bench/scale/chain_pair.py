@@ -14,7 +14,7 @@ Construction (``OUT/<shape>chain_target``, ``OUT/<shape>chain_drafter``):
 * the layers: ``transform.scale_target`` / ``scale_drafter`` on the toy GQA target of
   ``bench/device/mk_models.py`` (4 layers, hidden 256, 4 q / 2 kv heads x 64, vocab 1024) and a toy
   drafter trained by ``bench/device/train_drafter.py`` (default: the committed block-16 one,
-  ``bench/device/weights/drafter_b16.safetensors``, ``--block-size 16``): the same function up to
+  ``bench/device/weights/drafter_b16.safetensors.xz``, ``--block-size 16``): the same function up to
   bf16 rounding (tests/test_scale_transform.py), identity layers to the shape's depth;
 * the vocabulary (as mk_kimi_cost.py's ``head``): ids 0..1023 are the chain tokens; an id >= 1024
   embeds as id % 1024; its lm_head row is :func:`junk_row` (learned for this drafter) on copy 1 of
@@ -41,7 +41,6 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE_DIR = os.path.join(os.path.dirname(HERE), "device")
-DEFAULT_DRAFTER = os.path.join(DEVICE_DIR, "weights", "drafter_b16.safetensors")
 DEFAULT_BLOCK = 16
 
 
@@ -55,6 +54,8 @@ def _load(name, path):
 T = _load("_transform_for_chain", os.path.join(HERE, "transform.py"))
 K = _load("_mk_kimi_cost_for_chain", os.path.join(DEVICE_DIR, "mk_kimi_cost.py"))
 M = K.M  # mk_kimi_cost's private mk_models (junk_row reads its constants)
+# committed as weights/drafter_b16.safetensors.xz: a plain copy (same base name) from mk_models
+DEFAULT_DRAFTER = M.committed_weights("drafter_b16")
 RAWIO = _load("_rawio_for_chain", os.path.join(os.path.dirname(HERE), "rawio.py"))
 
 

@@ -6,7 +6,7 @@ check, the tokenized cache for the held-out slice).
 1. layout: materialize into a temp dir; the target loads in transformers' Qwen3ForCausalLM with no
    missing / unexpected keys and its logits match the reference forward; its tensor names equal
    those mk_models writes for gqa_target; the drafter's names equal
-   bench/device/weights/drafter.safetensors' and every shape follows the configs;
+   bench/device/weights/drafter.safetensors.xz' and every shape follows the configs;
    AutoConfig / AutoTokenizer load both folders.
 2. held-out loss / perplexity on the first --windows windows of 512 held-out tokens and the fraction
    of those positions whose top-2 logit margin is below bf16 spacing (bf16 weights, fp32 forward).
@@ -14,6 +14,7 @@ check, the tokenized cache for the held-out slice).
    greedy steps with a margin below bf16 spacing) and the offline DFLASH simulation (pairlib.dflash_sim).
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,7 +40,10 @@ def layout_check(tmp):
     subprocess.run([sys.executable, os.path.join(C.DEVICE_DIR, "mk_models.py"), ref], check=True,
                    stdout=subprocess.DEVNULL)
     ref_t = load_file(os.path.join(ref, "gqa_target", "model.safetensors"))
-    ref_d = load_file(os.path.join(C.DEVICE_DIR, "weights", "drafter.safetensors"))
+    spec = importlib.util.spec_from_file_location("_mk_models_ref", os.path.join(C.DEVICE_DIR, "mk_models.py"))
+    mk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mk)
+    ref_d = load_file(mk.committed_weights("drafter"))   # committed xz-compressed
     T = load_file(os.path.join(paths["target"], "model.safetensors"))
     D = load_file(os.path.join(paths["drafter"], "model.safetensors"))
     res["target_names_equal_gqa_target"] = sorted(T) == sorted(ref_t)
