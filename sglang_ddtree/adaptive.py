@@ -411,7 +411,8 @@ class WidthController:
     every narrower width come with it); else ``policy.choose(bs)``, except on a probe round.
 
     Probes keep the acceptance of widths wider than the chosen one measured (a narrow round says
-    nothing about a wider tree).  A probe runs the widest width and is paid from a credit of
+    nothing about a wider tree).  A probe runs the widest width that could still win
+    (:meth:`_probe_target`; none: no probe) and is paid from a credit of
     ``probe_share`` (default 5 %) of each round's predicted time (``BudgetPolicy.round_ms``: the
     table's cost + the measured overhead + the expected admission): it runs when at least
     ``probe_every`` rounds have passed since the last one and the credit covers its extra GPU cost
@@ -636,20 +637,19 @@ class WidthController:
         return True
 
     def _probe_or(self, bs: int, w: int) -> int:
-        """``w`` (the policy's choice) or, on a probe round, the widest width (its counts give every
-        narrower width's too), once the credit covers its extra cost over ``w``.  A no-speculation
-        choice with a drafter cost row probes with the drafter alone (:meth:`_draft_probe`)."""
+        """``w`` (the policy's choice) or, on a probe round, the widest width that could still win
+        (:meth:`_probe_target`; its counts give every narrower width's too), once the credit covers
+        its extra cost over ``w``.  A no-speculation choice with a drafter cost row probes with the
+        drafter alone (:meth:`_draft_probe`)."""
         if w == 1 and self.policy.costs.draft_cost(bs) is not None:
             self.predict = self._draft_probe(bs)
             return w
         cur = self._cost(bs, w)
-        widest = self.cfg.widest
-        if w >= widest:
+        target = self._probe_target(bs, w)
+        if target is None:              # no wider width could win: nothing worth measuring
             self._since_probe, self.probe_credit = 0, 0.0
             return w
-        if widest not in self.policy.candidates(bs):   # past the widest width's graphs: no probe
-            return w
-        extra = max(self._cost(bs, widest) - cur, 0.0)
+        extra = max(self._cost(bs, target) - cur, 0.0)
         self._since_probe += 1
         # a share of the round's predicted wall time (table + overhead + admission), not of its GPU
         # time alone; capped at the probe's cost now: no burst of probes after a long narrow stretch
@@ -661,7 +661,30 @@ class WidthController:
         self._since_probe = 0
         self.probes += 1
         self.predict = True          # a probe's pairs calibrate the wide widths
-        return widest
+        return target
+
+    PROBE_OPTIMISM = 1.3   # a wider width is worth a probe if it wins with this much more acceptance
+
+    def _probe_target(self, bs: int, w: int) -> Optional[int]:
+        """The widest tree width above ``w`` (with graphs at ``bs``) that would beat ``w`` in tokens per
+        ms if it accepted :attr:`PROBE_OPTIMISM` x its estimate, else None.  Its counts measure it and
+        every narrower width, so one probe covers them all; a width that cannot win even so is not
+        worth one.  Why 1.3: the tree's own estimate follows the workload, a probe only refreshes the
+        calibration ratio, whose per-prompt spread was 0.76-1.21 (10th-90th percentile) on the text pair
+        (``bench/results/accept_calibration_cpu.md``).  Measured on the H200 before this rule (Qwen3-8B-
+        shaped chain pair, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s26_plain.md``): the
+        width-61 probes cost 26 ms at bs 16 and 99 ms at bs 63 where width 8 or plain decoding won by
+        far."""
+        pol = self.policy
+        here = pol.tokens_per_ms(bs, self._choice(w))
+        out = None
+        for x in self.spec_widths:
+            if x <= w or x not in pol.candidates(bs):
+                continue
+            a = pol.tokens_per_request(x) - 1.0
+            if bs * (1.0 + self.PROBE_OPTIMISM * a) / pol.round_ms(bs, x) > here:
+                out = x
+        return out
 
     def next_width(self, bs: int, requested: Optional[int] = None, reqs=None) -> int:
         """The verify width of this round (1 = no speculation).  ``requested``: the width the batch's

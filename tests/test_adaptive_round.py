@@ -373,6 +373,7 @@ def test_policy_no_spec_and_a_probe_once_its_credit_is_there(world):
     table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2})
     ctl = wd.w._adaptive
     ctl.policy, ctl._clock = BudgetPolicy(table, allow_no_spec=True), (lambda: 0.0)
+    ctl.PROBE_OPTIMISM = 1e9          # the widest worth a probe (as shipped it could not win here)
     widths = [run_round(wd)["N"] for _ in range(14)]
     # rounds 0-2: no counts yet -> the widest (80 <= 2 x 50); window of rounds 0-1 arrives at round 3
     assert widths[:3] == [16, 16, 16] and widths[3:] == [1] * 11 and ctl.probes == 0
@@ -393,6 +394,7 @@ def test_policy_switches_widths_and_learns_from_wide_rounds(world):
     pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
     ctl = wd.w._adaptive
     ctl.policy, ctl._clock = pol, (lambda: 0.0)
+    ctl.PROBE_OPTIMISM = 1e9          # the widest worth a probe (as shipped it could not win here)
     widths = [run_round(wd)["N"] for _ in range(12)]
     assert widths == [4] * 12 and pol.seen == {4}
     ctl.probe_credit = 1e9

@@ -115,7 +115,7 @@ def test_window_predictions_pair_with_the_exact_counts_per_bucket(rng):
     win = CounterfactualWindow(budgets, device="cpu", every=3, lag=0, age_edges=edges)
     py = random.Random(int(torch.randint(0, 2 ** 31, (), generator=rng)))
     zero = lambda: {k: [[0.0] * 3 for _ in range(3)] for k in ("all", "n", "on", "exact", "on_n")}
-    got, want, acc, any_pred = [], [], zero(), False
+    got, want, acc = [], [], zero()
     for r in range(30):
         b = py.choice([0] + budgets)
         bs = py.randint(1, 5)
@@ -132,7 +132,6 @@ def test_window_predictions_pair_with_the_exact_counts_per_bucket(rng):
         rem = None if py.random() < 0.3 else torch.tensor([py.randint(-2, 6) for _ in range(bs)])
         age = None if py.random() < 0.2 else torch.tensor([py.randint(1, 12) for _ in range(bs)])
         if pred is not None:
-            any_pred = True
             cf = tree_ops.counterfactual_accept_len(path, budgets[:n_valid]) if n_valid else None
             for i in range(bs):
                 left = None if rem is None else int(rem[i])
@@ -150,9 +149,10 @@ def test_window_predictions_pair_with_the_exact_counts_per_bucket(rng):
         win.record(path, n_valid, rem, age, predicted=pred)
         got += [x[3] for x in win.due()]
         if (r + 1) % 3 == 0:
-            want.append(acc if any_pred else None)
-            acc, any_pred = zero(), False
-    assert len(got) == len(want) == 10 and any(w is None for w in want) == any(g is None for g in got)
+            # no live request-round carried a prediction: the window hands out None
+            want.append(acc if any(x for row in acc["n"] for x in row) else None)
+            acc = zero()
+    assert len(got) == len(want) == 10
     for g, w in zip(got, want):
         if w is None:
             assert g is None
@@ -335,11 +335,20 @@ def test_controller_cycle_probe_and_policy():
                                SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
                           window_every=2, window_lag=0, clock=lambda: 0.0)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
+    c.PROBE_OPTIMISM = 1e9                       # every wider width worth a probe: the credit alone
     ws = _drive(c, 1000, path)
     assert ws[:2] == [16, 16]                    # no counts yet: the widest within 2x the narrowest
     probes = [r for r, w in enumerate(ws) if r >= 2 and w != 1]
     assert probes == [2 + 979] and ws[probes[0]] == 16 and c.probes == 1, probes
     assert pol.accept[16] == pytest.approx(2.0) and pol.accept[4] == pytest.approx(2.0)
+    # as shipped: width 16 cannot win (3 tokens in 50 ms against 1 in 1 ms) even at 1.3x its
+    # acceptance, so no probe is ever paid
+    pol = BudgetPolicy(t, allow_no_spec=True)
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
+                               SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
+                          window_every=2, window_lag=0, clock=lambda: 0.0)
+    ws = _drive(c, 1000, path)
+    assert set(ws[2:]) == {1} and c.probes == 0
 
 
 def test_probe_credit_is_a_share_of_the_round_wall_time_not_its_gpu_time():
@@ -354,6 +363,7 @@ def test_probe_credit_is_a_share_of_the_round_wall_time_not_its_gpu_time():
         c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
                                    SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
                               window_every=2, window_lag=0, clock=clock)
+        c.PROBE_OPTIMISM = 1e9                   # the credit alone decides (see the test above)
         path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
         ws = _drive(c, 1100, path, clock=clock,
                     round_ms=lambda w: t.cost(1, NO_SPEC if w == 1 else w) + extra_ms)
@@ -407,6 +417,7 @@ def test_controller_probes_cost_at_most_their_share(rng):
                           window_every=2, window_lag=0, clock=lambda: 0.0)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
     pol.accept[16] = 2.0
+    c.PROBE_OPTIMISM = 1e9                       # width 16 worth a probe whatever it accepts
     ws = _drive(c, 400, path)[2:]
     # accept 2 at both widths: width 4 gives 2 tokens/ms, width 16 1.5, plain decode 1
     assert set(ws) == {4, 16}
@@ -417,6 +428,22 @@ def test_controller_probes_cost_at_most_their_share(rng):
     assert extra <= 0.05 * 1.5 * len(ws) + 0.5, (extra, len(ws))
     # the credit is spent, not hoarded: a probe as soon as 0.5 ms of credit (0.075 a round) is there
     assert max(gaps) <= 7 and probes[0] <= 7, (probes[:3], gaps)
+
+
+def test_probes_go_to_the_widest_width_that_could_still_win():
+    """Width 4 is the choice (3 tokens in 1 ms).  Width 8 accepts 3.5 (4.5 tokens in 1.6 ms: 2.8 /ms,
+    at 1.3x its acceptance 5.55 in 1.6 ms = 3.5 /ms: it could win); width 16 accepts 4 (5 in 4 ms,
+    6.2 at 1.3x: cannot).  Probes run width 8, never 16; with width 8's acceptance at 2.5 (4.25
+    tokens at 1.3x: 2.66 /ms) nothing could win and no probe runs."""
+    t = CostTable(verify_ms={4: {1: 1.0}, 8: {1: 1.6}, 16: {1: 4.0}}, base_ms={1: 0.9})
+    for a8, want in ((3.5, 8), (2.5, None)):
+        pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
+        pol.accept.update({4: 2.0, 8: a8, 16: 4.0})
+        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15", SGLANG_DDTREE_NO_SPEC="1",
+                                   SGLANG_DDTREE_PROBE_EVERY="2"), policy=pol, device="cpu")
+        assert c._probe_target(1, 4) == want
+        c.probe_credit, c._since_probe = 1e9, 10
+        assert c._probe_or(1, 4) == (want or 4) and c.probes == (1 if want else 0)
 
 
 def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():

@@ -57,11 +57,14 @@ def test_choice_is_the_brute_force_argmax_on_random_curves():
         p = BudgetPolicy(CostTable(verify, base), hysteresis=0.0, ema=0.0)
         acc = sorted(rng.uniform(0, 6) for _ in widths)   # more nodes never accept less
         p.update([acc], widths=widths)
-        bs = rng.randint(1, 140)
+        # at a timed batch size the cost is the table's own entry (no interpolation to restate)
+        bs = rng.choice(bss)
         want = max([NO_SPEC] + widths,
                    key=lambda w: (bs * (1 if w == NO_SPEC else 1 + acc[widths.index(w)])
-                                  / _interp(base if w == NO_SPEC else verify[w], bs), -w))
+                                  / (base if w == NO_SPEC else verify[w])[bs], -w))
         assert p.choose(bs) == want
+        # past every width's timed (captured) batch sizes only plain decoding is a choice
+        assert p.choose(max(bss) + rng.randint(1, 50)) == NO_SPEC
 
 
 def test_hysteresis_keeps_the_current_width_until_a_clear_gain():

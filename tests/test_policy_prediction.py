@@ -167,4 +167,27 @@ def test_past_the_tree_widths_graphs_only_plain_decoding_is_a_choice():
     ctl.probe_credit = ctl.draft_credit = 1e9
     ctl._since_probe = 10 ** 6
     assert ctl._probe_or(100, 1) == 1 and ctl.probes == 0 and ctl.draft_probes == 0 and not ctl.predict
+    ctl.draft_credit, ctl._since_probe = 1e9, 10 ** 6
     assert ctl._probe_or(64, 1) == 1 and ctl.draft_probes == 1 and ctl.predict
+
+
+def test_the_calibration_is_kept_per_age_bucket():
+    """Young requests' predictions overshoot (ratio 0.5), old ones' undershoot (ratio 1.3), at the same
+    predicted level (as measured on the chain pair: bench/results/accept_calibration_cpu.md): each
+    bucket's estimate is its own ratio times its prediction, not the pooled ratio's."""
+    pol = BudgetPolicy(table(), age_edges=(16,))
+    P = {8: 2.0, 16: 3.0, 32: 3.5}
+    young_r, old_r = 0.5, 1.3
+    for _ in range(30):
+        n = 32.0
+        sums = [{w: young_r * P[w] * n for w in WIDTHS}, {w: old_r * P[w] * n for w in WIDTHS}]
+        counts = [{w: n for w in WIDTHS}] * 2
+        pred = dict(all=[{w: P[w] * n for w in WIDTHS}] * 2, n=[{w: n for w in WIDTHS}] * 2,
+                    on=[{w: P[w] * n for w in WIDTHS}] * 2, exact=[dict(x) for x in sums],
+                    on_n=[{w: n for w in WIDTHS}] * 2)
+        pol.update_window(sums, counts, None, pred=pred)
+    young, old = pol.mix_accept([3] * 4), pol.mix_accept([100] * 4)
+    for w in WIDTHS:
+        assert young[w] == pytest.approx(young_r * P[w], rel=0.05)
+        assert old[w] == pytest.approx(old_r * P[w], rel=0.05)
+        assert pol.ratio[w] == pytest.approx((young_r + old_r) / 2, rel=0.05)   # pooled: the mix

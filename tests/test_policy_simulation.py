@@ -1,0 +1,116 @@
+"""The adaptive controller end to end on the CPU (issue 39 items 3 and 5): ``WidthController`` and
+``BudgetPolicy`` with the real window (``CounterfactualWindow``), driven round by round by a
+simulated server whose truth is hidden from them, and held to the best fixed choice in hindsight.
+
+The simulated server: a cost table shaped like the H200 one of the Qwen3-8B-shaped chain pair
+(ms per round by width and batch size; plain decoding cheapest at load), a drafter whose per-request
+prediction of each budget's acceptance is ``P[b]`` with noise and a target that accepts
+``R[b] x P[b]`` of it on average (the calibration the policy must learn), turned into accepted paths
+the way a best-first tree orders its slots.  A workload is ``P`` (text-like: confident; random ids:
+unsure).  The controller sees only what the worker hands it: paths, the prediction on its rounds,
+and the wall clock (here the simulated one).  Per scenario it must serve at least 0.95x the tokens
+per millisecond of the best fixed width (plain decoding included) of each phase."""
+import pytest
+import torch
+
+from sglang_ddtree import adaptive as A
+from sglang_ddtree.budget_policy import BudgetPolicy, CostTable
+
+BUDGETS = (7, 15, 31, 60)
+D = 15                                             # drafter depth (block 16)
+COST = CostTable(
+    verify_ms={8: {1: 6.2, 16: 8.0, 64: 14.0}, 16: {1: 6.5, 16: 9.5, 64: 20.0},
+               32: {1: 7.0, 16: 13.0, 64: 35.0}, 61: {1: 8.0, 16: 26.0, 64: 99.0}},
+    base_ms={1: 4.9, 16: 5.0, 64: 6.9}, draft_ms={1: 1.0, 16: 1.2, 64: 2.0})
+R = {7: 0.8, 15: 0.75, 31: 0.7, 60: 0.65}          # exact / predicted, per budget (hidden)
+TEXT = {7: 3.2, 15: 4.4, 31: 5.2, 60: 5.8}         # predicted accepted nodes per request-round
+RANDOM = {7: 0.25, 15: 0.3, 31: 0.33, 60: 0.35}
+
+
+REGION_START = torch.tensor([1] + [b + 1 for b in BUDGETS[:-1]])   # the slots each budget adds
+BUDGET_T = torch.tensor(BUDGETS, dtype=torch.float64)
+
+
+class Server:
+    """Draws each round's predictions and accepted paths for ``bs`` requests of a workload."""
+
+    def __init__(self, seed):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def round(self, bs, P):
+        Pv = torch.tensor([P[b] for b in BUDGETS], dtype=torch.float64)
+        Rv = torch.tensor([R[b] for b in BUDGETS], dtype=torch.float64)
+        noise = 0.6 + 0.8 * torch.rand(bs, 1, generator=self.gen, dtype=torch.float64)   # per request
+        pred = torch.minimum(Pv * noise, torch.tensor(float(D)))                         # [bs, nb]
+        u = torch.rand(bs, 1, generator=self.gen, dtype=torch.float64)    # one draw: non-decreasing counts
+        c = torch.minimum(torch.floor(Rv * pred + u), torch.minimum(BUDGET_T, torch.tensor(float(D))))
+        c = torch.cummax(c, dim=1).values.to(torch.int64)                                 # [bs, nb]
+        # accepted node j (0-based) lies in the first budget region whose count exceeds j, at that
+        # region's next free slot: slots increase along the path, and budget b holds exactly c_b of them
+        j = torch.arange(D).view(1, D)
+        reg = (c.unsqueeze(1) <= j.unsqueeze(-1)).sum(-1).clamp(max=len(BUDGETS) - 1)      # [bs, D]
+        before = torch.cat([torch.zeros(bs, 1, dtype=torch.int64), c[:, :-1]], 1).gather(1, reg)
+        slot = REGION_START[reg] + (j - before)
+        path = torch.full((bs, D + 1), -1, dtype=torch.int32)
+        path[:, 0] = 0
+        path[:, 1:] = torch.where(j < c[:, -1:], slot, torch.full_like(slot, -1)).to(torch.int32)
+        return path, pred, c
+
+
+def run(phases, seed=0):
+    """phases: [(rounds, bs, P)].  -> per phase (controller tok/ms, {choice: tok/ms of that fixed
+    choice on the same draws}) where choice 1 = plain decoding."""
+    cfg = A.parse_config({}, budget=60, algo="DDTREE-GPU")
+    assert cfg.budgets == BUDGETS and cfg.no_spec
+    now = [0.0]
+    pol = BudgetPolicy(COST, allow_no_spec=True, age_edges=cfg.age_edges)
+    ctl = A.WidthController(cfg, policy=pol, device="cpu", clock=lambda: now[0] / 1e3)
+    srv = Server(seed)
+    out = []
+    widths = [1] + [b + 1 for b in BUDGETS]
+    for rounds, bs, P in phases:
+        toks = ms = 0.0
+        fixed = {w: [0.0, 0.0] for w in widths}
+        for _ in range(rounds):
+            w = ctl.next_width(bs)
+            path, pred, counts = srv.round(bs, P)
+            cost = COST.cost(bs, 0 if w == 1 else w)
+            if w == 1 and ctl.predict:
+                cost += COST.draft_cost(bs)             # a draft-only probe
+            per_budget = (counts + 1).sum(0).tolist()      # tokens each tree budget would have served
+            got = bs if w == 1 else per_budget[BUDGETS.index(w - 1)]
+            ctl.record(path, w, predicted=pred if ctl.predict else None)
+            now[0] += cost
+            toks += got
+            ms += cost
+            for fw in widths:                          # every fixed choice on the same draws
+                fixed[fw][0] += bs if fw == 1 else per_budget[BUDGETS.index(fw - 1)]
+                fixed[fw][1] += COST.cost(bs, 0 if fw == 1 else fw)
+        out.append((toks / ms, {fw: t / m for fw, (t, m) in fixed.items()}))
+    return out, ctl
+
+
+@pytest.mark.parametrize("bs,P", [(1, TEXT), (16, TEXT), (64, TEXT), (1, RANDOM), (16, RANDOM), (64, RANDOM)])
+def test_steady_workloads_serve_within_5_percent_of_the_best_fixed_choice(bs, P):
+    """After a warm-up phase (the server's start: its first window runs a wide width blind), 600 rounds
+    of one workload at one load."""
+    res, ctl = run([(100, bs, P), (600, bs, P)])
+    got, fixed = res[1]
+    best = max(fixed, key=fixed.get)
+    assert got >= 0.95 * fixed[best], (got, fixed, ctl.chosen, ctl.probes, ctl.draft_probes)
+
+
+def test_a_workload_switch_is_followed_in_both_directions():
+    """text -> random ids -> text at bs 16: each phase after the first within 7 % of its own best
+    fixed choice (its first ~two windows still run the previous phase's choice); back on text after
+    a plain stretch the draft-only probes have kept the estimate current."""
+    res, ctl = run([(100, 16, TEXT), (300, 16, TEXT), (300, 16, RANDOM), (300, 16, TEXT)])
+    for got, fixed in res[1:]:
+        assert got >= 0.93 * max(fixed.values()), (got, fixed)
+    assert ctl.draft_probes >= 1                      # the random phase ran plain with draft-only probes
+
+
+def test_load_changes_move_the_choice_between_trees_and_plain_decoding():
+    res, _ = run([(100, 1, TEXT), (300, 1, TEXT), (300, 64, TEXT), (300, 1, TEXT)])
+    for got, fixed in res[1:]:
+        assert got >= 0.93 * max(fixed.values()), (got, fixed)
