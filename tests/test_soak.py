@@ -119,10 +119,3 @@ def test_warmup_plan_covers_every_sampling_mode_then_a_full_batch():
     assert all(w["prompt_len"] + w["sampling_params"]["max_new_tokens"] < CTX for w in wp)
     assert min(w["prompt_len"] for w in wp[5:]) > 1000            # the batch is long prompts
     assert len({w["rid"] for w in wp}) == len(wp) and all(w["i"] < 0 for w in wp)  # never a plan index
-
-
-def test_probe_report_renders_from_its_json():
-    """Report check: bench/results/badids_h200.md is render_probe_md of the committed JSON."""
-    res = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
-    doc = json.load(open(os.path.join(res, "badids_h200.json")))
-    assert soak.render_probe_md(doc) == open(os.path.join(res, "badids_h200.md")).read()

@@ -1,0 +1,109 @@
+"""Report checks, not code tests: two more committed GPU results re-render from their JSON, byte for byte:
+the out-of-vocabulary probe (bench/results/badids_h200.md, ``bench/soak.py``'s ``render_probe_md``) and
+the tree-verify attention kernel grid (bench/results/verify_attention_h200.md, ``bench/verify_attention.py
+--render``).  They read committed files, so they pass whatever the code does today.
+
+Each check must be able to fail: ``test_check_fails_on_a_corrupted_copy`` runs it on a copy of just
+the files it reads with one fact changed, and requires an AssertionError; the ``_rerendered``
+control also renders the report again from the changed JSON, so the claims on the records, not only
+the byte comparison, are shown to catch it."""
+import json
+import os
+import shutil
+
+import pytest
+
+from helpers import env_without_checkout, load_bench
+from reportlib import RES, REPO, RendererFailed, assert_fails_on_a_corrupted_copy, edit_json, reads, resolve
+
+pytestmark = pytest.mark.report
+SOAK = load_bench("soak")
+
+
+@reads(f"{RES}/badids_h200.json", f"{RES}/badids_h200.md")
+def check_badids_probe(root, tmp):
+    """badids_h200.md is render_probe_md of the committed JSON; the probe's finding: SGLang without the
+    plugin dies on a token id outside the vocabulary, with the plugin it answers 400 and serves on."""
+    doc = json.load(open(resolve(root, f"{RES}/badids_h200.json")))
+    assert SOAK.render_probe_md(doc) == open(resolve(root, f"{RES}/badids_h200.md")).read(), "badids_h200.md differs"
+    runs = {r["label"]: r for r in doc["runs"]}
+    assert not runs["plain_sglang"]["alive"]
+    ours = runs["with_plugin"]
+    assert ours["alive"] and ours["bad_status"] == 400 and ours["good_after_status"] == 200, ours
+
+
+def test_report_badids_probe():
+    check_badids_probe(REPO, None)
+
+
+def _render_va(root, tmp):
+    """verify_attention.py --render of the committed JSON (in a scratch folder) -> (markdown, doc)."""
+    import subprocess
+    import sys
+    work = os.path.join(str(tmp), "va")
+    os.makedirs(work, exist_ok=True)
+    shutil.copy(resolve(root, f"{RES}/verify_attention_h200.json"), os.path.join(work, "va.json"))
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "verify_attention.py"), "--render",
+                        os.path.join(work, "va.json")], cwd=work, env=env_without_checkout(CUDA_VISIBLE_DEVICES=""),
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RendererFailed(r.stderr[-2000:])
+    return open(os.path.join(work, "va.md")).read(), json.load(open(os.path.join(work, "va.json")))
+
+
+@reads(f"{RES}/verify_attention_h200.json", f"{RES}/verify_attention_h200.md")
+def check_verify_attention(root, tmp):
+    """verify_attention_h200.md is what --render makes of its JSON (the achieved bandwidth / FLOP
+    columns included), so the table and the numbers cannot drift apart; the largest MLA cell's row
+    carries our time and the achieved shares worked out here from the JSON's own numbers."""
+    got, doc = _render_va(root, tmp)
+    assert got == open(resolve(root, f"{RES}/verify_attention_h200.md")).read(), "verify_attention_h200.md differs"
+    row = max((r for r in doc["rows"] if r["arch"] == "mla"), key=lambda r: (r["bs"], r["prefix"], r["N"]))
+    bw = 100 * row["floor_bytes"] / (row["ours_us"] * 1e-6) / (doc["copy_gbs"] * 1e9)
+    fl = 100 * row["flops"] / (row["ours_us"] * 1e-6) / (doc["matmul_tflops"] * 1e12)
+    line = next(ln for ln in got.splitlines()
+                if ln.startswith(f"| mla | {row['bs']} | {row['prefix']} | {row['N']} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert float(cells[4]) == pytest.approx(row["ours_us"], abs=0.05)
+    got_bw, got_fl = (int(x.strip().rstrip("%")) for x in cells[8].split("/"))
+    assert abs(got_bw - bw) <= 1 and abs(got_fl - fl) <= 1, (cells[8], bw, fl)
+
+
+def test_report_verify_attention_grid(tmp_path):
+    check_verify_attention(REPO, tmp_path)
+
+
+# ------------------------------------------------------------------------------- the checks can fail
+
+def _plugin_run_died(root):
+    def fn(doc):
+        r = next(r for r in doc["runs"] if r["label"] == "with_plugin")
+        r["alive"] = r["server_process_alive"] = False
+    edit_json(root, f"{RES}/badids_h200.json", fn)
+
+
+def _badids_rerendered(root):
+    _plugin_run_died(root)
+    doc = json.load(open(resolve(root, f"{RES}/badids_h200.json")))
+    open(resolve(root, f"{RES}/badids_h200.md"), "w").write(SOAK.render_probe_md(doc))
+
+
+def _largest_mla_cell_slower(root):
+    def fn(doc):
+        row = max((r for r in doc["rows"] if r["arch"] == "mla"), key=lambda r: (r["bs"], r["prefix"], r["N"]))
+        row["ours_us"] *= 1.5
+    edit_json(root, f"{RES}/verify_attention_h200.json", fn)
+
+
+CONTROLS = {
+    "badids": (check_badids_probe, _plugin_run_died),
+    "badids_rerendered": (check_badids_probe, _badids_rerendered),
+    "verify_attention": (check_verify_attention, _largest_mla_cell_slower),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLS))
+def test_check_fails_on_a_corrupted_copy(name, tmp_path):
+    """The check passes on a faithful copy of the files it declares, and fails once one fact is
+    changed."""
+    assert_fails_on_a_corrupted_copy(*CONTROLS[name], tmp_path)
