@@ -1,5 +1,6 @@
 """Hook: ``TritonAttnBackend.forward_extend`` (AROUND) -- the target's TARGET_VERIFY attention runs our
-tree-verify kernel with the round's bitmask (issue 13 item 2; opt-in: ``SGLANG_DDTREE_VERIFY_ATTN=ddtree``).
+tree-verify kernel with the round's bitmask (issue 13 item 2; the default where it covers the target:
+``SGLANG_DDTREE_VERIFY_ATTN=auto``, ``ddtree`` to require it, ``sglang`` for SGLang's own path).
 
 Why: SGLang 0.5.16's triton backend verifies a tree with ``extend_attention_fwd`` and a FULL_MASK
 custom mask (``N x (prefix + N)`` bytes per request, written each round), one program per (request,

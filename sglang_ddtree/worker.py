@@ -23,10 +23,12 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
    ``move_accept_tokens_to_target_kvcache``), the drafter's context K/V for those positions is
    materialised from the accepted slots' target hidden states, and the bonus token is relayed.
 
-With ``SGLANG_DDTREE_BUDGETS`` / ``SGLANG_DDTREE_NO_SPEC`` (``adaptive.py``; off by default) the round
-first picks its verify width N (one target attention backend + verify graph per width, swapped in
-for the verify only; N = 1 skips the drafter and verifies the root alone) and builds the first
-N - 1 nodes of the same best-first tree.
+By default (``adaptive.py``; ``SGLANG_DDTREE_ADAPTIVE=0``: the server's fixed budget) the round first
+picks its verify width N (one target attention backend + verify graph per width, swapped in for the
+verify only) and builds the first N - 1 nodes of the same best-first tree; N = 1 is no speculation:
+SGLang's own decode step on a plain-decode state (``plain_decode.py``), the drafter's K/V for its
+token written later, batched, and on a draft-only probe round the drafter block and the widest tree
+for the policy's estimate (``accept_estimate.py``).
 
 No step reads a device value on the host: KV-buffer sizes come from the scheduler's host-side upper
 bounds, exactly like DFLASH.  ``DDTREE-CPU`` copies the top-k to the host, builds the tree with

@@ -13,7 +13,9 @@ Arms (``--arms``, comma-separated, run one after another, never two servers at o
   ddtreecpu_b<B>    DDTREE-CPU (the exact CPU heap builds the tree), same budget flag
 Every server: ``python -m sglang.launch_server --model-path T --attention-backend triton --host
 127.0.0.1 --port P --mem-fraction-static 0.6 --cuda-graph-max-bs-decode MAXC
---disable-prefill-cuda-graph --max-running-requests MAXC --skip-server-warmup --random-seed 0``
+--cuda-graph-max-bs-prefill 512 --max-running-requests MAXC --skip-server-warmup --random-seed 0``
+(``--prefill-cuda-graph N`` / ``--no-prefill-cuda-graph``: another prefill-graph cap, or
+``--disable-prefill-cuda-graph``)
 (+ ``--skip-tokenizer-init`` when prompts are token ids, + the arm's speculative flags, + the
 ``--server-args`` string last, so it overrides).  With ``--config F.yaml`` the YAML (minus its
 speculative and host/port keys) is the base and only the flags it does not set are added.
