@@ -92,8 +92,12 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
 
         _resolve_dflash_draft_attention_backend(server_args)
-        if server_args.max_running_requests is None and \
-                plain_floor_graphs(server_args, settings.budget, self.name) is None:
+        import os
+
+        from .adaptive import parse_config
+
+        cfg = parse_config(os.environ, budget=settings.budget, algo=self.name)   # a bad value: ValueError here
+        if server_args.max_running_requests is None and plain_floor_graphs(server_args, cfg, self.name) is None:
             server_args.max_running_requests = 48   # SGLang's own default for speculative servers
         if server_args.enable_mixed_chunk:
             server_args.enable_mixed_chunk = False
@@ -132,21 +136,16 @@ SPEC_GRAPH_MAX_BS = 64
 PLAIN_GRAPH_BS_ATTR = "_ddtree_plain_graph_bs"
 
 
-def plain_floor_graphs(server_args, budget: int, algo: str) -> Optional[list]:
-    """At argument resolution, when ``--max-running-requests`` is not given and the adaptive set has
-    no-speculation rounds with CUDA graphs (:func:`adaptive.parse_config` of the environment: the
-    default): trim SGLang's decode CUDA-graph batch sizes to those <= :data:`SPEC_GRAPH_MAX_BS` (the
-    tree widths' and the drafter's graphs), keep the whole list on ``server_args``
-    (``PLAIN_GRAPH_BS_ATTR``, for the no-speculation state's graphs) and return it; else None (the
-    caller caps the running requests at 48, as SGLang does for speculative servers).  A bad
-    ``SGLANG_DDTREE_*`` adaptive value raises ValueError here, at argument resolution."""
-    import os
-
+def plain_floor_graphs(server_args, cfg, algo: str) -> Optional[list]:
+    """At argument resolution, when ``--max-running-requests`` is not given and the adaptive set
+    ``cfg`` (:func:`adaptive.parse_config` of the environment; None: a fixed budget) has
+    no-speculation rounds and the server CUDA graphs (the default): trim SGLang's decode CUDA-graph
+    batch sizes to those <= :data:`SPEC_GRAPH_MAX_BS` (the tree widths' and the drafter's graphs),
+    keep the whole list on ``server_args`` (``PLAIN_GRAPH_BS_ATTR``, for the no-speculation state's
+    graphs) and return it; else None (the caller caps the running requests at 48, as SGLang does for
+    speculative servers)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    from .adaptive import parse_config
-
-    cfg = parse_config(os.environ, budget=budget, algo=algo)
     dec = server_args.cuda_graph_config.decode
     if cfg is None or not cfg.no_spec or cfg.cycle is not None or dec.backend == Backend.DISABLED \
             or not dec.bs:
