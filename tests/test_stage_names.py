@@ -7,14 +7,15 @@ from helpers import load_bench
 
 ST = load_bench("device/stage")
 KEYS = ("SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_NO_SPEC", "SGLANG_DDTREE_TEST_BUDGET_CYCLE",
-        "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND")
+        "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED")
+SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """Absent during the test and restored after it: parse_name sets os.environ directly, and a
     delenv of an absent key records nothing to undo (the switches leaked into later test files)."""
-    for k in KEYS:
+    for k in KEYS + SET_BY_EVERY_NAME:
         monkeypatch.setenv(k, "x")
         monkeypatch.delenv(k)
 
@@ -46,3 +47,18 @@ def test_bad_names(bad):
 def test_sglattn_suffix_selects_sglangs_verify_kernel():
     ST.parse_name("mla_ddtree_graph_b16_sglattn")
     assert os.environ["SGLANG_DDTREE_VERIFY_ATTN"] == "sglang"
+
+
+def test_uncapped_default_leaves_the_running_requests_to_the_server():
+    """``uncapped`` (with ``default`` only): no --max-running-requests and decode graphs up to bs 96,
+    so the tree widths' graphs stop at 64 and the plain state's go on (spec_algo.plain_floor_graphs)."""
+    pair, algo, mode, budget, kw = ST.stage_kwargs("gqa_ddtree_graph_default_uncapped", "/m", 30000)
+    assert "max_running_requests" not in kw and kw["cuda_graph_max_bs_decode"] == 96
+    assert "SGLANG_DDTREE_ADAPTIVE" not in os.environ and "speculative_num_draft_tokens" not in kw
+    os.environ.pop("DDTREE_STAGE_UNCAPPED")
+    *_, kw = ST.stage_kwargs("gqa_ddtree_graph_default", "/m", 30000)
+    assert kw["max_running_requests"] == 16 and kw["cuda_graph_max_bs_decode"] == 16
+    for bad in ("gqa_ddtree_graph_b16_uncapped", "gqa_ddtree_graph_nospec_uncapped"):
+        os.environ.pop("DDTREE_STAGE_UNCAPPED", None)
+        with pytest.raises(ValueError, match="uncapped"):
+            ST.parse_name(bad)

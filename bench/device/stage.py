@@ -89,15 +89,21 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "sglang"   # is auto: ours where covered)
         elif p == "dattn":  # the drafter's block forward through our kernel too (all-set bitmask)
             os.environ["SGLANG_DDTREE_DRAFT_ATTN"] = "ddtree"
+        elif p == "uncapped":  # with default: no --max-running-requests and decode graphs up to bs 96, so
+            os.environ["DDTREE_STAGE_UNCAPPED"] = "1"   # tree graphs stop at 64, the plain state's at 96
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
+    if os.environ.get("DDTREE_STAGE_UNCAPPED") and "default" not in adaptive:
+        raise ValueError(f"bad stage name {name!r}: uncapped needs default")
     if algo in ("ddtree", "ddtreecpu") and not adaptive:
         os.environ["SGLANG_DDTREE_ADAPTIVE"] = "0"    # the lossless matrix's fixed budgets
     elif adaptive and adaptive[0] in ("default", "nospec"):
         if algo != "ddtree":
             raise ValueError(f"bad stage name {name!r}: default / nospec need ddtree")
+        if os.environ.get("DDTREE_STAGE_UNCAPPED") and adaptive != ["default"]:
+            raise ValueError(f"bad stage name {name!r}: uncapped needs default alone")
         if "nospec" in adaptive:
             os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] = "0"
         if not any(p.startswith("b") and p[1:].isdigit() for p in parts[3:]):
@@ -138,6 +144,10 @@ def stage_kwargs(name, models, port):
         kw["disable_cuda_graph"] = True
     else:
         kw.update(cuda_graph_max_bs_decode=16, disable_prefill_cuda_graph=True)
+    if os.environ.get("DDTREE_STAGE_UNCAPPED"):   # the product default's running requests (spec_algo)
+        kw.pop("max_running_requests")
+        if mode == "graph":
+            kw["cuda_graph_max_bs_decode"] = 96
     if algo != "base":
         kw.update(speculative_algorithm=ALGOS[algo],
                   speculative_draft_model_path=os.path.join(models, PAIRS[pair]))
