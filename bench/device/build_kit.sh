@@ -1,16 +1,21 @@
 #!/bin/bash
-# Build a carry-able SGLang 0.5.16 kit (site-packages overlay, ~45 MiB tar.xz) for the
+# Build a carry-able SGLang 0.5.16 kit (site-packages overlay, ~32 MB tar.xz) for the
 # lent H200 machine (Python 3.12, torch 2.11.0+cu130, triton 3.6.0, no network).
 #
-# usage: bash build_kit.sh [KIT_DIR]      (KIT_DIR: a git-ignored folder in your checkout)
-# needs: internet to PyPI here, python3 with pip, xz.  Produces KIT_DIR/site.tar.xz which
+# usage: [KIT_TRIM=0] [KIT_TRIM_SKIP=rule,...] bash build_kit.sh KIT_DIR   (a git-ignored folder, e.g. .kit)
+# needs: internet to PyPI here, python3 with pip, xz, strip.  Produces KIT_DIR/site.tar.xz which
 # unpacks to ./site  (device: tar -xJf site.tar.xz -C /tmp; export PYTHONPATH=/tmp/site).
+# After the base trims below, kit_trim.sh removes what the host never loads (43.0 -> ~32 MB; each
+# rule named and argued there; `python bench/device/check_kit.py $STAGE/site` checks it on the CPU).
+# KIT_TRIM=0 builds the untrimmed kit (43 MB: it no longer fits beside the tree and the JIT cache),
+# KIT_TRIM_SKIP=rule,... keeps the named rules' files: the fallback when a trimmed kit fails on the GPU.
 set -euo pipefail
 KIT=${1:?usage: build_kit.sh KIT_DIR (a git-ignored folder inside your checkout, e.g. .kit)}
 WHL=${WHL:-/tmp/kit_wheels}
 STAGE=${STAGE:-/tmp/kit_stage}
 mkdir -p "$WHL" "$KIT"
 KIT=$(cd "$KIT" && pwd)   # absolute: the script cd's below
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 PLAT=(--platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
       --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
@@ -68,6 +73,11 @@ rm -f  torchao/_C_mxfp8.cpython-310-*.so          # a Python 3.10 build: never l
 find . -name __pycache__ -prune -exec rm -rf {} +
 find . -name '*.so' -exec chmod 755 {} +
 du -sh .
+if [ "${KIT_TRIM:-1}" != 0 ]; then bash "$HERE/kit_trim.sh" "$STAGE/site"; fi
 cd "$STAGE"
-tar -cf - site | xz -T0 -9 > "$KIT/site.tar.xz"
+# files grouped by extension (headers with headers, .py with .py: xz finds more repeats; -0.4 MB),
+# directories implied by their files
+find site -type f -o -type l | awk -F/ '{n = $NF; e = (n ~ /\./) ? n : ""; sub(/^.*\./, "", e); print e "\t" $0}' \
+  | LC_ALL=C sort -t"$(printf '\t')" -k1,1 -k2,2 | cut -f2 > "$STAGE/files.txt"
+tar --no-recursion -cf - -T "$STAGE/files.txt" | xz -T0 -9 > "$KIT/site.tar.xz"
 ls -la "$KIT/site.tar.xz"
