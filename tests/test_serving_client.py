@@ -97,7 +97,11 @@ def test_server_command_is_what_a_user_types():
     assert "--speculative-num-draft-tokens" not in df
     dd = S.serving_server_cmd(arms["ddtree"], opts, 120)
     assert _opt(dd, "--speculative-algorithm") == "DDTREE-GPU" and _opt(dd, "--speculative-draft-model-path") == "/d"
-    assert "--attention-backend" not in dd and "--speculative-num-draft-tokens" not in dd
+    # every arm on the kit's best backend (the DDTREE arm's prefill and plain rounds as base's)
+    assert _opt(dd, "--attention-backend") == "flashinfer" and "--speculative-num-draft-tokens" not in dd
+    own = S.parse_arm_attention("*=flashinfer,ddtree=triton")
+    assert S.arm_backend(own, "ddtree") == "triton" and S.arm_backend(own, "base") == "flashinfer"
+    assert S.arm_backend(S.parse_arm_attention("base=flashinfer"), "ddtree") is None
     for flag in ("--skip-tokenizer-init", "--mem-fraction-static", "--max-running-requests", "--skip-server-warmup"):
         assert flag not in dd + base + df      # bench_serving needs the server's tokenizer; nothing else is tuned
     assert _opt(S.serving_server_cmd(arms["ddtree_b15"], opts, 1), "--speculative-num-draft-tokens") == "16"

@@ -133,7 +133,8 @@ def build_parser(default_out: str = DEFAULT_OUT):
                    help="bench_serving: a `python -m sglang.bench_serving` process per pass (each pays `import "
                         "sglang`), instead of one persistent client process per arm that runs every pass in-process")
     g.add_argument("--arm-attention", default=DEFAULT_ARM_ATTENTION,
-                   help="bench_serving: ARM=BACKEND,... the --attention-backend of those arms (others: no flag); 'none'")
+                   help="bench_serving: ARM=BACKEND,... the --attention-backend of those arms ('*': every other "
+                        "arm; arms not named: no flag); 'none'")
     g.add_argument("--identity-prompts", type=int, default=16, help="bench_serving: greedy identity requests per arm")
     g.add_argument("--identity-new-tokens", type=int, default=256)
     g.add_argument("--identity-concurrency", type=int, default=1)

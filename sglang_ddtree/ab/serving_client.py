@@ -3,9 +3,9 @@ sglang``, drives every level; the A/B keeps its arms, its servers (one at a time
 output-identity check on top.
 
 Per arm: the server is launched as a user would (``--model-path``, host, port, the arm's
-speculative flags, its attention backend from ``--arm-attention`` -- default base and DFLASH on
-``flashinfer``, DDTree arms without the flag (the plugin picks) -- and ``--server-args`` for every
-arm), waited for on ``/health_generate``, warmed up by one uncounted bench_serving pass at the
+speculative flags, its attention backend from ``--arm-attention`` -- default every arm on
+``flashinfer``, the best backend the GPU host's kit has (a DDTREE arm keeps it for its prefill and
+no-speculation rounds and verifies on triton) -- and ``--server-args`` for every arm), waited for on ``/health_generate``, warmed up by one uncounted bench_serving pass at the
 largest concurrency (16 output tokens), then for each concurrency c and each repeat (``--repeats``,
 radix cache flushed by bench_serving's ``--flush-cache`` after its own one-request warm-up), one pass:
 
@@ -88,7 +88,10 @@ from .stats import first_diff, identity_check
 SERVING_DEFAULT_ARMS = "base,dflash,ddtree"
 MAX_CALIBRATION_PASSES = 4     # uncounted sizing passes per level (the first arm's), at most
 MIN_SIZING_MARGIN = 1.05       # sizing aims at least this far over --min-level-seconds (run-to-run noise)
-DEFAULT_ARM_ATTENTION = "base=flashinfer,dflash=flashinfer"
+# every arm on the best backend the GPU host's kit has (no FA3 kernels there): a DDTREE arm then keeps
+# flashinfer for its prefill and its no-speculation rounds (SGLang's decode step) and verifies on
+# triton (spec_algo.split_for_prefill_backend), as a user who launches base with it would launch it
+DEFAULT_ARM_ATTENTION = "*=flashinfer"
 
 # workload -> bench_serving dataset and lengths
 WORKLOADS = {
@@ -130,7 +133,8 @@ def parse_serving_arms(spec: str) -> List[dict]:
 
 
 def parse_arm_attention(spec: str) -> Dict[str, str]:
-    """'base=flashinfer,dflash=flashinfer' -> {arm name: backend}; '' or 'none': no arm gets the flag."""
+    """'base=flashinfer,dflash=flashinfer' -> {arm name: backend} ('*': every arm without its own
+    entry); '' or 'none': no arm gets the flag."""
     out = {}
     for part in (spec or "").split(","):
         part = part.strip()
@@ -143,13 +147,19 @@ def parse_arm_attention(spec: str) -> Dict[str, str]:
     return out
 
 
+def arm_backend(attention: Optional[Dict[str, str]], name: str) -> Optional[str]:
+    """The attention backend :func:`parse_arm_attention`'s map gives arm ``name`` (its own, else '*')."""
+    attention = attention or {}
+    return attention.get(name, attention.get("*"))
+
+
 def serving_server_cmd(arm: dict, opts: dict, port: int) -> List[str]:
     """The launch_server command line of one arm, as a user writes it: the model, host and port, the
     arm's attention backend (when ``opts["attention"]`` names one for it), its speculative flags,
     then ``opts["server_args"]`` (every arm, last: they win)."""
     cmd = [opts.get("python") or sys.executable, "-m", "sglang.launch_server", "--model-path", opts["model_path"],
            "--host", "127.0.0.1", "--port", str(port)]
-    backend = (opts.get("attention") or {}).get(arm["name"])
+    backend = arm_backend(opts.get("attention"), arm["name"])
     if backend:
         cmd += ["--attention-backend", backend]
     if arm["algo"]:
@@ -701,7 +711,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
     client_log = os.path.join(tmpdir, f"bench_serving_{arm['name']}.log")
     rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"], command=cmd,
                command_str=shlex.join(cmd), env={k: v for k, v in (arm.get("env") or {}).items()},
-               attention_backend=(opts.get("attention") or {}).get(arm["name"]), status="failed", levels=[],
+               attention_backend=arm_backend(opts.get("attention"), arm["name"]), status="failed", levels=[],
                log=log_path, client_log=client_log)
     print(f"[{arm['name']}] {shlex.join(cmd)}", flush=True)
     if deadline_at is not None and deadline_at - time.time() < args.min_arm_s:
