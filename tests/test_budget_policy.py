@@ -47,7 +47,10 @@ def test_choice_follows_load_on_the_measured_8b_costs():
     assert no_base.choose(32) == 17
 
 
-def test_choice_is_the_brute_force_argmax_on_random_curves():
+def test_choice_serves_at_least_every_other_candidate_on_random_curves():
+    """A property, not the scoring restated: at a timed batch size, the chosen width's tokens per ms
+    (from the table's own entry and the acceptance fed in) is at least every other choice's; past
+    every timed batch size plain decoding is the only choice."""
     rng = random.Random()
     for _ in range(200):
         widths = sorted(rng.sample(range(2, 66), rng.randint(1, 4)))
@@ -57,14 +60,40 @@ def test_choice_is_the_brute_force_argmax_on_random_curves():
         p = BudgetPolicy(CostTable(verify, base), hysteresis=0.0, ema=0.0)
         acc = sorted(rng.uniform(0, 6) for _ in widths)   # more nodes never accept less
         p.update([acc], widths=widths)
-        # at a timed batch size the cost is the table's own entry (no interpolation to restate)
         bs = rng.choice(bss)
-        want = max([NO_SPEC] + widths,
-                   key=lambda w: (bs * (1 if w == NO_SPEC else 1 + acc[widths.index(w)])
-                                  / (base if w == NO_SPEC else verify[w])[bs], -w))
-        assert p.choose(bs) == want
-        # past every width's timed (captured) batch sizes only plain decoding is a choice
+        served = {NO_SPEC: bs / base[bs]}
+        served.update({w: bs * (1 + acc[i]) / verify[w][bs] for i, w in enumerate(widths)})
+        got = p.choose(bs)
+        assert all(served[got] >= v * (1 - 1e-12) for v in served.values()), (got, served)
         assert p.choose(max(bss) + rng.randint(1, 50)) == NO_SPEC
+
+
+def test_an_exact_tie_goes_to_the_narrower_width():
+    """Worked by hand: at bs 2, width 9 (4 ms, 1 accepted) and width 17 (8 ms, 3 accepted) both serve
+    2 x 2 / 4 = 2 x 4 / 8 = 1.0 token per ms; plain decoding 2 / 4 = 0.5.  The cheaper width wins."""
+    p = BudgetPolicy(CostTable({9: {2: 4.0}, 17: {2: 8.0}}, {2: 4.0}), hysteresis=0.0, ema=0.0)
+    p.update([[1.0, 3.0]], widths=[9, 17])
+    assert p.tokens_per_ms(2, 9) == pytest.approx(1.0) and p.tokens_per_ms(2, 17) == pytest.approx(1.0)
+    assert p.choose(2) == 9
+
+
+def test_overhead_and_admission_enter_the_choice():
+    """Worked by hand: bs 4, width 9 costs 6 ms and accepts 1 (8 tokens), plain decoding 4 ms (4
+    tokens).  GPU cost alone: 1.33 vs 1.0 tokens per ms, width 9.  With 6 ms of overhead per round
+    (both kinds) it is 8 / 12 = 0.67 vs 4 / 10 = 0.4: still width 9; with a 30 ms prefill after every
+    round (a finish rate that makes a finish in every round certain) 8 / 42 = 0.19 vs 4 / 40 = 0.1."""
+    p = BudgetPolicy(CostTable({9: {4: 6.0}}, {4: 4.0}), hysteresis=0.0, ema=0.0)
+    p.update([[1.0]], widths=[9])
+    assert p.choose(4) == 9
+    p.overhead_ms = p.overhead_plain_ms = 6.0
+    assert p.tokens_per_ms(4, 9) == pytest.approx(8 / 12) and p.tokens_per_ms(4, NO_SPEC) == pytest.approx(0.4)
+    p.prefill_ms, p.finish_rate = 30.0, 50.0
+    assert p.tokens_per_ms(4, 9) == pytest.approx(8 / 42, rel=1e-6)
+    assert p.tokens_per_ms(4, NO_SPEC) == pytest.approx(4 / 40, rel=1e-6)
+    p.overhead_plain_ms = 0.0             # plain rounds' own overhead: 4 / 34 = 0.118 < 0.19
+    assert p.choose(4) == 9
+    p.overhead_ms = 60.0                  # tree rounds far dearer: 8 / 96 = 0.083 < 0.118
+    assert p.choose(4) == NO_SPEC
 
 
 def test_hysteresis_keeps_the_current_width_until_a_clear_gain():
