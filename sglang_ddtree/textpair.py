@@ -7,6 +7,7 @@ the Hugging Face configs SGLang loads (``bench/textpair/materialize.py`` writes 
 from __future__ import annotations
 
 import json
+import lzma
 import os
 
 from . import assets
@@ -42,14 +43,28 @@ DRAFTER = dict(
 )
 
 
+# how the weights are committed: LZMA2 with 2-byte alignment (bf16 values); bench/textpair/export.py
+XZ_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "lc": 0, "lp": 1, "pb": 1}]
+
+
+def read_weights(path: str):
+    """{name: tensor} of ``path`` (``x.safetensors``), or of ``x.safetensors.xz`` when only that is
+    there: the checkout commits the weights xz-compressed, the wheel carries them plain
+    (:mod:`sglang_ddtree._build`)."""
+    from safetensors.torch import load, load_file
+
+    if os.path.exists(path) or not os.path.exists(path + ".xz"):
+        return load_file(path)
+    with open(path + ".xz", "rb") as f:
+        return load(lzma.decompress(f.read()))
+
+
 def load_pair(weights_dir: str = assets.TEXTPAIR_DIR):
     """(target state dict incl. lm_head.weight, drafter state dict), bf16, from the shipped files.
     The target was trained with a tied head: the file stores the embedding once, lm_head is a copy."""
-    from safetensors.torch import load_file
-
-    target = load_file(os.path.join(weights_dir, "target.safetensors"))
+    target = read_weights(os.path.join(weights_dir, "target.safetensors"))
     target["lm_head.weight"] = target["model.embed_tokens.weight"].clone()
-    drafter = load_file(os.path.join(weights_dir, "drafter.safetensors"))
+    drafter = read_weights(os.path.join(weights_dir, "drafter.safetensors"))
     return target, drafter
 
 

@@ -115,7 +115,7 @@ if [[ "$GROUPS_ARG" == *kimicost* ]]; then
   df -h /tmp | tail -1 | tee -a $S
 fi
 # the text-trained pair (bench/textpair), when its weights are in the checkout
-if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/sglang_ddtree/data/textpair/*.safetensors >/dev/null 2>&1; then
+if [ -f $REPO/bench/textpair/materialize.py ] && ls $REPO/sglang_ddtree/data/textpair/*.safetensors* >/dev/null 2>&1; then
   python3 $REPO/bench/textpair/materialize.py /tmp/models ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} > $LOG/materialize_text.log 2>&1 \
     && echo "text pair at $(el)s: $(tail -1 $LOG/materialize_text.log | cut -c1-200)" | tee -a $S \
     || tail -5 $LOG/materialize_text.log | tee -a $S

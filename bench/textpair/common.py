@@ -81,13 +81,20 @@ def n_params(sd):
 
 def read_safetensors(path):
     """{name: tensor} from a .safetensors file with torch + stdlib only (the device may lack the
-    safetensors package): 8-byte little-endian header length, JSON header, raw little-endian data."""
+    safetensors package): 8-byte little-endian header length, JSON header, raw little-endian data.
+    A missing ``x.safetensors`` whose ``x.safetensors.xz`` is there (the committed text pair) is read
+    from the ``.xz``."""
     import json
+    import lzma
     import struct
     import torch
     dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
           "I32": torch.int32, "I16": torch.int16, "U8": torch.uint8}
-    raw = open(path, "rb").read()
+    if not os.path.exists(path) and os.path.exists(path + ".xz"):
+        with open(path + ".xz", "rb") as f:
+            raw = lzma.decompress(f.read())
+    else:
+        raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
     hdr = json.loads(raw[8:8 + n])
     body = bytearray(raw[8 + n:])

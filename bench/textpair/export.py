@@ -1,4 +1,5 @@
-"""Convert the trainer's target.pt / drafter.pt (bf16 state dicts) into the committed safetensors.
+"""Convert the trainer's target.pt / drafter.pt (bf16 state dicts) into the committed safetensors
+(``.safetensors.xz``: xz-compressed, as the checkout keeps them).
 
     python bench/textpair/export.py RUN_DIR [--dest sglang_ddtree/data/textpair]
 
@@ -8,11 +9,12 @@ the seed, step counts and held-out numbers of that run.
 """
 import argparse
 import json
+import lzma
 import os
 import sys
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
@@ -38,8 +40,12 @@ def main():
             meta["heldout"] = json.dumps(log["target"]["heldout_fp32_bf16weights"])
         else:
             meta["dflash_sim_heldout"] = json.dumps(log["dflash_sim_heldout"])
-        p = os.path.join(a.dest, f"{name}.safetensors")
-        save_file(sd, p, metadata=meta)
+        # committed xz-compressed (the wheel build writes the plain file: sglang_ddtree/_build.py)
+        p = os.path.join(a.dest, f"{name}.safetensors.xz")
+        with open(p, "wb") as f:
+            f.write(lzma.compress(save(sd, metadata=meta), format=lzma.FORMAT_XZ, filters=C._tp.XZ_FILTERS))
+        if os.path.exists(p[:-3]):
+            os.remove(p[:-3])   # a plain copy would shadow the new weights
         print("wrote", p, os.path.getsize(p), "bytes", sum(v.numel() for v in sd.values()), "params")
 
 
