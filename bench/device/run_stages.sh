@@ -40,8 +40,8 @@
 # two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name:
 # ab_<pair>-<tag> is the same pair under another name (its arms from AB_ARMS_<tag> when set; tag fp32 also
 # adds --dtype float32), e.g. AB_ARMS_1=base,dflash AB_ARMS_2=base,ddtree_b16 "ab_gqa-1@0 ab_gqa-2@1".
-# $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: copy to .kit/ to
-# reuse next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
+# $OUT gets: summary.txt, results.jsonl, logs.tar.gz, cache.tar.xz (JIT caches: `bash
+# bench/device/carry.sh cache FILE` puts it in .kit/ for the next call), fixtures.tar (captured npz + stats).  See bench/device/README.md.
 GROUPS_ARG=${1:-"gqa_base_graph"}
 DEADLINE=${2:-480}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -326,8 +326,8 @@ done
 [ -d $OUT/fixtures ] && tar -cf $OUT/fixtures.tar -C $OUT fixtures && rm -rf $OUT/fixtures
 tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
 # JIT caches: sgl-kernel (tvm-ffi), Triton, flashinfer (its sampling renorm compiles ~107 s on a cold
-# host).  xz -3 here (fast); recompress with `xz -9e` on the CPU machine before carrying it as
-# .kit/cache.tar.xz (12 MB -> 5.7 MB in session 5): the carry limit is 64 MiB with the kit.
+# host).  xz -3 here (fast); `bash bench/device/carry.sh cache FILE` recompresses it with `xz -9e`
+# on the CPU machine into .kit/cache.tar.xz (4.2 -> 2.9 MB in session 27): a call carries <= 60 MB.
 # Triton needs only the cubin, the metadata json and the launcher .so of a cached kernel
 # (triton 3.6 CompiledKernel reads whatever group files exist; the IR dumps are 75 % of the cache);
 # flashinfer's custom-mask prefill is the verify_attn baseline only and is 4 MB: left out.
