@@ -16,7 +16,9 @@ kit's transformers and flashinfer versions):
     resolve every architecture the test bed serves (Qwen3 dense and MoE, DeepSeek-V3, DFlash, Llama);
   * ModelConfig and SGLang's tokenizer loader on each of the test bed's model folders
     (mk_models.py --configs-only, the text pair's config and tokenizer, a Qwen3-MoE config);
-  * with ``--pytest``: the given test files, in the same environment.
+  * with ``--pytest``: the given test files, in the same environment;
+  * and, in this process: every distribution of the kit still names its import names (what
+    importlib.metadata.packages_distributions() reads; transformers maps versions with it).
 Prints one line per check and exits non-zero on the first failure.  What it cannot see: compiled
 code (tokenizers, pydantic_core, sgl_kernel...), which is only loaded on the host, and modules
 imported only on code paths the CPU never runs (the GPU run of the kit is the final check).
@@ -111,6 +113,26 @@ def child(site, models):
     assert not leaked, f"blocked packages were imported: {leaked}"
 
 
+def dist_import_names(site):
+    """{distribution: import names} as importlib.metadata.packages_distributions() sees the kit's
+    dist-info folders (top_level.txt, else the files RECORD lists; kit_trim's records rule swaps the
+    RECORD for the top_level.txt it implies): a distribution with none would hide its version from
+    transformers' import_utils."""
+    import inspect
+    from importlib import metadata
+    from pathlib import PurePosixPath
+    out = {}
+    for d in metadata.distributions(path=[site]):
+        names = set((d.read_text("top_level.txt") or "").split())
+        if not names:
+            for f in d.files or []:
+                parts = PurePosixPath(str(f)).parts
+                names.add(parts[0] if len(parts) > 1 else (inspect.getmodulename(parts[0]) or parts[0]))
+            names = {n for n in names if "." not in n}
+        out[d.metadata["Name"]] = sorted(names)
+    return out
+
+
 def model_dirs(work):
     """The test bed's model folders, configs and tokenizers only."""
     out = os.path.join(work, "models")
@@ -151,6 +173,12 @@ def main(argv=None):
     if a.child:
         child(site, a.models)
         return 0
+    names = dist_import_names(site)
+    missing = sorted(k for k, v in names.items() if not v)
+    if missing:
+        print(f"FAILED: kit distributions with no import name (no top_level.txt, no RECORD): {missing}")
+        return 1
+    print(f"ok  {len(names)} distributions, each with its import names (top_level.txt / RECORD)")
     with tempfile.TemporaryDirectory(prefix="check_kit_") as work:
         overlay, block = prepare(site, work)
         models = model_dirs(work)

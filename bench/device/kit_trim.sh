@@ -10,9 +10,9 @@
 # larger and no longer fits beside the tree).  Each rule says why it is safe; what can be checked on
 # the CPU is checked by `python bench/device/check_kit.py SITE_DIR` (the server's imports with the
 # trimmed pure-Python packages ahead of the venv's, the removed packages blocked, the test bed's
-# configs and tokenizers).  xz sizes of what each rule removes, measured on the 0.5.16 kit:
-#   tf_models 2.4 MB, fi_data 1.1, sgl_grpc 2.4, sgl_test 0.3, sgl_mmcore 0.4, sgl_models 0.4,
-#   zstandard 2.0, torchao 0.9, tvm_extras 0.7, tests 0.15, records 0.3, strip 0.5.
+# configs and tokenizers).  What each rule saves (xz -6, rules applied in this order, 0.5.16 kit):
+#   tf_models 2.69 MB, fi_data 0.78, sgl_grpc 2.05, sgl_test 0.29, sgl_mmcore 0.42, sgl_models 0.39,
+#   zstandard 2.09, torchao 1.14, tvm_extras 0.47, tests 0.09, records 0.65, strip 0.67.
 set -euo pipefail
 SITE=${1:?usage: kit_trim.sh SITE_DIR}
 cd "$SITE"
@@ -86,9 +86,28 @@ if on tests; then
   find . -path ./flashinfer/data -prune -o -type d \( -name tests -o -name benchmarks \) -prune -print \
     | xargs -r rm -rf
 fi
-# dist-info RECORD files (flashinfer's lists every vendored header): only pip uninstall reads them;
-# importlib.metadata's version() / entry_points() read METADATA and entry_points.txt.
-if on records; then rm -f ./*.dist-info/RECORD; fi
+# dist-info RECORD files (flashinfer's lists every vendored header): pip uninstall reads them, and
+# importlib.metadata.packages_distributions() infers a distribution's import names from them when
+# it has no top_level.txt (transformers' import_utils maps import names to versions with it): each
+# RECORD is replaced by the top_level.txt it implies (the same names, as Python 3.12 infers them).
+# version() / entry_points() read METADATA and entry_points.txt.
+if on records; then
+  python3 - <<'PY'
+import csv, glob, inspect, os
+for rec in glob.glob("*.dist-info/RECORD"):
+    top_level = os.path.join(os.path.dirname(rec), "top_level.txt")
+    if not os.path.exists(top_level):
+        names = set()
+        with open(rec, newline="") as f:
+            for row in csv.reader(f):
+                if row and row[0]:
+                    parts = row[0].split("/")
+                    names.add(parts[0] if len(parts) > 1 else (inspect.getmodulename(parts[0]) or parts[0]))
+        with open(top_level, "w") as f:
+            f.write("".join(n + "\n" for n in sorted(n for n in names if "." not in n)))
+    os.remove(rec)
+PY
+fi
 # symbol tables of the shared libraries not stripped in their wheels (--strip-unneeded keeps the
 # dynamic symbols the loader and Python's import need).
 if on strip; then
