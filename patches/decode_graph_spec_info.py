@@ -48,7 +48,9 @@ def install() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if os.environ.get(DISABLE_ENV) == "1":
+    from sglang_ddtree.env_vars import flag
+
+    if flag(os.environ, DISABLE_ENV, False):
         return
 
     HookRegistry.register(TARGET, get_spec_info_with_tree_mask, HookType.AROUND)

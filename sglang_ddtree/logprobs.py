@@ -28,9 +28,12 @@ _FIELDS = ("next_token_logprobs", "next_token_top_logprobs_val", "next_token_top
            "next_token_token_ids_logprobs_val", "next_token_token_ids_logprobs_idx")
 
 
-def enabled() -> bool:
-    """On unless ``SGLANG_DDTREE_LOGPROBS`` is 0 / false / no / off."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def enabled(env=None, algo: str = "DDTREE") -> bool:
+    """``SGLANG_DDTREE_LOGPROBS`` (``env_vars.flag``: on unless 0 / false / no / off; another value
+    is a ValueError)."""
+    from .env_vars import flag
+
+    return flag(os.environ if env is None else env, ENV, True, algo)
 
 
 class _LogitsView:

@@ -45,7 +45,9 @@ def version_refusal(version: str, env=None) -> Optional[str]:
     msg = (f"sglang-ddtree was checked against SGLang {', '.join(checked)} only; this is SGLang "
            f"{version}. DDTREE-GPU / DDTREE-CPU refuse to run on it (their hooks reach into SGLang "
            f"internals). Install sglang=={checked[-1]}, or set {ENV_ALLOW_UNCHECKED}=1 to try anyway.")
-    if env.get(ENV_ALLOW_UNCHECKED) == "1":
+    from .env_vars import flag
+
+    if flag(env, ENV_ALLOW_UNCHECKED, False):
         logger.warning("%s (%s=1: trying anyway)", msg.split(" DDTREE-GPU")[0], ENV_ALLOW_UNCHECKED)
         return None
     return msg

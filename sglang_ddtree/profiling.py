@@ -122,7 +122,9 @@ class RoundProfiler:
     def __init__(self, meta: dict, sink: Optional[Callable[[List[tuple]], None]] = None):
         self.path: Optional[str] = os.environ.get(ENV_FILE) or None
         self.sink = sink
-        self.every = int(os.environ.get(ENV_EVERY, "64"))
+        from .env_vars import positive_int
+
+        self.every = positive_int(os.environ, ENV_EVERY, 64)
         self.meta = dict(meta, pid=os.getpid())
         self._cur = None
         self._pending = []

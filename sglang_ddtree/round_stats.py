@@ -184,9 +184,11 @@ class AcceptanceStats:
         self.budgets = list(budgets) if budgets is not None else default_budgets(self.budget)
         if not self.budgets or any(b < 1 or b > self.budget for b in self.budgets):
             raise ValueError(f"budgets must be in [1, {self.budget}], got {self.budgets}")
-        self.every = int(every if every is not None else os.environ.get(ENV_EVERY, "64"))
+        from .env_vars import positive_int
+
+        self.every = int(every) if every is not None else positive_int(os.environ, ENV_EVERY, 64)
         if self.every < 1:
-            raise ValueError(f"{ENV_EVERY} must be >= 1, got {self.every}")
+            raise ValueError(f"every must be >= 1, got {self.every}")
         self.path = path
         self.meta = dict(algo=algo, budget=self.budget, tp_rank=tp_rank, pid=os.getpid())
         self.chosen_budgets = list(chosen_budgets) if chosen_budgets else [self.budget]

@@ -94,9 +94,10 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         _resolve_dflash_draft_attention_backend(server_args)
         import os
 
-        from .adaptive import parse_config
+        from . import env_vars
 
-        cfg = parse_config(os.environ, budget=settings.budget, algo=self.name)   # a bad value: ValueError here
+        # every SGLANG_DDTREE_* value through its parser, unknown names refused: a ValueError here
+        cfg = env_vars.check(os.environ, algo=self.name, budget=settings.budget)
         if server_args.max_running_requests is None and plain_floor_graphs(server_args, cfg, self.name) is None:
             server_args.max_running_requests = 48   # SGLang's own default for speculative servers
         if server_args.enable_mixed_chunk:

@@ -210,21 +210,21 @@ def backend_problems(backend, model, all_visible: bool = False) -> List[str]:
     return why + _layer_problems(model, all_visible)
 
 
+def splits_override(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> Optional[int]:
+    """``SGLANG_DDTREE_VERIFY_ATTN_SPLITS``: an integer in [1, 64], None when unset (ValueError else)."""
+    from .env_vars import positive_int
+
+    return positive_int(os.environ if env is None else env, ENV_SPLITS, None, algo, hi=64)
+
+
 def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
     """Prefix splits: the kernel's rule on the context length, capped so the workspace fits the
     backend's own decode buffers (``max_kv_splits`` per head); ``SGLANG_DDTREE_VERIFY_ATTN_SPLITS``
     overrides (a larger workspace is then allocated per call)."""
     from sglang_ddtree.kernels.tree_verify_attention import default_num_splits
 
-    env = os.environ if env is None else env
-    raw = (env.get(ENV_SPLITS) or "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if not 1 <= n <= 64:
-            raise ValueError(f"{ENV_SPLITS} must be an integer in [1, 64], got {raw!r}")
+    n = splits_override(env)
+    if n is not None:
         return n
     cap = max(1, int(getattr(backend, "max_kv_splits", 2)) - 1)
     return max(1, min(default_num_splits(int(backend.max_context_len)), cap))

@@ -60,7 +60,8 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampling, tree_ops, verify_attn_hook
+from . import (accept_estimate, adaptive, ddtree, env_vars, logprobs, plain_decode, sampling, tree_ops,
+               verify_attn_hook)
 from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .round_stats import make_round_observers
@@ -76,22 +77,12 @@ KV_COMMIT_ENV = "SGLANG_DDTREE_KV_COMMIT"
 COMMIT_OPS_ENV = "SGLANG_DDTREE_COMMIT_OPS"
 
 
-def _env_choice(env, var: str, choices, algo: str) -> str:
-    """``env[var]`` (trimmed, lower case) if it is one of ``choices``, ``choices[0]`` when unset or
-    empty; anything else is a start-up ValueError naming the variable."""
-    mode = (env.get(var) or choices[0]).strip().lower()
-    if mode not in choices:
-        raise ValueError(f"{algo}: {var} must be " + " or ".join(f"'{c}'" for c in choices)
-                         + f", got {env.get(var)!r}")
-    return mode
-
-
 def commit_ops_backend(env, algo: str, tree_backend: str) -> str:
     """The backend of a round's ``ddtree.commit_round``: ``fused`` (default) = the one Triton launch
     (``tree_backend``), ``torch`` = the torch-op composition it replaced (``backend="reference"``, on
     the same device; same outputs): kept so an A/B can measure the fused kernel in the same run
     (arm suffix ``_torchcommit``)."""
-    return tree_backend if _env_choice(env, COMMIT_OPS_ENV, ("fused", "torch"), algo) == "fused" else "reference"
+    return tree_backend if env_vars.choice(env, COMMIT_OPS_ENV, ("fused", "torch"), algo) == "fused" else "reference"
 
 
 def kv_commit_mode(env, algo: str) -> str:
@@ -100,7 +91,7 @@ def kv_commit_mode(env, algo: str) -> str:
     launch, whatever the layer count); ``move`` copies each layer's K/V rows into place with SGLang's
     ``move_accept_tokens_to_target_kvcache`` (two indexing ops per layer: 122 launches on a 61-layer
     target).  Both need page size 1, which the plugin requires (``spec_algo``)."""
-    return _env_choice(env, KV_COMMIT_ENV, ("remap", "move"), algo)
+    return env_vars.choice(env, KV_COMMIT_ENV, ("remap", "move"), algo)
 
 
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
@@ -254,8 +245,8 @@ _GRAPH_MASK_CAP_ENV = "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"
 
 
 def _graph_mask_capacity(graph_buf: torch.Tensor) -> int:
-    cap = os.environ.get(_GRAPH_MASK_CAP_ENV)
-    return min(int(cap), graph_buf.numel()) if cap else graph_buf.numel()
+    cap = env_vars.positive_int(os.environ, _GRAPH_MASK_CAP_ENV, None)
+    return min(cap, graph_buf.numel()) if cap else graph_buf.numel()
 
 
 def plan_verify_mask_buffer(*, bs: int, need: int, graph_max_bs: Optional[int],

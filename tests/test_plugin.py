@@ -194,6 +194,8 @@ CASES = [
     ("DFLASH", [], {}),
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "maybe"}),
     ("DDTREE-GPU", ["--max-running-requests", "32"], {"SGLANG_DDTREE_PROBE_EVERY": "0"}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUGDET": "8"}),          # a typo: refused, not ignored
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_KV_COMMIT": "copy"}),    # checked in the launcher, not the scheduler
 ]
 
 
@@ -208,7 +210,7 @@ def test_server_args_resolution_and_rejections(tiny_models):
     # tree widths' graphs stop at 64 requests, the no-speculation state keeps SGLang's whole list
     assert ok["mrr"] is None and ok["plain_bs"] and max(ok["plain_bs"]) > 64
     assert ok["graph_bs"] == [b for b in ok["plain_bs"] if b <= 64] and ok["graph_max_bs"] == 64
-    fixed, no_ns, given, eager, dflash, bad, bad_given = out[10:]
+    fixed, no_ns, given, eager, dflash, bad, bad_given, typo, bad_commit = out[10:]
     for res in (fixed, no_ns, eager, dflash):        # no plain-decoding floor: SGLang's speculative cap
         assert res["ok"] and res["mrr"] == 48 and res["plain_bs"] is None, res
     assert dflash["graph_max_bs"] == max(ok["plain_bs"])   # DFLASH's own graphs untouched
@@ -216,6 +218,8 @@ def test_server_args_resolution_and_rejections(tiny_models):
     assert not bad["ok"] and bad["type"] == "ValueError" and "SGLANG_DDTREE_NO_SPEC must be 0 or 1" in bad["msg"]
     # checked at argument resolution whether or not the running requests are given
     assert not bad_given["ok"] and "SGLANG_DDTREE_PROBE_EVERY must be an integer >= 1" in bad_given["msg"]
+    assert not typo["ok"] and "did you mean SGLANG_DDTREE_BUDGET?" in typo["msg"]
+    assert not bad_commit["ok"] and "SGLANG_DDTREE_KV_COMMIT must be 'remap' or 'move'" in bad_commit["msg"]
     assert out[1]["ok"] and out[1]["n"] == 65 and out[1]["algo"] == "DDTREE-CPU"
     assert out[2]["ok"] and out[2]["n"] == 9
     expect = ["must be >= 2", "must be in [1, 256]",
