@@ -11,6 +11,8 @@
 #                                           _cycle (adaptive budget, forced widths incl. no-spec) _auto (its policy)
 #                                           _vattn (SGLANG_DDTREE_VERIFY_ATTN=ddtree: our verify attention required)
 #                                           _sglattn (=sglang: SGLang's masked verify kernel; default auto: ours where covered)
+#                                           _default (the product default: no DDTree setting) _nospec (it, every round plain)
+#                                           _default_uncapped (no --max-running-requests, decode graphs to bs 96) _dattn
 #   <mlaint4|mlaint4ref>_<algo>_<mode>[_moetriton]  the INT4-expert MLA target (mk_int4.py) / its dequantized bf16 twin
 #   kimicost_<algo>_<mode>[_b<N>]           the production-cost INT4 MLA pair (mk_kimi_cost.py: Kimi K2 widths, ~32 GB,
 #                                           written only when a kimicost stage is named; KIMICOST_ARGS e.g. "--layers 6")
@@ -30,6 +32,7 @@
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
 #   scalechain_<qwen3-8b|qwen3-30b-a3b>     bench/scale/chain_pair.py: the chain GQA pair (block-16 drafter) at that shape,
 #                                           A/B on chain prompts, base outputs checked against the chain
+#                                           (AB_CLIENT=bench_serving: the load from sglang.bench_serving, random / long / mix)
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
