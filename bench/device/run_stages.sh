@@ -33,6 +33,17 @@
 #   scalechain_<qwen3-8b|qwen3-30b-a3b>     bench/scale/chain_pair.py: the chain GQA pair (block-16 drafter) at that shape,
 #                                           A/B on chain prompts, base outputs checked against the chain
 #                                           (AB_CLIENT=bench_serving: the load from sglang.bench_serving, random / long / mix)
+#   codepair_train                          bench/codepair/recipe.py: the code pair (issue 42) from the host's sources, trained
+#                                           here -> /tmp/models/code_{target,drafter}, code_heldout_prompts.json, code_pair.json;
+#                                           $OUT gets codepair_log.json, corpus_manifest.tsv.gz, tokenizer.json, heldout_prompts.json,
+#                                           corpus_meta.json, codepair_train.log (CODEPAIR_WORK, default /tmp/codepair: a warm
+#                                           machine's work folder is resumed; CODEPAIR_ARGS: more recipe flags)
+#   codepair_ab                             bench/ab_serve.py on that pair (needs /tmp/models/code_pair.json: codepair_train in this
+#                                           call or on this warm machine): prompts /tmp/models/code_heldout_prompts.json (held-out
+#                                           files), arms default base,dflash,ddtree_b15,ddtree_b31,ddtree_b63, AB_NEW default 256,
+#                                           AB_CONCURRENCY default 1,16, AB_PROMPTS 64; AB_CLIENT=bench_serving: the A/B through
+#                                           sglang.bench_serving (AB_WORKLOAD default natural = those prompts' text; arms default
+#                                           base,dflash,ddtree), report serving_h200_codepair_<workload>; see bench/codepair/GPU_RECIPE.md
 #   soak_text                               bench/soak.py: 1,000 mixed requests at c=64 on a DDTREE-GPU HTTP server + plain reference
 #   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
@@ -100,8 +111,8 @@ python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;pr
 # (skipped when every stage is scalechain_* or verify_attn*: those write their own pair from the
 # checkout or use synthetic tensors; saves ~35 s)
 SELF_CONTAINED=1
-for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == scale_* || "${st%@*}" == verify_attn* ]] || SELF_CONTAINED=0; done
-if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scale / scalechain / verify_attn stages only)" | tee -a $S; else
+for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == scale_* || "${st%@*}" == verify_attn* || "${st%@*}" == codepair_* ]] || SELF_CONTAINED=0; done
+if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scale / scalechain / verify_attn / codepair stages only)" | tee -a $S; else
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
 # the MLA target with INT4 (compressed-tensors W4A16) experts + its dequantized bf16 reference: pairs
@@ -283,6 +294,31 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
     plugin_probe)
       timeout -k 5 $lim python3 -P -c "from importlib.metadata import entry_points as e; print([(x.name,x.value) for x in e(group='sglang.srt.plugins')]); from sglang.srt.plugins import load_plugins; load_plugins()" > $LOG/$st.log 2>&1; rc=$?
       tail -5 $LOG/$st.log > $LOG/$st.res ;;
+    codepair_train)  # issue 42: bench/codepair/recipe.py (corpus from this host's sources, target, block-16 drafter,
+                     # offline acceptance, HF folders in /tmp/models); resumes a warm machine's CODEPAIR_WORK
+      timeout -k 10 $lim python3 $REPO/bench/codepair/recipe.py --work ${CODEPAIR_WORK:-/tmp/codepair} --models /tmp/models \
+        --out-dir $OUT --deadline $((lim - 20)) ${CODEPAIR_ARGS:-} > $LOG/$st.log 2>&1; rc=$?
+      cp $LOG/$st.log $OUT/codepair_train.log
+      grep -a -E "^\[ *[0-9.]+s\]|Error|Traceback" $LOG/$st.log | tail -30 | cut -c1-400 > $LOG/$st.res ;;
+    codepair_ab)  # the A/B on the code pair codepair_train wrote (this call or this warm machine)
+      if [ ! -f /tmp/models/code_pair.json ]; then
+        echo "codepair_ab: /tmp/models/code_pair.json is missing (a fresh machine): run codepair_train first" > $LOG/$st.log; rc=3
+      else
+        local cpa=(--model-path /tmp/models/code_target --draft-model-path /tmp/models/code_drafter
+                   --prompts /tmp/models/code_heldout_prompts.json) ccl=() cout=ab_h200_codepair
+        local carms=${AB_ARMS:-base,dflash,ddtree_b15,ddtree_b31,ddtree_b63}
+        if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
+          ccl=(--client bench_serving --workload ${AB_WORKLOAD:-natural}); carms=${AB_ARMS:-base,dflash,ddtree}
+          cout=serving_h200_codepair_${AB_WORKLOAD:-natural}
+        fi
+        timeout -k 10 $lim python3 -P -m sglang_ddtree.ab "${cpa[@]}" --arms $carms "${ccl[@]}" \
+          --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} --max-new-tokens ${AB_NEW:-256} \
+          ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} --deadline $((lim-20)) --port $port --workdir /tmp/abw_codepair \
+          --out $OUT/$cout --save-output-ids --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
+        cp /tmp/models/code_pair.json $OUT/code_pair.json
+      fi
+      [ -d /tmp/abw_codepair ] && tar -czf $OUT/ab_logs_codepair.tgz -C /tmp abw_codepair 2>/dev/null
+      grep -a -E "^\[|wrote|Error|codepair_ab:" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     *)
       timeout -k 5 $lim python3 $DEV/stage.py $st /tmp/models $R $port > $LOG/$st.log 2>&1; rc=$?
       grep -a STAGE_RESULT $LOG/$st.log | cut -c1-1800 > $LOG/$st.res ;;
