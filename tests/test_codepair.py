@@ -171,6 +171,13 @@ def test_second_run_resumes(run):
         assert what in r.stdout, what
     after = json.load(open(d / "out2" / "codepair_log.json"))
     assert after["checks"] == before["checks"]
+    # --redo-drafter: the same target, the saved greedy data (WORK/gen.pt), the same drafter (CPU: bit for bit)
+    r = _recipe(d / "work", d / "models", d / "out3", "--redo-drafter")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "target: reusing" in r.stdout and "drafter data: loaded" in r.stdout
+    again = json.load(open(d / "out3" / "codepair_log.json"))
+    assert again["checks"] == before["checks"]
+    assert again["drafter_data"]["resumed"] is True
 
 
 def test_training_forward_equals_the_reference():

@@ -43,9 +43,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import codeconfig as K  # noqa: E402
 
-DEFAULT_ROOTS = ["stdlib", "pkg:torch", "pkg:triton", "pkg:transformers", "pkg:jax?", "pkg:numpy?",
-                 "pkg:scipy?", "pkg:sympy?", "pkg:pandas?", "pkg:sklearn?",
-                 "dir:/tmp/site/sglang?", "dir:/tmp/site/flashinfer?"]
+# On the GPU host run_stages.sh puts the SGLang kit (/tmp/site) first on PYTHONPATH: there pkg:sglang,
+# pkg:flashinfer and pkg:transformers are the kit's, the rest the image's (run the recipe through the
+# codepair_train stage, or with the same PYTHONPATH, so the corpus is the manifest's).
+DEFAULT_ROOTS = ["stdlib", "pkg:torch", "pkg:triton", "pkg:transformers", "pkg:sglang?", "pkg:flashinfer?",
+                 "pkg:jax?", "pkg:numpy?", "pkg:scipy?", "pkg:sympy?", "pkg:pandas?", "pkg:sklearn?"]
 STDLIB_SKIP_TOP = ("site-packages", "dist-packages", "encodings", "__pycache__")
 
 
@@ -189,13 +191,11 @@ def tokenizer_sample(train_keys, texts, mb, seed):
 
 def encode_stream(tok, texts):
     import torch
-    ids = []
+    parts, eos = [], torch.tensor([K.EOS], dtype=torch.int16)
     for i in range(0, len(texts), 2048):   # encode_batch runs on all cores
         for e in tok.encode_batch(texts[i:i + 2048], add_special_tokens=False):
-            ids.extend(e.ids)
-            ids.append(K.EOS)
-    assert max(ids) < 32768
-    return torch.tensor(ids, dtype=torch.int16)
+            parts += [torch.tensor(e.ids, dtype=torch.int16), eos]   # vocab < 2^15
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int16)
 
 
 def make_prompts(tok, held, lens, per_len, seed, min_after=64):
@@ -231,6 +231,7 @@ def build(out, roots=None, vocab=8192, tok_sample_mb=48, max_file_kb=512, seed=K
           prompt_lens=(64, 128, 256, 512), prompts_per_len=16, check_manifest=None):
     """Everything above into OUT; returns meta.  Skips the work when OUT/meta.json is complete."""
     t0 = time.time()
+    assert vocab <= 32768, "the streams are int16"
     os.makedirs(out, exist_ok=True)
     roots = list(roots or DEFAULT_ROOTS)
     rows, texts, info = scan(roots, max_file_kb * 1024)

@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--drafter-steps", type=int, default=0, help="0: as many as fit in --drafter-seconds")
     ap.add_argument("--drafter-seconds", type=float, default=150)
     ap.add_argument("--min-drafter-seconds", type=float, default=60)
+    ap.add_argument("--redo-drafter", action="store_true", help="train the drafter again (a longer --drafter-seconds) "
+                    "on the work folder's target and greedy data (WORK/gen.pt; missing batches are generated)")
     ap.add_argument("--eval-new", type=int, default=256, help="greedy tokens per held-out prompt (offline acceptance)")
     ap.add_argument("--check-prompts", type=int, default=4, help="prompts whose greedy tokens log.json keeps")
     a = ap.parse_args()
@@ -205,7 +207,9 @@ def main():
 
     # 3-4. drafter data + drafter ---------------------------------------------------------------
     dp = os.path.join(a.work, "drafter.pt")
-    if os.path.exists(dp) and not a.force and res.get("drafter", {}).get("steps"):
+    gp = os.path.join(a.work, "gen.pt")     # the greedy sequences (int16): a later run reuses them
+    s.save_data, s.load_data = gp, (gp if os.path.exists(gp) and not a.force else "")
+    if os.path.exists(dp) and not (a.force or a.redo_drafter) and res.get("drafter", {}).get("steps"):
         log(f"drafter: reusing {dp}")
         D = load_target(dp, dev)
     else:
