@@ -215,3 +215,32 @@ def test_target_layer_ids_match_sglang():
     for n, m in ((12, 5), (6, 2), (36, 5), (4, 1), (28, 4)):
         assert K.build_target_layer_ids(n, m) == build_target_layer_ids(n, m)
     assert K.configs(K.PRESETS["full"])[1]["dflash_config"]["target_layer_ids"] == [1, 3, 5, 7, 9]
+
+
+FULL_CHECK = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import codeconfig as K
+C, L = K.install("full")
+import fastlm
+T, D = C.target_init(K.SEED), C.drafter_init(K.SEED + 1)
+assert (C.n_params(T), C.n_params(D)) == (K.n_params(K.PRESETS["full"])[0], K.n_params(K.PRESETS["full"])[2])
+fastlm.install(L, C)
+ids = torch.randint(5, 8192, (2, 24), generator=torch.Generator().manual_seed(1))
+assert torch.allclose(L.TD.target_logits(C.with_head(T), ids), L.logits(T, ids), atol=1e-4)
+seqs = L.greedy_cached(T, ids[:, :8], 20)[0]
+assert torch.equal(seqs, L.greedy(T, ids[:, :8], 20)[0])
+f = L.features(T, seqs)
+assert f.shape == (2, 28, 5 * 768)
+loss, ok = L.drafter_loss(D, T, seqs, f, 10)
+assert ok.shape == (2, 15) and torch.isfinite(loss)
+print("FULL_OK")
+"""
+
+
+def test_full_preset_runs_the_trainer_pieces():
+    """The GPU preset's shapes through the trainer's pieces at a few tokens (CPU, ~5 s): the seeded
+    init has the planned parameter counts, the training forward equals the reference, the KV-cache
+    greedy equals the full recompute, features are 5 x 768 wide, the block-16 drafter loss runs."""
+    r = subprocess.run([sys.executable, "-c", FULL_CHECK, CP], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "FULL_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

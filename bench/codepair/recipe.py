@@ -113,6 +113,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--target-steps", type=int, default=0, help="0: as many as fit in --target-seconds")
     ap.add_argument("--target-seconds", type=float, default=230)
+    ap.add_argument("--data-seconds", type=float, default=75, help="the greedy data's expected seconds: the "
+                    "target's budget is min(--target-seconds, deadline - elapsed - reserve - min-drafter - this)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the target's training forward")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows for the curve")
     ap.add_argument("--ppl-windows", type=int, default=512, help="held-out windows for the final perplexity")
@@ -182,7 +184,13 @@ def main():
         log(f"target: reusing {tp} ({res['target']['steps']} steps)")
         T = load_target(tp, dev)
     else:
-        log(f"target: {res['params']['target'] / 1e6:.1f}M parameters, seq {a.seq} x batch {a.batch}")
+        if a.target_steps == 0:   # what is left after the corpus phase, less the later phases' shares
+            left = a.deadline - (time.time() - t_all) - a.reserve - a.min_drafter_seconds - a.data_seconds
+            s.target_seconds = min(a.target_seconds, left)
+            if s.target_seconds < 30:
+                raise SystemExit(f"target: only {left:.0f}s left of --deadline {a.deadline} for the target")
+        log(f"target: {res['params']['target'] / 1e6:.1f}M parameters, seq {a.seq} x batch {a.batch}, "
+            f"budget {s.target_seconds:.0f}s" if a.target_steps == 0 else f"{a.target_steps} steps")
         tt = time.time()
         T = TR.train_target(s, train, held, dev, res)
         st = res["target"]
