@@ -46,6 +46,15 @@ def run(tmp_path_factory):
     return d, r
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny CPU forwards: one thread (two threads on a shared 2-core machine run 200x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _manifest(path):
     with gzip.open(path, "rt") as f:
         lines = f.read().splitlines()
@@ -158,6 +167,12 @@ def test_log_has_perplexity_and_acceptance(run):
     assert 1.0 <= acc["dflash_tokens_per_round"] <= 16.0
     assert all(len(v["depth_top1"]) == 15 for v in acc["per_prompt_len"].values())
     assert log["drafter_config"]["block_size"] == 16
+    assert len(log["dflash_sim_heldout"]["depth_top1"]) == 15
+    assert log["dflash_sim_heldout"]["dflash_tokens_per_round"] == acc["dflash_tokens_per_round"]
+    sys.path.insert(0, os.path.join(REPO, "bench", "textpair"))
+    import drafter_curve   # the text pair's curve reads a code-pair run as it is
+    pt = drafter_curve.point("codepair", str(d / "out" / "codepair_log.json"))
+    assert pt["block_size"] == 16 and pt["offline_dflash_tokens_per_round"] == acc["dflash_tokens_per_round"]
     stamp = json.load(open(d / "models" / "code_pair.json"))
     assert stamp["tokenizer_sha256"] == log["corpus"]["tokenizer_sha256"]
 
@@ -219,6 +234,7 @@ def test_target_layer_ids_match_sglang():
 
 FULL_CHECK = r"""
 import sys, torch
+torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
 import codeconfig as K
 C, L = K.install("full")

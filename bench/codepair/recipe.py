@@ -274,6 +274,14 @@ def main():
                                  "dflash_tokens_per_round": round(tot_tokens / max(1, tot_rounds), 3),
                                  "how": "pairlib.dflash_sim: chain DFLASH over the target's fp32 greedy "
                                         "continuation (bf16 weights), first root = the first greedy token"}
+    # the text pair's field, so bench/textpair/drafter_curve.py reads a code-pair run as it is
+    w = {k: v["prompts"] for k, v in acc.items()}
+    res["dflash_sim_heldout"] = {
+        "depth_top1": [round(sum(v["depth_top1"][j] * w[k] for k, v in acc.items()) / sum(w.values()), 3)
+                       for j in range(C.BLOCK_SIZE - 1)],
+        "dflash_tokens_per_round": res["offline_acceptance"]["dflash_tokens_per_round"],
+        "prompt_len": "held-out prompts of " + "/".join(sorted(acc, key=int)), "gen": a.eval_new,
+        "seqs": len(prompts)}
     res["checks"] = checks
     torch.backends.cuda.matmul.allow_tf32 = True
     log("offline DFLASH tokens per round (all held-out prompts):", res["offline_acceptance"]["dflash_tokens_per_round"])
