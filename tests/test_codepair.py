@@ -260,3 +260,24 @@ def test_full_preset_runs_the_trainer_pieces():
     greedy equals the full recompute, features are 5 x 768 wide, the block-16 drafter loss runs."""
     r = subprocess.run([sys.executable, "-c", FULL_CHECK, CP], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "FULL_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_import_run_keeps_the_returned_files_small(run, tmp_path):
+    """bench/codepair/import_run.py reads the call's files from bundle.tar (run_stages bundles them)."""
+    import lzma
+    import tarfile
+    d, _ = run
+    at = tmp_path / "files_at"
+    at.mkdir()
+    with tarfile.open(at / "bundle.tar", "w") as t:
+        for n in ("codepair_log.json", "corpus_manifest.tsv.gz", "tokenizer.json", "heldout_prompts.json",
+                  "corpus_meta.json"):
+            t.add(d / "out" / n, arcname=n)
+    r = subprocess.run([sys.executable, os.path.join(CP, "import_run.py"), str(at), "--name", "t",
+                        "--repo", str(tmp_path / "repo")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cp = tmp_path / "repo" / "bench" / "codepair"
+    assert lzma.decompress((cp / "tokenizer.json.xz").read_bytes()) == (d / "out" / "tokenizer.json").read_bytes()
+    assert gzip.decompress((cp / "heldout_prompts.json.gz").read_bytes()) == (d / "out" / "heldout_prompts.json").read_bytes()
+    log = json.loads(gzip.decompress((tmp_path / "repo" / "bench" / "results" / "codepair_train_t.json.gz").read_bytes()))
+    assert log["offline_acceptance"] and log["corpus_meta"]["vocab"] == K.PRESETS["smoke"]["vocab"]
