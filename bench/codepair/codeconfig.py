@@ -8,11 +8,16 @@ at a code-pair preset.  It mutates those modules for the whole process: call it 
 of its own (recipe.py; the tests run recipe.py as a subprocess).
 
 Presets (``PRESETS``):
-  full  - the GPU pair: Qwen3 target 12 layers x 768 (12 q / 4 kv heads x 64, SwiGLU 2048,
-          vocab 8192, tied head written untied), 82.0M parameters (75.5M without the embedding);
-          DFlash drafter of the z-lab shape: block 16, 5 layers at the target's width (768,
+  full  - the GPU pair: Qwen3 target 12 layers x 512 (12 q / 4 kv heads x 64, SwiGLU 2048,
+          vocab 8192, tied head written untied), 54.5M parameters (50.3M without the embedding);
+          DFlash drafter of the z-lab shape: block 16, 5 layers at the target's width (512,
           SwiGLU 2048), target_layer_ids [1, 3, 5, 7, 9] (SGLang's build_target_layer_ids(12, 5)),
-          fc 5 x 768 -> 768: 34.4M parameters.
+          fc 5 x 512 -> 512: 22.3M parameters.
+          Hidden 512, not 768: bench/scale/transform.py duplicates the residual stream, so the
+          production hidden (Qwen3-8B 4096, Qwen3-30B-A3B 2048) must be a multiple of it; 768 is not
+          (4096 / 768 = 5.33).  Heads (12 q / 4 kv -> 32 / 8), head dim (64 -> 128), MLP (2048 ->
+          12288), layers (12 -> 36) and vocab (8192 -> 151,936) already fit.  At a fixed training
+          time the narrower target also sees ~1.4x the tokens (383.8 vs 547.4 MFLOP a token).
   smoke - the same recipe at CPU size (seconds): 6 layers x 64, vocab 512, drafter 2 layers, block 16.
 """
 import os
@@ -45,7 +50,7 @@ def build_target_layer_ids(num_target_layers, num_draft_layers):
 
 
 PRESETS = {
-    "full": dict(vocab=8192, hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, intermediate=2048,
+    "full": dict(vocab=8192, hidden=512, layers=12, heads=12, kv_heads=4, head_dim=64, intermediate=2048,
                  rope_theta=1000000.0, max_pos=4096,
                  drafter_layers=5, drafter_intermediate=2048, block=16),
     "smoke": dict(vocab=512, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, intermediate=128,
