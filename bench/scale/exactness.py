@@ -16,6 +16,10 @@ on CUDA (sgl_kernel's rmsnorm has no float kernel), so ``--dtype float32`` needs
 
     python bench/scale/exactness.py --model-path DIR --out bench/results/scale_exactness_h200 [--dtype float32]
         [--no-serve] [--max-prompts N]
+    # the code pair (issue 42): its small target folder, its junk rows, its held-out prompts
+    python bench/scale/exactness.py --model-path /tmp/models/qwen3-8bcode_target --out OUT --pair code \
+        --small-target /tmp/models/code_target --junk /tmp/models/code_junk_head.json \
+        --prompts /tmp/models/code_heldout_prompts.json
 """
 import argparse
 import json
@@ -29,6 +33,27 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # transform.py (bench/scale holds nothing else importable)
 TIE = 0.15
+SMALL = {}   # the small target's source: {} = the shipped text pair; main() sets target_dir / junk (--pair code)
+#              and vocab (the scaled target's: the small one is extended to the same ids)
+
+
+def small_target(float32):
+    """(extended small target state dict, its config) from SMALL's source."""
+    import transform as T  # noqa: E402
+    if SMALL.get("target_dir"):
+        return T.extended_folder_target(SMALL["target_dir"], SMALL["junk"], SMALL.get("vocab"), float32=float32)
+    sd, cfg, _ = T.extended_text_target(vocab=SMALL.get("vocab"), float32=float32)
+    return sd, cfg
+
+
+def load_prompts(path=None):
+    """Token-id lists of the held-out prompts: the text pair's (``ids``) or a file of the code pair's
+    (``input_ids``, bench/codepair/codecorpus.py)."""
+    if path is None:
+        from sglang_ddtree import textpair as TP
+        return [p["ids"] for p in TP.heldout_prompts()]
+    with open(path) as f:
+        return [p["ids"] if "ids" in p else p["input_ids"] for p in json.load(f)]
 
 
 def fp32_device() -> str:
@@ -43,9 +68,8 @@ def fp32_device() -> str:
 
 def small_reference(prompts):
     """fp32 logits of the extended small target at every position: [(ids, logits [T, V])]."""
-    import transform as T  # noqa: E402
     from sglang_ddtree import reference_model as RM
-    sd, cfg, _ = T.extended_text_target(float32=True)
+    sd, cfg = small_target(float32=True)
     dev = fp32_device()
     sd = {k: v.to(dev) for k, v in sd.items()}
     out = []
@@ -59,17 +83,8 @@ def small_reference(prompts):
 def load_folder(model_path, device, dtype=torch.float32):
     """A written Hugging Face folder (safetensors shards) -> (state dict on ``device`` in ``dtype``,
     config dict), one tensor at a time (never the bf16 and fp32 copies of the model at once)."""
-    import glob
-    from safetensors import safe_open
-    sd = {}
-    for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
-        with safe_open(f, framework="pt", device="cpu") as st:
-            for k in st.keys():
-                sd[k] = st.get_tensor(k).to(device=device, dtype=dtype)
-    if not sd:
-        raise FileNotFoundError(f"no *.safetensors in {model_path}")
-    with open(os.path.join(model_path, "config.json")) as f:
-        return sd, json.load(f)
+    import transform as T  # noqa: E402
+    return T.load_folder(model_path, device, dtype)
 
 
 def scaled_reference_argmax(model_path, prompts):
@@ -96,7 +111,7 @@ def write_small(out):
     """The small target with the same vocabulary extension, as a folder SGLang loads (the greedy
     function the scaled one must equal, served the same way)."""
     import transform as T  # noqa: E402
-    sd, cfg, _ = T.extended_text_target()
+    sd, cfg = small_target(float32=False)
     w = T._FolderWriter(out, 1)
     w.shard(sd)
     w.close(cfg)
@@ -209,17 +224,27 @@ def main():
     ap.add_argument("--no-serve", action="store_true",
                     help="the reference rows only (no SGLang): the written target in fp32 vs the small one")
     ap.add_argument("--max-prompts", type=int, default=None, help="the first N held-out prompts only")
+    ap.add_argument("--pair", choices=("text", "code"), default="text",
+                    help="code: the small target is --small-target extended with --junk; prompts from --prompts")
+    ap.add_argument("--small-target", default=None, help="--pair code: the small target's HF folder")
+    ap.add_argument("--junk", default=None, help="--pair code: the junk rows it was scaled with")
+    ap.add_argument("--prompts", default=None, help="a held-out prompts JSON (ids or input_ids); default the text pair's")
     a = ap.parse_args()
+    SMALL.clear()
+    if a.pair == "code":
+        if not (a.small_target and a.junk and a.prompts):
+            ap.error("--pair code needs --small-target, --junk and --prompts")
+        SMALL.update(target_dir=a.small_target, junk=a.junk)
     if a.dtype == "float32" and not a.no_serve:
         # measured on the H200 (2026-12-04, bench/results/raw/scale_exactness_s24_summary.txt): the
         # scheduler fails in its first forward and SGLang's SIGQUIT then kills this process
         ap.error("SGLang 0.5.16 cannot serve Qwen3 in float32 on CUDA (sgl_kernel's rmsnorm has no float "
                  "kernel: 'failed to dispatch data type Float'); --no-serve gives the fp32 reference rows")
-    from sglang_ddtree import textpair as TP
-    prompts = [p["ids"] for p in TP.heldout_prompts()][:a.max_prompts]
+    prompts = load_prompts(a.prompts)[:a.max_prompts]
     t0 = time.time()
     dt = "bf16" if a.dtype == "bfloat16" else "fp32"
     cfg = json.load(open(os.path.join(a.model_path, "config.json")))
+    SMALL["vocab"] = cfg["vocab_size"]
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True).stdout.strip()
@@ -236,6 +261,7 @@ def main():
                                                       "num_attention_heads", "num_key_value_heads", "head_dim",
                                                       "intermediate_size", "num_experts", "num_experts_per_tok",
                                                       "moe_intermediate_size", "vocab_size")},
+           "pair": a.pair, "small_target": a.small_target or "the shipped text pair", "prompts_file": a.prompts,
            "prompts": len(prompts), "tie_threshold_logits": TIE, "bar_equal_fraction": BAR,
            "served_dtype": a.dtype, "served_dtype_short": dt, "served_errors": {},
            "no_serve": a.no_serve, "pending": "" if a.no_serve else "the SGLang-served rows"}

@@ -30,6 +30,13 @@ Exact by construction (``tests/test_scale_transform.py`` checks it in fp32 again
   never emits get learned-negative logits (``bench/scale/vocab.py``), so they never enter a tree.
 
     python bench/scale/transform.py write --shape qwen3-8b --out DIR [--weights DIR]
+    python bench/scale/transform.py write --shape qwen3-8b --out DIR --pair code \
+        --target-dir /tmp/models/code_target --drafter-dir /tmp/models/code_drafter \
+        --junk /tmp/models/code_junk_head.json        # -> DIR/qwen3-8bcode_{target,drafter}
+
+The code pair (bench/codepair, issue 42) comes as two Hugging Face folders; its junk rows are learned
+for its own tokenizer and features (``vocab.py --pair code``), and the written folders carry its
+tokenizer files and generation config.
 """
 from __future__ import annotations
 
@@ -83,6 +90,23 @@ def plan(small_cfg, shape):
     q_head = [(j // g_s) * g + j % g_s for j in range(nq_s)]
     return dict(d=d, D=D, copies=copies, hd_s=hd_s, hd=hd, nq_s=nq_s, nkv_s=nkv_s, nq=nq, nkv=nkv,
                 q_dim=q_dim, k_src=k_src, q_head=q_head, g_s=g_s, layer_pos=[l * (L // L_s) for l in range(L_s)])
+
+
+def check_fit(small_tcfg, small_dcfg, shape):
+    """Raise ShapeError naming the first constraint ``shape`` breaks for this small pair (target and
+    drafter): hidden / head dim multiples, heads, layers, MLP (or expert) width, vocabulary."""
+    plan(small_tcfg, shape)
+    moe = shape["kind"] == "moe"
+    inter = shape["moe_intermediate"] if moe else shape["intermediate"]
+    if inter < small_tcfg["intermediate_size"]:
+        raise ShapeError(f"intermediate {inter} < {small_tcfg['intermediate_size']}"
+                         + (" (every expert holds the whole small MLP)" if moe else ""))
+    if shape["vocab"] < small_tcfg["vocab_size"]:
+        raise ShapeError(f"vocab {shape['vocab']} < {small_tcfg['vocab_size']}")
+    if small_dcfg is not None:
+        plan(small_dcfg, dict(shape, layers=shape["drafter_layers"]))
+        if shape["drafter_intermediate"] < small_dcfg["intermediate_size"]:
+            raise ShapeError(f"drafter intermediate {shape['drafter_intermediate']} < {small_dcfg['intermediate_size']}")
 
 
 # --- the pieces -------------------------------------------------------------------------------------
@@ -288,6 +312,73 @@ def extended_text_target(weights_dir=None, vocab=None, float32=False):
     return extend_vocab(T, vocab, junk["direction"], junk["seed"]), dict(TP.TARGET, vocab_size=vocab), P
 
 
+def load_folder(model_path, device="cpu", dtype=torch.float32):
+    """A Hugging Face folder (safetensors shards) -> (state dict on ``device`` in ``dtype``, or the
+    files' dtype when None; config dict), one tensor at a time."""
+    import glob
+    from safetensors import safe_open
+    sd = {}
+    for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                sd[k] = t.to(device=device, dtype=dtype or t.dtype)
+    if not sd:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    with open(os.path.join(model_path, "config.json")) as f:
+        return sd, json.load(f)
+
+
+def extended_folder_target(target_dir, junk_path, vocab=None, float32=False):
+    """A small target given as a Hugging Face folder (the code pair's ``code_target``) with its
+    vocabulary extended by ``junk_path``'s learned rows (``vocab.py --pair code``, fit to this
+    target): (state dict, its config).  ``float32``: the fp32 reference; else the files' bf16."""
+    with open(junk_path) as f:
+        junk = json.load(f)
+    sd, cfg = load_folder(target_dir, "cpu", torch.float32 if float32 else None)
+    V_s = sd["lm_head.weight"].shape[0]
+    if junk.get("real_vocab", V_s) != V_s or len(junk["direction"]) != sd["lm_head.weight"].shape[1]:
+        raise ShapeError(f"{junk_path} was learned for vocab {junk.get('real_vocab')} x {len(junk['direction'])}, "
+                         f"{target_dir} is {V_s} x {sd['lm_head.weight'].shape[1]}")
+    vocab = vocab or junk["vocab"]
+    return extend_vocab(sd, vocab, junk["direction"], junk["seed"]), dict(cfg, vocab_size=vocab)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def small_pair_source(pair="text", weights_dir=None, drafter_run=None, target_dir=None, drafter_dir=None,
+                      junk=None, vocab=None):
+    """The small pair a ``write`` scales: (target sd with the vocabulary extended, its config, drafter
+    sd, drafter config, tokenizer files to copy, generation config, folder-name tag).
+    ``pair="text"``: the shipped text pair (``weights_dir``, ``drafter_run``), junk_head.json, the text
+    tokenizer; ``pair="code"``: the HF folders ``target_dir`` / ``drafter_dir``, the rows of ``junk``,
+    the tokenizer files and generation config found in ``target_dir``."""
+    if pair == "text":
+        from sglang_ddtree import textpair as TP  # the installed package (never the checkout root)
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        T, tcfg, P = extended_text_target(weights_dir, vocab)
+        dcfg = dict(TP.DRAFTER)
+        if drafter_run:  # a drafter trained against the shipped target (bench/textpair/train.py output)
+            P, dcfg = TP.load_drafter_run(drafter_run)
+        tok_dir = os.path.join(repo, "bench", "textpair", "tokenizer")
+        toks = [os.path.join(tok_dir, n) for n in TOKENIZER_FILES]
+        gen_cfg = {"bos_token_id": TP.BOS, "eos_token_id": TP.EOS, "pad_token_id": TP.PAD, "do_sample": False}
+        return T, tcfg, P, dcfg, toks, gen_cfg, ""
+    if pair != "code":
+        raise ValueError(f"pair {pair!r}: text or code")
+    if not (target_dir and drafter_dir and junk):
+        raise ValueError("pair code needs target_dir, drafter_dir and junk")
+    T, tcfg = extended_folder_target(target_dir, junk, vocab)
+    P, dcfg = load_folder(drafter_dir, "cpu", None)
+    toks = [os.path.join(target_dir, n) for n in TOKENIZER_FILES if os.path.exists(os.path.join(target_dir, n))]
+    if not any(t.endswith("tokenizer.json") for t in toks):
+        raise FileNotFoundError(f"{target_dir} has no tokenizer.json (the code pair's own tokenizer)")
+    gp = os.path.join(target_dir, "generation_config.json")
+    gen_cfg = json.load(open(gp)) if os.path.exists(gp) else None
+    return T, tcfg, P, dcfg, toks, gen_cfg, "code"
+
+
 # --- writing a checkpoint -------------------------------------------------------------------------------
 class _FolderWriter:
     """A Hugging Face model folder written shard by shard (never the whole model in memory)."""
@@ -320,21 +411,20 @@ class _FolderWriter:
             shutil.copy(src, os.path.join(self.path, os.path.basename(src)))
 
 
-def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0, drafter_run=None):
+def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0, drafter_run=None, pair="text",
+          target_dir=None, drafter_dir=None, junk=None):
     """Write OUT/<shape>_target and OUT/<shape>_drafter (HF folders SGLang 0.5.16 loads) from the
-    shipped text pair, vocabulary extended with bench/scale/junk_head.json.  Returns the paths and
-    the sizes written."""
-    from sglang_ddtree import textpair as TP  # the installed package (never the checkout root)
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo = os.path.dirname(os.path.dirname(here))
+    shipped text pair, vocabulary extended with bench/scale/junk_head.json; ``pair="code"``:
+    OUT/<shape>code_target and OUT/<shape>code_drafter from the folders ``target_dir`` /
+    ``drafter_dir`` with ``junk``'s rows (:func:`small_pair_source`).  Returns the paths and the
+    sizes written."""
     shape = dict(SHAPES[shape_name])
     if layers:
         shape["layers"] = layers
-    T, tcfg_small, P = extended_text_target(weights_dir, shape["vocab"])
-    tok_dir = os.path.join(repo, "bench", "textpair", "tokenizer")
-    toks = [os.path.join(tok_dir, n) for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
-    gen_cfg = {"bos_token_id": TP.BOS, "eos_token_id": TP.EOS, "pad_token_id": TP.PAD, "do_sample": False}
-    tgt, dr = (os.path.join(out_dir, f"{shape_name}_{w}") for w in ("target", "drafter"))
+    T, tcfg_small, P, dcfg_small, toks, gen_cfg, tag = small_pair_source(
+        pair, weights_dir, drafter_run, target_dir, drafter_dir, junk, shape["vocab"])
+    check_fit(dict(tcfg_small, vocab_size=T["lm_head.weight"].shape[0]), dcfg_small, shape)  # before any file
+    tgt, dr = (os.path.join(out_dir, f"{shape_name}{tag}_{w}") for w in ("target", "drafter"))
     per = 1 if shape["kind"] == "moe" else 3
     groups = [list(range(a, min(a + per, shape["layers"]))) for a in range(0, shape["layers"], per)] + [["head"]]
     wt, n_params, cfg = _FolderWriter(tgt, len(groups)), 0, None
@@ -343,14 +433,11 @@ def write(out_dir, shape_name, weights_dir=None, layers=None, seed=0, drafter_ru
         n_params += wt.shard(part)
         del part
     wt.close(cfg, toks, gen_cfg)
-    dcfg_small = dict(TP.DRAFTER)
-    if drafter_run:  # a drafter trained against the shipped target (bench/textpair/train.py output)
-        P, dcfg_small = TP.load_drafter_run(drafter_run)
     dsd, dcfg = scale_drafter(P, dcfg_small, tcfg_small, shape)
     wd = _FolderWriter(dr, 1)
     n_draft = wd.shard(dsd)
     wd.close(dcfg, toks, gen_cfg)
-    return {"target": tgt, "drafter": dr, "shape": shape_name, "layers": shape["layers"],
+    return {"target": tgt, "drafter": dr, "shape": shape_name, "pair": pair, "layers": shape["layers"],
             "target_params": n_params, "drafter_params": n_draft,
             "target_layer_ids": dcfg["dflash_config"]["target_layer_ids"]}
 
@@ -364,8 +451,13 @@ def main():
     w.add_argument("--weights", default=None)
     w.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (disk / memory)")
     w.add_argument("--drafter-run", default=None, help="a bench/textpair/train.py output: scale its drafter")
+    w.add_argument("--pair", choices=("text", "code"), default="text")
+    w.add_argument("--target-dir", default=None, help="--pair code: the small target's HF folder")
+    w.add_argument("--drafter-dir", default=None, help="--pair code: the small drafter's HF folder")
+    w.add_argument("--junk", default=None, help="--pair code: its junk rows (vocab.py --pair code --out)")
     a = ap.parse_args()
-    print(json.dumps(write(a.out, a.shape, a.weights, a.layers, drafter_run=a.drafter_run)))
+    print(json.dumps(write(a.out, a.shape, a.weights, a.layers, drafter_run=a.drafter_run, pair=a.pair,
+                           target_dir=a.target_dir, drafter_dir=a.drafter_dir, junk=a.junk)))
 
 
 if __name__ == "__main__":
