@@ -30,6 +30,13 @@
 #   int4logits                              bench/int4_logits_check.py: INT4 (Marlin) log-probs vs the dequantized twin in fp32
 #   badids_text                             bench/soak.py probe: does an out-of-vocab id kill plain SGLang / the plugin's server?
 #   scale_<qwen3-8b|qwen3-30b-a3b>          bench/scale: write the text pair at that shape, check its greedy tokens, A/B on it
+#   scalecode_<qwen3-8b>[_l<N>]             bench/scale on the code pair (issue 42 item 3; after codepair_train on this warm
+#                                           machine): vocab.py --pair code (junk rows for its tokenizer), transform.py write
+#                                           --pair code -> /tmp/models/<shape>code_{target,drafter}, exactness.py --pair code,
+#                                           then the A/B, AB_CLIENT default bench_serving (AB_WORKLOAD natural: the held-out
+#                                           prompts' text); reuses a written pair of the same code_pair.json (SCALE_REWRITE=1:
+#                                           write again); EXACT_SKIP=1 / EXACT_NO_SERVE=1 / EXACT_PROMPTS=N; AB_ARMS=none: no A/B.
+#                                           The MoE shape cannot hold the code pair (its 768-wide experts < the pair's MLP 2048)
 #   scalechain_<qwen3-8b|qwen3-30b-a3b>     bench/scale/chain_pair.py: the chain GQA pair (block-16 drafter) at that shape,
 #                                           A/B on chain prompts, base outputs checked against the chain
 #                                           (AB_CLIENT=bench_serving: the load from sglang.bench_serving, random / long / mix)
@@ -111,8 +118,8 @@ python3 -c "import sys,torch,triton,transformers,sglang,sgl_kernel,flashinfer;pr
 # (skipped when every stage is scalechain_* or verify_attn*: those write their own pair from the
 # checkout or use synthetic tensors; saves ~35 s)
 SELF_CONTAINED=1
-for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == scale_* || "${st%@*}" == verify_attn* || "${st%@*}" == codepair_* ]] || SELF_CONTAINED=0; done
-if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scale / scalechain / verify_attn / codepair stages only)" | tee -a $S; else
+for st in ${GROUPS_ARG//;/ }; do [[ "${st%@*}" == scalechain_* || "${st%@*}" == scale_* || "${st%@*}" == verify_attn* || "${st%@*}" == codepair_* || "${st%@*}" == scalecode_* ]] || SELF_CONTAINED=0; done
+if [ $SELF_CONTAINED = 1 ]; then echo "tiny models, INT4 and text pairs skipped (scale / scalechain / scalecode / verify_attn / codepair stages only)" | tee -a $S; else
 python3 $DEV/mk_models.py /tmp/models > $LOG/mk_models.log 2>&1 || tail -20 $LOG/mk_models.log | tee -a $S
 echo "models at $(el)s: $(tail -1 $LOG/mk_models.log | cut -c1-300)" | tee -a $S
 # the MLA target with INT4 (compressed-tensors W4A16) experts + its dequantized bf16 reference: pairs
@@ -214,6 +221,50 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              $sd/${shape}chain_target/perm.json --arm all --record; fi; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
       grep -a -E "^\{|^written|^chain|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
+    scalecode_*)  # bench/scale on the code pair (issue 42 item 3): needs /tmp/models/code_pair.json (codepair_train in
+                  # this call or on this warm machine); a name ending in _l<N>: N layers (SCALE_LAYERS otherwise)
+      local shape=${st#scalecode_} sd=/tmp/models; local nl=${SCALE_LAYERS:-}
+      if [[ "$shape" =~ ^(.*)_l([0-9]+)$ ]]; then shape=${BASH_REMATCH[1]}; nl=${BASH_REMATCH[2]}; fi
+      local ct=$sd/code_target cdr=$sd/code_drafter cpr=$sd/code_heldout_prompts.json junk=$sd/code_junk_head.json
+      local big=$sd/${shape}code_target sarms sout scl=()
+      if [ "${AB_CLIENT:-bench_serving}" = bench_serving ]; then
+        scl=(--client bench_serving --workload ${AB_WORKLOAD:-natural}); sarms=${AB_ARMS:-base,dflash,ddtree}
+        sout=serving_h200_${shape}code_${AB_WORKLOAD:-natural}
+      else
+        sarms=${AB_ARMS:-base,dflash,ddtree_b15,ddtree_b31,ddtree_b63}; sout=ab_h200_${shape}code
+      fi
+      if [ ! -f $sd/code_pair.json ]; then
+        echo "scalecode: /tmp/models/code_pair.json is missing (a fresh machine): run codepair_train first" > $LOG/$st.log; rc=3
+      else
+        { if [ -z "${SCALE_REWRITE:-}" ] && [ -f $big/config.json ] && cmp -s $sd/code_pair.json $big/scaled_from_code_pair.json \
+               && [ -f $junk ]; then
+            echo "reusing $big (written from this code_pair.json)"
+          else
+            timeout -k 10 $lim python3 $REPO/bench/scale/vocab.py --pair code --target-dir $ct --drafter-dir $cdr \
+              --train-stream ${CODEPAIR_WORK:-/tmp/codepair}/corpus/train.pt --prompts $cpr --out $junk --device cuda \
+            && echo "junk rows at $(( $(date +%s) - ts ))s" \
+            && timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/transform.py write --shape $shape \
+                 --out $sd ${nl:+--layers $nl} --pair code --target-dir $ct --drafter-dir $cdr --junk $junk \
+            && cp $sd/code_pair.json $big/scaled_from_code_pair.json \
+            && echo "written at $(( $(date +%s) - ts ))s, disk: $(du -sh $big | cut -f1)"
+          fi \
+          && { [ -n "${EXACT_SKIP:-}" ] || { timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 $REPO/bench/scale/exactness.py \
+               --model-path $big --out $OUT/scale_exactness_${shape}code_h200${EXACT_NO_SERVE:+_fp32ref} --pair code \
+               --small-target $ct --junk $junk --prompts $cpr --small-dir $sd/smallcode_ext_target \
+               ${EXACT_NO_SERVE:+--no-serve} ${EXACT_PROMPTS:+--max-prompts $EXACT_PROMPTS} \
+               && echo "exactness done at $(( $(date +%s) - ts ))s"; }; } \
+          && { [ "${AB_ARMS:-}" = none ] || timeout -k 10 $(( lim - ($(date +%s) - ts) )) python3 -P -m sglang_ddtree.ab \
+               --model-path $big --draft-model-path $sd/${shape}code_drafter --prompts $cpr \
+               --arms $sarms "${scl[@]}" --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} \
+               --max-new-tokens ${AB_NEW:-256} ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} \
+               --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port --workdir /tmp/abw_${shape}code \
+               --out $OUT/$sout --save-output-ids --no-progress ${AB_EXTRA:-}; }; } > $LOG/$st.log 2>&1; rc=$?
+        cp $sd/code_pair.json $OUT/scale_code_pair.json
+        [ -f $junk ] && cp $junk $OUT/${shape}code_junk_head.json
+      fi
+      [ -d /tmp/abw_${shape}code ] && tar -czf $OUT/scale_logs_${shape}code.tgz -C /tmp abw_${shape}code 2>/dev/null
+      grep -a -E "^\{\"target|^reusing|^junk rows|^written|^reference rows|^exactness|^\||^\[|wrote|Error|scalecode:" $LOG/$st.log \
+        | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     scale_*)  # bench/scale: the text pair at a production shape (scale_qwen3-8b, scale_qwen3-30b-a3b):
               # transform.py writes it, exactness.py checks its greedy tokens, then the A/B on it through
               # python -m sglang_ddtree.ab (the installed sglang-ddtree-ab command's code path)
