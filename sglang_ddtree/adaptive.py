@@ -625,15 +625,23 @@ class WidthController:
         It replaces the widest-width verify probe there: at c = 64 on the Qwen3-8B-shaped chain pair
         (H200, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s26_plain.md``) a width-61 verify probe
         took 99 ms at bs 63, 14 plain steps, where the drafter block is part of one."""
-        draft = self.policy.costs.draft_cost(bs)
-        self._since_probe += 1
-        self.draft_credit = min(self.draft_credit + DRAFT_PROBE_SHARE * self.policy.round_ms(bs, NO_SPEC),
-                                draft)
-        if self._since_probe < self.cfg.probe_every or self.draft_credit < draft - 1e-9:
+        if not self._paid("draft_credit", DRAFT_PROBE_SHARE, bs, 1, self.policy.costs.draft_cost(bs)):
             return False
-        self.draft_credit -= draft
-        self._since_probe = 0
         self.draft_probes += 1
+        return True
+
+    def _paid(self, credit: str, share: float, bs: int, w: int, cost: float) -> bool:
+        """One round at choice ``w``: the credit named ``credit`` earns ``share`` of the round's
+        predicted wall time (table + overhead + admission, not its GPU time alone), capped at the
+        probe's ``cost`` (no burst of probes after a long stretch).  True, the credit paid and the gap
+        restarted, when ``probe_every`` rounds have passed since the last probe and it covers ``cost``."""
+        self._since_probe += 1
+        earned = min(getattr(self, credit) + share * self.policy.round_ms(bs, self._choice(w)), cost)
+        setattr(self, credit, earned)
+        if self._since_probe < self.cfg.probe_every or earned < cost - 1e-9:
+            return False
+        setattr(self, credit, earned - cost)
+        self._since_probe = 0
         return True
 
     def _probe_or(self, bs: int, w: int) -> int:
@@ -644,21 +652,13 @@ class WidthController:
         if w == 1 and self.policy.costs.draft_cost(bs) is not None:
             self.predict = self._draft_probe(bs)
             return w
-        cur = self._cost(bs, w)
         target = self._probe_target(bs, w)
         if target is None:              # no wider width could win: nothing worth measuring
             self._since_probe, self.probe_credit = 0, 0.0
             return w
-        extra = max(self._cost(bs, target) - cur, 0.0)
-        self._since_probe += 1
-        # a share of the round's predicted wall time (table + overhead + admission), not of its GPU
-        # time alone; capped at the probe's cost now: no burst of probes after a long narrow stretch
-        self.probe_credit = min(self.probe_credit + self.probe_share * self.policy.round_ms(bs, self._choice(w)),
-                                extra)
-        if self._since_probe < self.cfg.probe_every or self.probe_credit < extra - 1e-9:
+        extra = max(self._cost(bs, target) - self._cost(bs, w), 0.0)
+        if not self._paid("probe_credit", self.probe_share, bs, w, extra):
             return w
-        self.probe_credit -= extra
-        self._since_probe = 0
         self.probes += 1
         self.predict = True          # a probe's pairs calibrate the wide widths
         return target

@@ -27,6 +27,16 @@ def _round_path(rng, bs, budget, D=6, V=200):
     return ddtree.accept_greedy(tree, target, backend="reference").path
 
 
+def _round_or_root(rng, py, budgets, bs):
+    """A random round's (path, n_valid): a tree of one of ``budgets`` or a no-spec round (root only)."""
+    b = py.choice([0] + budgets)
+    if b == 0:
+        path = torch.full((bs, 7), -1, dtype=torch.int32)
+        path[:, 0] = 0
+        return path, 0
+    return _round_path(rng, bs, b), budgets.index(b) + 1
+
+
 def test_window_counts_only_widths_the_round_covers(rng):
     budgets = [3, 7, 15]
     win = CounterfactualWindow(budgets, device="cpu", every=3, lag=2)
@@ -35,15 +45,8 @@ def test_window_counts_only_widths_the_round_covers(rng):
     windows = []
     for r in range(12):
         got += win.due()
-        b = py.choice([0] + budgets)                      # 0: a no-spec round (root only)
         bs = py.randint(1, 5)
-        if b == 0:
-            path = torch.full((bs, 7), -1, dtype=torch.int32)
-            path[:, 0] = 0
-            n_valid = 0
-        else:
-            path = _round_path(rng, bs, b)
-            n_valid = budgets.index(b) + 1
+        path, n_valid = _round_or_root(rng, py, budgets, bs)
         cf = tree_ops.counterfactual_accept_len(path, budgets[:n_valid]) if n_valid else None
         for j in range(n_valid):
             want_s[j] += int(cf[:, j].sum())
@@ -117,15 +120,8 @@ def test_window_predictions_pair_with_the_exact_counts_per_bucket(rng):
     zero = lambda: {k: [[0.0] * 3 for _ in range(3)] for k in ("all", "n", "on", "exact", "on_n")}
     got, want, acc = [], [], zero()
     for r in range(30):
-        b = py.choice([0] + budgets)
         bs = py.randint(1, 5)
-        if b == 0:
-            path = torch.full((bs, 7), -1, dtype=torch.int32)
-            path[:, 0] = 0
-            n_valid = 0
-        else:
-            path = _round_path(rng, bs, b)
-            n_valid = budgets.index(b) + 1
+        path, n_valid = _round_or_root(rng, py, budgets, bs)
         pred = None
         if py.random() < 0.6:
             pred = torch.rand(bs, 3, generator=rng, dtype=torch.float64).cumsum(1) * 2
