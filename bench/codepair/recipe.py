@@ -161,17 +161,8 @@ def main():
     fastlm.install(L, C, a.compile)
     res["target_config"], res["drafter_config"] = C.TARGET, C.DRAFTER
     res["params"] = dict(zip(("target", "target_no_embedding", "drafter"), K.n_params(K.PRESETS[a.preset])))
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
-    torch.set_default_device(dev)
-    torch.manual_seed(a.seed)
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        res["device"] = torch.cuda.get_device_name()
-    else:
-        res["device"] = "cpu"
+    dev = TR.set_up_torch(a)
+    res["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     s = settings(a)
     train = torch.load(os.path.join(cdir, "train.pt")).long().to(dev)
     held = torch.load(os.path.join(cdir, "heldout.pt")).long().to(dev)

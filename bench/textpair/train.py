@@ -101,6 +101,20 @@ def timed_steps(step, t_start, steps, seconds, calib=(20, 60)):
     return steps
 
 
+def set_up_torch(a) -> torch.device:
+    """``a.threads`` CPU threads, ``a.device`` as torch's default device, ``a.seed``, TF32 matmuls on
+    CUDA; returns the device (this trainer and bench/codepair/recipe.py)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    torch.set_default_device(dev)
+    torch.manual_seed(a.seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return dev
+
+
 def train_target(a, train, held, dev, res):
     T = {k: v.to(dev).requires_grad_(True) for k, v in cpu_init(C.target_init, a.seed).items()}
     opt = L.adamw(list(T.values()), a.target_lr, 0.1, dev.type == "cuda")
@@ -344,14 +358,7 @@ def main():
     if a.smoke:
         a.seq, a.batch, a.target_steps, a.prompt_lens, a.gen, a.gen_seqs, a.gen_batch = 64, 8, 30, [16, 24], 24, 16, 16
         a.drafter_batch, a.drafter_steps, a.eval_windows, a.eval_seqs, a.log_every, a.warmup = 16, 30, 4, 8, 10, 10
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
-    torch.set_default_device(dev)
-    torch.manual_seed(a.seed)
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    dev = set_up_torch(a)
     os.makedirs(a.out, exist_ok=True)
     res = {"args": vars(a), "torch": torch.__version__, "drafter_config": C.DRAFTER,
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
