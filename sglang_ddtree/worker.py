@@ -822,18 +822,25 @@ class DDTreeWorker(DFlashWorkerV2):
         # first slots), or the root alone -----------------------------------------------------------
         predicted = predicted_all = None
         roots = draft_input.bonus_tokens.view(-1)
+        stats_widths = self._stats.predicted_widths(N) if self._stats is not None and N > 1 else None
         if N > 1:
             tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=roots, backend=self.tree_backend,
                                      validate=False)
-            if self._stats is not None:   # opt-in telemetry: the tree's own acceptance estimate
-                predicted = accept_estimate.expected_accept(tree, lp, ids, self._stats.predicted_widths(N))
         else:
             tree = adaptive.root_only_tree(roots, D)
         if predict:
+            # one estimate for the policy's widths and the stats file's (opt-in telemetry): the round's
+            # tree is the widest one's first N - 1 nodes (prefix-closed), so its widths read the same
             widest = ctl.cfg.widest
             wide = tree if N == widest else ddtree.build_tree(lp, ids, widest - 1, root_tokens=roots,
                                                                backend=self.tree_backend, validate=False)
-            predicted_all = accept_estimate.expected_accept(wide, lp, ids, ctl.spec_widths)
+            k = len(ctl.spec_widths)
+            est = accept_estimate.expected_accept(wide, lp, ids, list(ctl.spec_widths) + (stats_widths or []))
+            predicted_all = est[:, :k]
+            if stats_widths is not None:
+                predicted = est[:, k:]
+        elif stats_widths is not None:   # opt-in telemetry: the tree's own acceptance estimate
+            predicted = accept_estimate.expected_accept(tree, lp, ids, stats_widths)
         prof.mark()
 
         # 3) verify inputs, 4) target verify, on the width's target state (no speculation: SGLang's
