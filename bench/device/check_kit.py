@@ -26,6 +26,7 @@ imported only on code paths the CPU never runs (the GPU run of the kit is the fi
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -78,9 +79,34 @@ def prepare(site, work):
     with open(os.path.join(overlay, "sitecustomize.py"), "w") as f:
         f.write(SITECUSTOMIZE)
     block = [p for p in WHOLE if not os.path.exists(os.path.join(site, p))]
-    if not os.path.exists(os.path.join(site, "tvm_ffi", "lib", "libtvm_ffi_testing.so")):
-        block.append("tvm_ffi.testing")
     return overlay, block
+
+
+def _lib_key(rel):
+    """A compiled file's site-relative path without its Python tag: 'a/b.cpython-311-x86_64-linux-gnu.so'
+    and the kit's 'a/b.cpython-312-x86_64-linux-gnu.so' or 'a/b.abi3.so' are one key."""
+    return re.sub(r"\.(cpython-3\d+-[^.]*|abi3)\.so$", ".so", rel)
+
+
+def missing_libs(site, mapped):
+    """The compiled files this process mapped from the venv's site-packages (``mapped``: absolute
+    paths) that the kit lacks, for packages the kit holds.  The kit's compiled code cannot load here,
+    but the venv's copy of the same package loads the same libraries: a library the trim removed
+    that the CPU import maps (tvm_ffi's testing library, which the H200 import loads without
+    ``import tvm_ffi.testing``) fails here instead of on the host."""
+    have = set()
+    for root, _, files in os.walk(site):
+        for f in files:
+            if ".so" in f:
+                have.add(_lib_key(os.path.relpath(os.path.join(root, f), site)))
+    out = []
+    for path in sorted(set(mapped)):
+        if "site-packages/" not in path:
+            continue
+        rel = path.split("site-packages/", 1)[1]
+        if os.path.isdir(os.path.join(site, rel.split("/")[0])) and _lib_key(rel) not in have:
+            out.append(rel)
+    return out
 
 
 def child(site, models):
@@ -111,6 +137,11 @@ def child(site, models):
         print(line, flush=True)
     leaked = sorted(k for k in os.environ.get("CHECK_KIT_BLOCK", "").split(",") if k and sys.modules.get(k))
     assert not leaked, f"blocked packages were imported: {leaked}"
+    with open("/proc/self/maps") as f:
+        mapped = [line.split()[-1] for line in f if ".so" in line]
+    lost = missing_libs(site, mapped)
+    assert not lost, f"compiled libraries the server import loads but the kit lacks: {lost}"
+    print(f"ok  every compiled library the import mapped from a kit package is in the kit", flush=True)
 
 
 def dist_import_names(site):

@@ -12,7 +12,7 @@
 # trimmed pure-Python packages ahead of the venv's, the removed packages blocked, the test bed's
 # configs and tokenizers).  What each rule saves (xz -6, rules applied in this order, 0.5.16 kit):
 #   tf_models 2.69 MB, fi_data 0.78, sgl_grpc 2.05, sgl_test 0.29, sgl_mmcore 0.42, sgl_models 0.39,
-#   zstandard 2.09, torchao 1.14, tvm_extras 0.47, tests 0.09, records 0.65, strip 0.67.
+#   zstandard 2.09, torchao 1.14, tvm_extras ~0.3, tests 0.09, records 0.65, strip 0.67.
 set -euo pipefail
 SITE=${1:?usage: kit_trim.sh SITE_DIR}
 cd "$SITE"
@@ -78,9 +78,11 @@ if on zstandard; then rm -rf zstandard zstandard-*.dist-info; fi
 # torchao: transformers imports it only when it is installed (the host has none), SGLang only under
 # --torchao-config; the top-level `test` folder is torchao's wheel's own tests.
 if on torchao; then rm -rf torchao torchao-*.dist-info test; fi
-# tvm_ffi: the testing library (loaded only by tvm_ffi.testing) and libbacktrace's sources (a CMake
-# build of tvm_ffi itself uses them, its JIT does not: its include paths are tvm_ffi/include, dlpack).
-if on tvm_extras; then rm -f tvm_ffi/lib/libtvm_ffi_testing.so; rm -rf tvm_ffi/3rdparty/libbacktrace; fi
+# tvm_ffi: libbacktrace's sources (a CMake build of tvm_ffi itself uses them, its JIT does not: its
+# include paths are tvm_ffi/include, dlpack; no .py file names them).  Its testing library stays: the
+# host's import loads it without `import tvm_ffi.testing` (removing it failed every stage on the
+# H200, 2026-12-05; check_kit.py now compares the compiled libraries the CPU import maps).
+if on tvm_extras; then rm -rf tvm_ffi/3rdparty/libbacktrace; fi
 # packages' own test suites and benchmarks (never imported by the package itself).
 if on tests; then
   find . -path ./flashinfer/data -prune -o -type d \( -name tests -o -name benchmarks \) -prune -print \
