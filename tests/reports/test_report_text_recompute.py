@@ -120,6 +120,27 @@ def test_report_text_divergence_run13_mixed_request_recomputes():
     check_run13_mixed_request7(REPO, None)
 
 
+@reads(f"{RES}/text_divergence_h200_run16.json", f"{RAW}/worker_h200_run16.jsonl.gz")
+def check_run16_default_near_ties(root, tmp):
+    """Run 16 (the adaptive default after session 27's policy, 2026-12-05): every bs-16 divergence of
+    text_ddtree_graph_default from the plain target is a near tie; the two closest to the threshold
+    recomputed on this CPU."""
+    div = json.load(open(resolve(root, f"{RES}/text_divergence_h200_run16.json")))
+    rows = [v for v in div["divergences"] if v["stage"] == "text_ddtree_graph_default" and v["check"] == "bs16"]
+    assert rows and all(v["near_tie"] for v in rows), rows
+    picks = sorted(rows, key=lambda v: -v["below_top"])[:2]
+    below = _refit_text_divergences(root, picks, ["worker_h200_run16.jsonl.gz"], "below_top")
+    thr = div["tie_threshold_logits"]
+    for row, b in zip(picks, below):
+        assert abs(b - row["below_top"]) <= AD.GAP_ATOL, (row, b)
+        if thr - row["below_top"] > AD.GAP_ATOL:
+            assert b <= thr, (row, b)
+
+
+def test_report_text_divergence_run16_default_recomputes():
+    check_run16_default_near_ties(REPO, None)
+
+
 def _check_ab_text_run(root, run_id):
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "ab_divergence.py"), "--check-merged",
                         resolve(root, f"{RES}/ab_h200.json"), resolve(root, f"{RAW}/ab_h200_text_{run_id}.ids.json.gz"),
@@ -187,6 +208,9 @@ CONTROLS = {
         f"{RES}/text_divergence_h200_run13.json",
         lambda r: r["stage"] == "text_ddtree_graph_b16_flashinfer" and r["check"] == "mixed" and r["request"] == 7,
         "below_top", by=-5 * AD.GAP_ATOL)),
+    "run16_default_near_ties": (check_run16_default_near_ties, _moved(
+        f"{RES}/text_divergence_h200_run16.json",
+        lambda r: r["stage"] == "text_ddtree_graph_default" and r["check"] == "bs16", "below_top")),
 }
 
 
