@@ -738,7 +738,8 @@ class WidthController:
         acceptance from the widest tree (``accept_estimate.expected_accept``)."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
         left = age = None
-        if reqs is not None and seq_lens is not None:
+        # a no-speculation round without a prediction counts nothing: no device work for it
+        if reqs is not None and seq_lens is not None and (n_valid or predicted is not None):
             left, age = self.remaining_and_age(reqs, seq_lens)
         self.window.record(path, n_valid, left, age, predicted=predicted)
 
@@ -812,3 +813,26 @@ def root_only_tree(root_tokens: torch.Tensor, draft_depth: int):
     return Tree(tokens=root_tokens.reshape(bs, 1).to(torch.int64), depth=depth, parent=parent,
                 num_nodes=num_nodes, visibility=visibility, mask_words=mask_words,
                 budget=0, draft_depth=int(draft_depth))
+
+
+_ROOT_ONLY_ACCEPT: Dict[tuple, tuple] = {}
+
+
+def root_only_accept(target_top1: torch.Tensor, draft_depth: int):
+    """The greedy accept of a no-speculation round (N = 1): nothing accepted, the target's token at
+    the root is the bonus.  target_top1 [bs, 1] int64 -> ddtree.Accept (accept_len [bs] int32 zeros,
+    path [bs, D + 1] int32 ``[0, -1, ...]``, bonus [bs] int64: a view of target_top1), what
+    ``ddtree.accept_greedy`` returns on :func:`root_only_tree` without its launch: accept_len and
+    path are constants cached per (bs, D, device), read by the commit and the statistics, never
+    written (so a no-speculation round launches no more than plain decoding's argmax here)."""
+    from .ddtree import Accept
+
+    bs, dev = target_top1.shape[0], target_top1.device
+    key = (int(bs), int(draft_depth), str(dev))
+    const = _ROOT_ONLY_ACCEPT.get(key)
+    if const is None:
+        path = torch.full((bs, int(draft_depth) + 1), -1, dtype=torch.int32, device=dev)
+        path[:, 0] = 0
+        const = (torch.zeros((bs,), dtype=torch.int32, device=dev), path)
+        _ROOT_ONLY_ACCEPT[key] = const
+    return Accept(accept_len=const[0], path=const[1], bonus=target_top1.reshape(bs).to(torch.int64))

@@ -318,7 +318,7 @@ def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, m
     slots (N > 1 under remap), as the round calls it; SGLang's ``assign_extend_cache_locs``
     specialises on ``next_power_of_2(bs)`` and the row length of ``req_to_token`` (hence the zero
     row here).  With the adaptive budget every width first used mid-serving would stall the batch.
-    widths: verify widths (1 = no speculation: only the accept and the commit run), width 1 at batch
+    widths: verify widths (1 = no speculation: only the commit runs), width 1 at batch
     sizes up to ``max_bs``, tree widths (and ``assign_locs``) up to ``tree_max_bs`` (default
     ``max_bs``: the tree widths' CUDA graphs stop there, ``spec_algo.SPEC_GRAPH_MAX_BS``, and past
     them the policy runs no tree).  Returns {"widths", "batch_sizes", "tree_batch_sizes", "s"}."""
@@ -345,10 +345,11 @@ def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, m
                 if full_mask:
                     ddtree.verify_mask(tree, torch.ones(b, dtype=torch.int64, device=dev),
                                        backend=tree_backend, validate=False)
-            else:
+                acc = ddtree.accept_greedy(tree, torch.zeros(b, N, dtype=torch.int64, device=dev),
+                                           backend=tree_backend, validate=False)
+            else:   # no speculation: no accept kernel (adaptive.root_only_accept)
                 tree = adaptive.root_only_tree(zeros, D)
-            acc = ddtree.accept_greedy(tree, torch.zeros(b, N, dtype=torch.int64, device=dev),
-                                       backend=tree_backend, validate=False)
+                acc = adaptive.root_only_accept(zeros.view(b, 1), D)
             # every request on the one zero row: the (throwaway) permutation moves zeros
             ddtree.commit_round(tree, acc, zeros, zeros, row, remap=remap,
                                 block_size=block_size if remap and N > 1 else None, backend=tree_backend)
@@ -957,7 +958,8 @@ class DDTreeWorker(DFlashWorkerV2):
                                                            sampling_info, draft_input, bs)
         else:
             target_top1 = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, N)
-            acc = ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False)
+            acc = (adaptive.root_only_accept(target_top1, B - 1) if N == 1 else
+                   ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False))
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None:
             self._stats.record(path, accept_len, tree_depth=tree.depth, width=N, predicted=predicted)

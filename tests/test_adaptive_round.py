@@ -546,7 +546,8 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
     sizes = W.warm_batch_sizes(8)
     assert info["widths"] == [1, 8, 16] and info["batch_sizes"] == sizes
     assert len(calls["build"]) == len(calls["mask"]) == 2 * len(sizes)
-    assert len(calls["accept"]) == 3 * len(sizes)            # width 1 (no speculation) accepts too
+    # tree widths only: a no-speculation round has no accept kernel (adaptive.root_only_accept)
+    assert sorted(calls["accept"]) == sorted(torch.Size([b, N]) for N in (8, 16) for b in sizes)
     # the commit as the round calls it: every width and bucket, the drafter's slots for N > 1 (remap)
     assert sorted(calls["commit"]) == sorted((N, b, True, 6 if N > 1 else None, (1, 40), torch.int32)
                                              for N in (1, 8, 16) for b in sizes)

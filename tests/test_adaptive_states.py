@@ -167,6 +167,25 @@ def test_root_only_tree_is_the_budget_zero_tree(rng):
     assert got.budget == 0 and got.draft_depth == D
 
 
+def test_root_only_accept_is_the_greedy_accept_of_the_root_only_tree(rng):
+    """What the no-speculation round uses instead of an accept launch: equal to the reference walk
+    on the budget-0 tree for fresh targets, and its cached constants stay unchanged across rounds
+    (the commit and the statistics only read them; bs 3 comes twice, the second time from the cache)."""
+    from sglang_ddtree import ddtree
+
+    D = 7
+    for bs in (1, 3, 16, 3):
+        roots = torch.randint(0, 50, (bs,), generator=rng)
+        tree = A.root_only_tree(roots, D)
+        top1 = torch.randint(0, 50, (bs, 1), generator=rng)
+        want = ddtree.accept_greedy(tree, top1, backend="reference")
+        got = A.root_only_accept(top1, D)
+        for f in ("accept_len", "path", "bonus"):
+            assert getattr(got, f).dtype == getattr(want, f).dtype, f
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
+        assert torch.equal(got.new_tokens(tree), want.new_tokens(tree))
+
+
 # ------------------------------------------------------------------ the worker's start-up
 def _worker_module():
     pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
