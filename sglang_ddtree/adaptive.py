@@ -43,9 +43,10 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 import time
 from collections import deque
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,6 +74,7 @@ DEFAULT_AGE_EDGES = (4, 6, 9, 14, 20, 30, 45, 68, 100, 150, 230, 340, 510, 770, 
 DEFAULT_PROBE_EVERY = 16
 PREDICT_EVERY = 4        # a tree round narrower than the widest predicts every width on every k-th round
 DRAFT_PROBE_SHARE = 0.005  # a no-speculation stretch pays draft-only probes from 0.5 % of its rounds' time
+CLOSE_DRAFT_PROBE_SHARE = 0.02   # ... 2 % while a tree width could win at PROBE_OPTIMISM x its estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,12 +475,16 @@ class WidthController:
         self._clock = clock
         self._share = share
         self.lag = int(lag)
-        # the last lag + 1 launched batches, oldest first: (bs, width) of a round, None for any other
-        self._launched: List[Optional[Tuple[int, int]]] = []
+        # the last lag + 1 launched batches, oldest first: (bs, width, K or None) of a round, None for
+        # any other
+        self._launched: List[Optional[Tuple[int, int, Optional[float]]]] = []
         self._t_launch: Optional[float] = None   # host clock of the last launch
         # this rank's overhead samples (its median is shared at windows: every rank the same value)
         self._local_overhead = deque(maxlen=int((policy or BudgetPolicy).overhead_window))
         self._local_overhead_plain = deque(maxlen=int((policy or BudgetPolicy).overhead_window))
+        # ... and per choice, with the batch's KV length: [(residual ms, K thousand KV tokens)]
+        self._local_width: Dict[int, Deque[Tuple[float, float]]] = {}
+        self._kv_k: Optional[float] = None     # this round's batch KV tokens / 1000 (next_width)
         self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
         # admissions, from the wall clock: this window's sums (host ms between launches, the table
         # cost of the rounds those intervals measured, ...) and decayed sums over windows
@@ -494,7 +500,8 @@ class WidthController:
         return self.policy.costs.cost(bs, self._choice(w))
 
     def _launch(self, batch: Optional[Tuple[int, int]]) -> None:
-        """A batch is being launched now (``(bs, width)`` of a round, None for any other batch): the
+        """A batch is being launched now (``(bs, width, K)`` of a round, K its thousand KV tokens or
+        None, and None for any other batch): the
         interval since the previous launch measures the batch launched ``lag`` launches before that
         one; fold it into this rank's overhead samples if that batch was a round, and into the
         window's wall-clock sums (``_close_window``) either way."""
@@ -504,32 +511,55 @@ class WidthController:
             measured = self._launched[-1 - self.lag]
             ms = (now - self._t_launch) * 1e3
             acc = self._acc
+            est = None       # the measured round's overhead at its context (the context axis)
+            max_gap = self.MAX_GAP_MS
             if measured is None:
                 self.intervals["other_batch"] += 1
             else:
-                bs, w = measured
+                bs, w, K = measured
+                c = self._choice(w)
                 ring = self._local_overhead_plain if w == 1 else self._local_overhead
-                ok = self.policy.observe_interval(bs, self._choice(w), ms, into=ring)
+                ok = self.policy.observe_interval(bs, c, ms, into=ring)
                 self.intervals["observed" if ok else "ignored"] += 1
-            if 0.0 < ms <= self.MAX_GAP_MS:          # longer: the server was idle
+                if K is not None:
+                    est = self.policy.width_overhead(c, K)
+                    self._width_sample(c, ms - self._cost(bs, w), K)
+                    if est is not None:   # a long context's rounds may take longer than MAX_GAP_MS
+                        max_gap = max(max_gap, 4.0 * (self._cost(bs, w) + est) + 20.0)
+            if 0.0 < ms <= max_gap:                  # longer: the server was idle
                 acc["host"] += ms
                 if measured is None:
                     acc["prefills"] += 1
+                elif est is not None:                # table + this round's own overhead estimate
+                    acc["table"] += self._cost(*measured[:2]) + max(0.0, est)
                 else:
-                    acc["table"] += self._cost(*measured)
+                    acc["table"] += self._cost(*measured[:2])
                     acc["measured_plain" if measured[1] == 1 else "measured_rounds"] += 1
         if measuring:
             if batch is None:
                 if self._launched and self._launched[-1] is not None:
                     self._acc["flagged"] += 1         # the first prefill after a round
             else:
-                bs, w = batch
+                bs, w = batch[:2]
                 self._acc["rounds"] += 1
                 self._acc["tokens"] += bs * self.policy.tokens_per_request(self._choice(w))
         self._launched = (self._launched + [batch])[-(self.lag + 1):]
         self._t_launch = now
 
     MAX_GAP_MS = 250.0   # a longer gap between launches is idle time, not a batch
+    WIDTH_WINDOW = 32    # recent rounds per choice in its context fit (BudgetPolicy.width_overhead)
+
+    def _width_sample(self, choice: int, residual: float, K: float) -> None:
+        """One round's residual (host interval - table cost, ms) at ``K`` thousand KV tokens into the
+        choice's ring.  Not through ``observe_interval``'s filter (4x the table cost + 20 ms), which
+        at a long context rejects every round (the table has no context in it); instead a residual
+        above 4x the ring's median + 20 ms (an idle gap, once the ring holds 4) is left out."""
+        if not (residual > -1e9 and residual < float("inf")):
+            return
+        ring = self._local_width.setdefault(choice, deque(maxlen=self.WIDTH_WINDOW))
+        if len(ring) >= 4 and residual > 4.0 * max(statistics.median(r for r, _ in ring), 0.0) + 20.0:
+            return
+        ring.append((float(residual), float(K)))
     _ACC_KEYS = ("host", "table", "measured_rounds", "measured_plain", "prefills", "flagged", "rounds", "tokens")
 
     def _close_window(self) -> Dict[str, Optional[float]]:
@@ -558,6 +588,8 @@ class WidthController:
             adm[k] += acc[k]
         self._acc = dict.fromkeys(self._ACC_KEYS, 0.0)
         out = {"overhead_ms": over, "overhead_plain_ms": over_plain, "prefill_ms": None, "finish_rate": None}
+        if self._local_width:    # the context axis (rounds told their batch's KV tokens)
+            out["width_fit"] = {c: BudgetPolicy.fit_width_overhead(list(r)) for c, r in self._local_width.items() if r}
         if adm["prefills"] > 0:
             out["prefill_ms"] = max(0.0, adm["excess"] / adm["prefills"])
         if adm["rounds"] >= 8 and adm["tokens"] > 0:
@@ -604,6 +636,11 @@ class WidthController:
             if pol.overhead_plain_ms is not None:
                 out["overhead_plain_ms"] = round(float(pol.overhead_plain_ms), 3)
                 out["overhead_plain_samples"] = len(self._local_overhead_plain)
+            if pol.width_fit:      # the context axis: each choice's a + b K (ms, K = thousand KV tokens)
+                out["width_fit"] = {str(c): [round(f[0], 3), round(f[1], 4), f[2]]
+                                    for c, f in sorted(pol.width_fit.items())}
+            if pol.kv_k is not None:
+                out["kv_k"] = round(float(pol.kv_k), 2)
             out["prefill_ms"] = round(float(pol.prefill_ms), 3)
             out["finish_rate"] = round(float(pol.finish_rate), 5)
             out["prefills_weight"] = round(self._adm["prefills"], 2)
@@ -621,11 +658,17 @@ class WidthController:
     def _draft_probe(self, bs: int) -> bool:
         """A no-speculation round chosen by the policy: True when it should also run the drafter block
         and predict every width from the widest tree (a draft-only probe), paid from
-        :data:`DRAFT_PROBE_SHARE` of the rounds' predicted time, at most every ``probe_every`` rounds.
+        :data:`DRAFT_PROBE_SHARE` of the rounds' predicted time, at most every ``probe_every`` rounds;
+        :data:`CLOSE_DRAFT_PROBE_SHARE` while a tree width could still win (:meth:`_probe_target`):
+        the estimate of a stretch without trees moves only with these probes, and a low draw then
+        kept the simulated server of ``tests/test_policy_simulation.py`` (32k-token requests, where
+        width 16 served 1.19x plain decoding) on plain decoding for 500 rounds.
         It replaces the widest-width verify probe there: at c = 64 on the Qwen3-8B-shaped chain pair
         (H200, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s26_plain.md``) a width-61 verify probe
         took 99 ms at bs 63, 14 plain steps, where the drafter block is part of one."""
-        if not self._paid("draft_credit", DRAFT_PROBE_SHARE, bs, 1, self.policy.costs.draft_cost(bs)):
+        cost = self.policy.costs.draft_cost(bs) + self.policy.draft_overhead()   # at the batch's context
+        share = CLOSE_DRAFT_PROBE_SHARE if self._probe_target(bs, 1) is not None else DRAFT_PROBE_SHARE
+        if not self._paid("draft_credit", share, bs, 1, cost):
             return False
         self.draft_probes += 1
         return True
@@ -656,7 +699,8 @@ class WidthController:
         if target is None:              # no wider width could win: nothing worth measuring
             self._since_probe, self.probe_credit = 0, 0.0
             return w
-        extra = max(self._cost(bs, target) - self._cost(bs, w), 0.0)
+        pol = self.policy     # with their overheads: at a long context the table alone misses most of it
+        extra = max(pol.round_cost(bs, self._choice(target)) - pol.round_cost(bs, self._choice(w)), 0.0)
         if not self._paid("probe_credit", self.probe_share, bs, w, extra):
             return w
         self.probes += 1
@@ -686,12 +730,18 @@ class WidthController:
                 out = x
         return out
 
-    def next_width(self, bs: int, requested: Optional[int] = None, reqs=None) -> int:
+    def next_width(self, bs: int, requested: Optional[int] = None, reqs=None,
+                   kv_tokens: Optional[int] = None) -> int:
         """The verify width of this round (1 = no speculation).  ``requested``: the width the batch's
         requests pin (:func:`requested_width`; a width of this controller's set), used instead of
         the policy's choice (the forced test cycle still wins).  ``reqs``: the batch's SGLang
         requests; with age buckets the policy weighs them by their ages (output tokens so far, the
-        host's view: one round behind under overlap scheduling)."""
+        host's view: one round behind under overlap scheduling).  ``kv_tokens``: the batch's KV
+        tokens (the host's committed lengths, summed): each choice is then priced at that context
+        (``BudgetPolicy.width_overhead``) and the round's interval sample is kept with it."""
+        self._kv_k = None if kv_tokens is None else float(kv_tokens) / 1000.0
+        if self.policy is not None:
+            self.policy.kv_k = self._kv_k
         for sums, counts, below, pred in self.window.due():
             if self.policy is not None:
                 ws = self.spec_widths
@@ -703,7 +753,7 @@ class WidthController:
                 shared = self._share(local) if self._share else local
                 for key, val in shared.items():
                     if val is not None:
-                        setattr(self.policy, key, float(val))
+                        setattr(self.policy, key, dict(val) if isinstance(val, dict) else float(val))
         r = self.round
         self.round += 1
         cfg = self.cfg
@@ -725,7 +775,8 @@ class WidthController:
         if w > 1 and r % PREDICT_EVERY == 0:
             self.predict = True
         self.chosen[w] = self.chosen.get(w, 0) + 1
-        self._launch((int(bs), w))
+        # a draft-only probe's interval holds the drafter block: not a plain round's context sample
+        self._launch((int(bs), w, None if (w == 1 and self.predict) else self._kv_k))
         return w
 
     def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None,

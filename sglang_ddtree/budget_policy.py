@@ -41,7 +41,9 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   7.98; with one shared value (1.3-1.5 ms) the plain round read ~0.6 ms dearer than it was, the
   policy chose width 8 at an estimated 9 % gain where the two served the same tokens per second, and
   its width-61 probes (26 ms) came on top.  Within a kind the overhead is added to every width, so a
-  heavy per-round overhead makes tokens per round worth more.
+  heavy per-round overhead makes tokens per round worth more.  When the controller knows the batch's
+  KV length, each choice is instead priced at that context from its own recent rounds
+  (:meth:`BudgetPolicy.width_overhead`, issue 41 item 3): the table is timed with almost no KV.
 * the **admissions** (prefills between rounds): SGLang admits every waiting request in one prefill
   batch after the round in which others finished, so under load a prefill follows nearly every
   round and its cost is mostly fixed per batch (launches, no CUDA graph): measured on the H200
@@ -71,6 +73,8 @@ import bisect
 import collections
 import math
 import statistics
+
+import numpy as np
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -198,6 +202,15 @@ class BudgetPolicy:
     cal_n_b: List[Dict[int, float]] = field(default=None)
     ratio: Dict[int, float] = field(default=None)   # pooled exact / predicted per width (after a prediction)
     bucket_ratio: List[Dict[int, float]] = field(default=None)   # ... per age bucket
+    # the context axis (see :meth:`width_overhead`): the next round's batch KV tokens in thousands
+    # (None: unknown, the per-kind overhead above is used), each choice's fitted overhead
+    # {choice: (a, b, n)} = a + b * K ms from n recent rounds at that choice (:func:`fit_width_overhead`;
+    # the controller fits its own samples and shares rank 0's), and the drafter block size (the
+    # prior's width-free part of a tree round's context cost, in verify-query equivalents)
+    kv_k: Optional[float] = None
+    width_fit: Dict[int, Tuple[float, float, int]] = field(default_factory=dict)
+    draft_queries: int = 16
+    width_min_samples: int = 4
 
     def __post_init__(self):
         if not 0.0 <= self.ema < 1.0:
@@ -539,11 +552,59 @@ class BudgetPolicy:
 
     def overhead(self, bs: int, width: Optional[int] = None) -> float:
         """Per-round ms outside the cost table (0 until observed; never below 0) of a round at
-        ``width``: no speculation (NO_SPEC) has its own value once measured, every tree width shares
-        one.  One value for every batch size (``bs`` is accepted so callers need not know that)."""
+        ``width``.  With the batch's KV length known (``kv_k``) and a fitted choice of the round's
+        kind: :meth:`width_overhead`.  Else one value per kind: no speculation (NO_SPEC) has its own
+        once measured, every tree width shares one.  One value for every batch size (``bs`` is
+        accepted so callers need not know that)."""
+        if self.kv_k is not None and width is not None:
+            est = self.width_overhead(width, float(self.kv_k))
+            if est is not None:
+                return max(0.0, est)
         if width == NO_SPEC and self.overhead_plain_ms is not None:
             return max(0.0, float(self.overhead_plain_ms))
         return max(0.0, float(self.overhead_ms))
+
+    def _fitted(self) -> Dict[int, Tuple[float, float, int]]:
+        """The fits with at least ``width_min_samples`` rounds."""
+        return {c: f for c, f in self.width_fit.items() if f[2] >= self.width_min_samples}
+
+    def width_overhead(self, choice: int, K: float) -> Optional[float]:
+        """Overhead ms of a round at ``choice`` when the batch holds ``K`` thousand KV tokens, from the
+        rounds measured at each choice (issue 41 item 3).  The start-up table is timed with almost no
+        KV, so at a long context a round's attention and the drafter's (which grow with the context)
+        land here, and they differ by width: one shared tree overhead priced a narrow width with the
+        wide tree's verify and plain decoding with the whole tree's context cost (in a simulation of
+        32k-token requests, ``tests/test_policy_simulation.py``, the controller then served 0.35-0.64x
+        the best fixed choice).  A choice measured in at least ``width_min_samples`` recent rounds:
+        its own fit ``a + b K``.  Otherwise, from the fitted tree widths: two or more, the
+        least-squares line over width of their estimates at ``K`` (slope floored at 0), and for no
+        speculation the line's slope (one verify query's cost); one (width ``m``), its estimate
+        scaled by ``(draft_queries + w) / (draft_queries + m)`` (a tree round's context cost is the
+        drafter's block plus ``w`` verify queries), and for no speculation by ``1 / (draft_queries +
+        m)`` (one query, no drafter).  Both leave out a plain round's host overhead, so they err
+        cheap: a plain round gets run and measured.  None when no choice of the needed kind is fitted (the per-kind
+        overhead then applies)."""
+        fits = self._fitted()
+        own = fits.get(choice)
+        if own is not None:
+            return own[0] + own[1] * K
+        trees = {w: f[0] + f[1] * K for w, f in fits.items() if w != NO_SPEC}
+        if not trees:
+            return None
+        B = float(self.draft_queries)
+        if len(trees) >= 2:
+            ws = sorted(trees)
+            mw = sum(ws) / len(ws)
+            me = sum(trees[w] for w in ws) / len(ws)
+            var = sum((w - mw) ** 2 for w in ws)
+            slope = max(0.0, sum((w - mw) * (trees[w] - me) for w in ws) / var)
+            if choice == NO_SPEC:   # one query, no drafter: the line's cost per verify query
+                return slope
+            return max(0.0, me + slope * (choice - mw))
+        (m, est), = trees.items()
+        if choice == NO_SPEC:
+            return est / (B + m)
+        return est * (B + choice) / (B + m)
 
     def tokens_per_request(self, width: int) -> float:
         """Tokens a request emits in a round at ``width`` (accepted + the bonus; 1 without speculation):
@@ -564,6 +625,57 @@ class BudgetPolicy:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead
         + the expected admission prefill after it."""
         return self.costs.cost(bs, width) + self.overhead(bs, width) + self.admission_ms(bs, width)
+
+    def draft_overhead(self) -> float:
+        """The drafter block's ms beyond its table row at the batch's context (``kv_k``): the
+        width-free part of the fitted tree widths' overhead (two or more: the line's value at width
+        0; one, width ``m``: ``draft_queries / (draft_queries + m)`` of its estimate), 0 without a fit
+        or a known context.  What a draft-only probe costs on top of ``CostTable.draft_cost``."""
+        if self.kv_k is None:
+            return 0.0
+        K = float(self.kv_k)
+        trees = {w: f[0] + f[1] * K for w, f in self._fitted().items() if w != NO_SPEC}
+        if not trees:
+            return 0.0
+        B = float(self.draft_queries)
+        if len(trees) >= 2:
+            ws = sorted(trees)
+            mw = sum(ws) / len(ws)
+            me = sum(trees[w] for w in ws) / len(ws)
+            slope = max(0.0, sum((w - mw) * (trees[w] - me) for w in ws) / sum((w - mw) ** 2 for w in ws))
+            return max(0.0, me - slope * mw)
+        (m, est), = trees.items()
+        return max(0.0, est * B / (B + m))
+
+    def round_cost(self, bs: int, width: int) -> float:
+        """The table's cost + the overhead of a round (no admission term): what a probe at ``width``
+        costs."""
+        return self.costs.cost(bs, width) + self.overhead(bs, width)
+
+    @staticmethod
+    def fit_width_overhead(samples: Sequence[Tuple[float, float]], min_spread: float = 1.0
+                           ) -> Optional[Tuple[float, float, int]]:
+        """(a, b, n): ms = a + b * K over ``samples`` [(residual ms, K thousand KV tokens)] (None when
+        empty).  Robust (Theil-Sen): b = the median slope over the pairs of samples whose K differ by
+        at least ``min_spread`` / 2, floored at 0, when the samples' K span (10th to 90th percentile)
+        is at least ``min_spread`` thousand and a quarter of the median K, and at least 8 such pairs
+        exist; else b = 0 (one context length: the residual's median).  a = the median of
+        residual - b K.  A spike (an admission, a GC pause) moves neither."""
+        n = len(samples)
+        if n == 0:
+            return None
+        r = np.fromiter((x for x, _ in samples), dtype=np.float64, count=n)
+        k = np.fromiter((y for _, y in samples), dtype=np.float64, count=n)
+        b = 0.0
+        if n >= 4:
+            lo, mid, hi = np.percentile(k, (10, 50, 90))
+            if hi - lo >= max(min_spread, 0.25 * mid):
+                dk = k[None, :] - k[:, None]
+                keep = dk >= 0.5 * min_spread          # each pair once (dk > 0), far enough apart
+                if int(keep.sum()) >= 8:
+                    b = max(0.0, float(np.median((r[None, :] - r[:, None])[keep] / dk[keep])))
+        a = float(np.median(r - b * k))
+        return a, b, n
 
     @staticmethod
     def overhead_of(samples: Sequence[float]) -> Optional[float]:

@@ -540,7 +540,8 @@ class DDTreeWorker(DFlashWorkerV2):
         policy = None
         if cfg.cycle is None:
             table = self._tp_shared(self._measure_cost_table(states, cfg))
-            policy = BudgetPolicy(table, allow_no_spec=cfg.no_spec, age_edges=cfg.age_edges)
+            policy = BudgetPolicy(table, allow_no_spec=cfg.no_spec, age_edges=cfg.age_edges,
+                                  draft_queries=int(getattr(self, "block_size", BudgetPolicy.draft_queries)))
             if self.ps.tp_rank == 0:
                 logger.info("%s adaptive budget: cost table (ms) verify=%s base=%s", algo,
                             table.verify_ms, table.base_ms)
@@ -784,8 +785,11 @@ class DDTreeWorker(DFlashWorkerV2):
         D = self.block_size - 1
         # verify width of this round: the server's, or the adaptive choice (host values only)
         ctl = self._adaptive
+        # the committed prefix on the host (one round behind at most): its sum prices the context
+        self._ensure_draft_block_buffers(bs)
+        host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
         N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive.requested_width(batch.reqs),
-                                                               batch.reqs)
+                                                               batch.reqs, kv_tokens=host_bound_sum)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
 
@@ -793,7 +797,6 @@ class DDTreeWorker(DFlashWorkerV2):
         prof.begin()
         # 1) draft block [bonus, mask x D] at prefix + 0..D (N = 1: no drafter forward, the slots
         # and positions still address the commit) -------------------------------------------------
-        self._ensure_draft_block_buffers(bs)
         block_ids = self._draft_block_ids_buf[:bs]
         block_pos = self._draft_block_positions_buf[:bs]
         block_loc = self._draft_verify_out_cache_loc_buf[:bs]
@@ -802,7 +805,6 @@ class DDTreeWorker(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices.view(-1), req_to_token=req_to_token,
             block_ids_out=block_ids, positions_out=block_pos, cache_loc_out=block_loc,
             mask_token_id=int(self._mask_token_id))
-        host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
         # the policy's estimate of every width from the widest tree (adaptive.WidthController.predict);
         # in a no-speculation round that is a draft-only probe: the drafter block, no verify
         predict = ctl is not None and ctl.predict

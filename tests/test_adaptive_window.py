@@ -560,6 +560,35 @@ def test_controller_under_overlap_attributes_each_interval_to_the_batch_before()
         _controller(2, clock)
 
 
+def test_controller_keeps_each_rounds_context_with_its_interval():
+    """Told the batch's KV tokens, the controller keeps (residual, K thousand tokens) per choice, also
+    for rounds the per-kind filter rejects (at a long context a round is far above its context-free
+    table: here 245 ms for a 45 ms table cost), leaves out an idle gap once the ring has 4 samples
+    and a draft-only probe, and hands its fits to the policy with the window."""
+    clock = _Clock()
+    c = _controller(0, clock)
+    t = 0.0
+    for i in range(6):          # six width-16 rounds at 32k tokens: 200 ms of context each
+        clock.ms = t
+        assert c.next_width(1, kv_tokens=32_000) == 16
+        t += 245.0
+    clock.ms = t + 5000.0       # the server idled
+    c.next_width(1, kv_tokens=32_000)
+    assert c.intervals["ignored"] == 6                       # the per-kind filter: 4 x 45 + 20 < 245
+    assert list(c._local_width[16]) == [(pytest.approx(200.0), 32.0)] * 5   # the idle gap left out
+    out = c._close_window()
+    assert out["width_fit"][16] == (pytest.approx(200.0), 0.0, 5)
+    c.policy.width_fit = out["width_fit"]
+    c.policy.kv_k = 32.0
+    assert c.policy.overhead(1, 16) == pytest.approx(200.0)
+    c.predict = True            # a no-speculation round with the drafter block: not a plain sample
+    c._launched = [(1, 1, None)]
+    c._t_launch, clock.ms = 0.0, 12.0
+    c._launch(None)
+    assert 0 not in c._local_width
+    assert "width_fit" not in _controller(0, clock)._close_window()   # no context ever told: as before
+
+
 def test_controller_interrupts_back_to_back_and_idle_gaps():
     """Two prefills in a row: neither interval is observed; an idle gap (500 ms) is ignored by the
     policy's filter (longer than 4x the cost + 20 ms)."""

@@ -140,3 +140,50 @@ def test_counterfactual_counts_from_real_trees_feed_the_policy(rng):
     p.update(counts.tolist(), widths=[9, 17, 33])
     for j, w in enumerate((9, 17, 33)):
         assert p.accept[w] == pytest.approx(counts[:, j].float().mean().item())
+
+
+# ------------------------------------------------------------------ the context axis (issue 41 item 3)
+def test_fit_width_overhead_reads_the_context_slope_from_medians(rng):
+    """a + b K from (residual, K) samples: the median pairwise slope (Theil-Sen), so a spike (an
+    admission, a GC pause) moves neither; one context length (or < 4 samples) gives b = 0 and the
+    median."""
+    fit = BudgetPolicy.fit_width_overhead
+    assert fit([]) is None
+    a, b, n = fit([(1.0, 32.0), (1.4, 32.2), (1.1, 32.1), (50.0, 32.0), (1.2, 31.9)])
+    assert (b, n) == (0.0, 5) and a == pytest.approx(1.2)
+    assert fit([(1.0, 2.0), (9.0, 40.0), (2.0, 3.0)])[1] == 0.0          # < 4 samples: no slope
+    a0, b0 = 0.8, 0.37                                                     # ms, ms per thousand tokens
+    ks = [float(torch.randint(1, 128, (1,), generator=rng)) for _ in range(31)]
+    pts = [(a0 + b0 * k + 0.05 * float(torch.randn(1, generator=rng)), k) for k in ks]
+    pts[3] = (pts[3][0] + 80.0, pts[3][1])                                  # one spike
+    a, b, _ = fit(pts)
+    assert b == pytest.approx(b0, rel=0.05) and a == pytest.approx(a0, abs=0.3)
+    # falling residuals with the context are noise, not a negative cost
+    a, b, _ = fit([(5.0 - 0.01 * k, k) for k in range(1, 120, 10)])
+    assert b == 0.0 and a == pytest.approx(5.0 - 0.01 * 56, abs=0.06)
+
+
+def test_width_overhead_prices_each_choice_at_the_batch_context():
+    """A choice with its own fit reads it; the rest extrapolate from the fitted tree widths (one: by
+    (B + w) / (B + m) and 1 / (B + m) for plain decoding; two or more: their line over the width, its
+    slope for plain decoding); nothing fitted, or no context known: the per-kind overhead."""
+    p = BudgetPolicy(H200_8B, draft_queries=16)
+    p.overhead_ms, p.overhead_plain_ms = 1.5, 0.7
+    assert p.width_overhead(17, 32.0) is None and p.overhead(1, 17) == 1.5   # nothing fitted
+    p.width_fit = {33: (0.0, 0.5, 12), 17: (9.0, 9.0, 3)}   # width 17: too few rounds for its own fit
+    p.kv_k = 32.0
+    assert p.overhead(1, 33) == pytest.approx(16.0)
+    assert p.overhead(1, 17) == pytest.approx(16.0 * (16 + 17) / (16 + 33))
+    assert p.overhead(1, NO_SPEC) == pytest.approx(16.0 / (16 + 33))          # errs cheap: gets measured
+    p.width_fit[17] = (2.0, 0.2, 8)                                              # now two tree widths
+    e17, e33 = 2.0 + 0.2 * 32, 16.0
+    slope = (e33 - e17) / (33 - 17)
+    assert p.overhead(1, NO_SPEC) == pytest.approx(slope)
+    p.width_fit[NO_SPEC] = (0.6, 0.03, 20)
+    assert p.overhead(1, NO_SPEC) == pytest.approx(0.6 + 0.03 * 32)
+    assert p.draft_overhead() == pytest.approx(max(0.0, e17 - slope * 17))      # the line at width 0
+    # the choice follows: at 32k plain decoding beats both trees it would not beat without context
+    p.update([[1.0, 1.0]] * 8, widths=[17, 33])
+    assert p.choose(1) == NO_SPEC
+    p.kv_k = None
+    assert p.overhead(1, 33) == 1.5 and p.draft_overhead() == 0.0 and p.choose(1) == 17
