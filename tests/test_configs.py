@@ -131,11 +131,14 @@ def test_config_parses_into_server_args(cfg, standins):
                                                           sa.speculative_num_draft_tokens)
     if raw.get("speculative-algorithm", "").startswith("DDTREE"):
         # verify width = budget + 1 as written (else the drafter's default widest); the drafter sets
-        # the depth; the tree path is triton
+        # the depth; the tree verify is on triton (with flashinfer given: SGLang's prefill / decode split)
         if "speculative-num-draft-tokens" in raw:
             assert sa.speculative_num_draft_tokens == raw["speculative-num-draft-tokens"]
         assert sa.speculative_num_steps == 1 and sa.speculative_eagle_topk == 1
-        assert sa.attention_backend == "triton"
+        assert (sa.decode_attention_backend or sa.attention_backend) == "triton"   # the verify's side
+        if raw.get("attention-backend") not in (None, "triton"):   # the user's backend keeps the prefill
+            from sglang_ddtree.spec_algo import SPLIT_ATTR
+            assert sa.prefill_attention_backend == raw["attention-backend"] and getattr(sa, SPLIT_ATTR)
         # the settings resolved here travel to every TP rank on server_args (pickled into each
         # scheduler process); each rank re-resolves from its model's vocabulary and must agree
         from sglang_ddtree import config as C
