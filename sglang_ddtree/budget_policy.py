@@ -574,37 +574,41 @@ class BudgetPolicy:
         KV, so at a long context a round's attention and the drafter's (which grow with the context)
         land here, and they differ by width: one shared tree overhead priced a narrow width with the
         wide tree's verify and plain decoding with the whole tree's context cost (in a simulation of
-        32k-token requests, ``tests/test_policy_simulation.py``, the controller then served 0.35-0.64x
-        the best fixed choice).  A choice measured in at least ``width_min_samples`` recent rounds:
-        its own fit ``a + b K``.  Otherwise, from the fitted tree widths: two or more, the
-        least-squares line over width of their estimates at ``K`` (slope floored at 0), and for no
-        speculation the line's slope (one verify query's cost); one (width ``m``), its estimate
-        scaled by ``(draft_queries + w) / (draft_queries + m)`` (a tree round's context cost is the
-        drafter's block plus ``w`` verify queries), and for no speculation by ``1 / (draft_queries +
-        m)`` (one query, no drafter).  Both leave out a plain round's host overhead, so they err
-        cheap: a plain round gets run and measured.  None when no choice of the needed kind is fitted (the per-kind
-        overhead then applies)."""
+        32k- and 128k-token requests, ``tests/test_policy_simulation.py``, the controller then served
+        0.35-0.64x the best fixed choice).  A choice measured in at least ``width_min_samples``
+        recent rounds: its own fit ``a + b K``.  Otherwise the fitted tree widths' line
+        ``c0 + c1 w`` (:meth:`_tree_line`; one fitted width: its estimate scaled by
+        ``(draft_queries + w) / (draft_queries + m)``), and for no speculation ``c1``, one verify
+        query's cost with no drafter and no host work, which errs cheap: a plain round gets run and
+        measured.  None when no tree width is fitted (the per-kind overhead then applies)."""
         fits = self._fitted()
         own = fits.get(choice)
         if own is not None:
             return own[0] + own[1] * K
-        trees = {w: f[0] + f[1] * K for w, f in fits.items() if w != NO_SPEC}
+        line = self._tree_line(K)
+        if line is None:
+            return None
+        c0, c1 = line
+        return c1 if choice == NO_SPEC else max(0.0, c0 + c1 * choice)
+
+    def _tree_line(self, K: float) -> Optional[Tuple[float, float]]:
+        """(c0, c1): the fitted tree widths' overhead at ``K`` as ``c0 + c1 w`` (c1: one verify
+        query's cost, c0: the width-free part, the drafter's block and host work), None without a
+        fitted tree width.  Two or more: their least-squares line (slope floored at 0); one, width
+        ``m`` with estimate ``e``: ``c1 = e / (draft_queries + m)``, ``c0 = draft_queries c1`` (the
+        drafter's block priced as ``draft_queries`` verify queries)."""
+        trees = {w: f[0] + f[1] * K for w, f in self._fitted().items() if w != NO_SPEC}
         if not trees:
             return None
-        B = float(self.draft_queries)
-        if len(trees) >= 2:
-            ws = sorted(trees)
-            mw = sum(ws) / len(ws)
-            me = sum(trees[w] for w in ws) / len(ws)
-            var = sum((w - mw) ** 2 for w in ws)
-            slope = max(0.0, sum((w - mw) * (trees[w] - me) for w in ws) / var)
-            if choice == NO_SPEC:   # one query, no drafter: the line's cost per verify query
-                return slope
-            return max(0.0, me + slope * (choice - mw))
-        (m, est), = trees.items()
-        if choice == NO_SPEC:
-            return est / (B + m)
-        return est * (B + choice) / (B + m)
+        if len(trees) == 1:
+            (m, est), = trees.items()
+            c1 = est / (float(self.draft_queries) + m)
+            return float(self.draft_queries) * c1, c1
+        ws = sorted(trees)
+        mw = sum(ws) / len(ws)
+        me = sum(trees[w] for w in ws) / len(ws)
+        slope = max(0.0, sum((w - mw) * (trees[w] - me) for w in ws) / sum((w - mw) ** 2 for w in ws))
+        return me - slope * mw, slope
 
     def tokens_per_request(self, width: int) -> float:
         """Tokens a request emits in a round at ``width`` (accepted + the bonus; 1 without speculation):
@@ -628,24 +632,11 @@ class BudgetPolicy:
 
     def draft_overhead(self) -> float:
         """The drafter block's ms beyond its table row at the batch's context (``kv_k``): the
-        width-free part of the fitted tree widths' overhead (two or more: the line's value at width
-        0; one, width ``m``: ``draft_queries / (draft_queries + m)`` of its estimate), 0 without a fit
-        or a known context.  What a draft-only probe costs on top of ``CostTable.draft_cost``."""
-        if self.kv_k is None:
-            return 0.0
-        K = float(self.kv_k)
-        trees = {w: f[0] + f[1] * K for w, f in self._fitted().items() if w != NO_SPEC}
-        if not trees:
-            return 0.0
-        B = float(self.draft_queries)
-        if len(trees) >= 2:
-            ws = sorted(trees)
-            mw = sum(ws) / len(ws)
-            me = sum(trees[w] for w in ws) / len(ws)
-            slope = max(0.0, sum((w - mw) * (trees[w] - me) for w in ws) / sum((w - mw) ** 2 for w in ws))
-            return max(0.0, me - slope * mw)
-        (m, est), = trees.items()
-        return max(0.0, est * B / (B + m))
+        width-free part of the fitted tree widths' overhead (:meth:`_tree_line`'s c0, floored at 0),
+        0 without a fit or a known context.  What a draft-only probe costs on top of
+        ``CostTable.draft_cost``."""
+        line = None if self.kv_k is None else self._tree_line(float(self.kv_k))
+        return 0.0 if line is None else max(0.0, line[0])
 
     def round_cost(self, bs: int, width: int) -> float:
         """The table's cost + the overhead of a round (no admission term): what a probe at ``width``
