@@ -664,8 +664,8 @@ class WidthController:
         kept the simulated server of ``tests/test_policy_simulation.py`` (32k-token requests, where
         width 16 served 1.19x plain decoding) on plain decoding for 500 rounds.  Over four seeds of
         that simulation (32k at bs 1 and 4, 8k at bs 1) the worst case served 0.84x the best fixed
-        choice at 0.5 %, 0.97x at 1 %, 0.98x at 2 %; each point is at most that share of a plain
-        stretch's time where no tree wins, so 1 %.
+        choice at 0.5 %, 0.97x at 1 %, 0.98x at 2 %; where plain decoding is right the probes cost up
+        to their share of its time, hence 1 %.
         It replaces the widest-width verify probe there: at c = 64 on the Qwen3-8B-shaped chain pair
         (H200, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s26_plain.md``) a width-61 verify probe
         took 99 ms at bs 63, 14 plain steps, where the drafter block is part of one."""
