@@ -499,7 +499,7 @@ class WidthController:
     def _cost(self, bs: int, w: int) -> float:
         return self.policy.costs.cost(bs, self._choice(w))
 
-    def _launch(self, batch: Optional[Tuple[int, int]]) -> None:
+    def _launch(self, batch: Optional[Tuple[int, int, Optional[float]]]) -> None:
         """A batch is being launched now (``(bs, width, K)`` of a round, K its thousand KV tokens or
         None, and None for any other batch): the
         interval since the previous launch measures the batch launched ``lag`` launches before that
@@ -517,24 +517,24 @@ class WidthController:
                 self.intervals["other_batch"] += 1
             else:
                 bs, w, K = measured
-                c = self._choice(w)
+                c, cost = self._choice(w), self._cost(bs, w)
                 ring = self._local_overhead_plain if w == 1 else self._local_overhead
                 ok = self.policy.observe_interval(bs, c, ms, into=ring)
                 self.intervals["observed" if ok else "ignored"] += 1
                 if K is not None:
                     est = self.policy.width_overhead(c, K)
-                    self._width_sample(c, ms - self._cost(bs, w), K)
+                    self._width_sample(c, ms - cost, K)
                     if est is not None:   # a long context's rounds may take longer than MAX_GAP_MS
-                        max_gap = max(max_gap, 4.0 * (self._cost(bs, w) + est) + 20.0)
+                        max_gap = max(max_gap, 4.0 * (cost + est) + 20.0)
             if 0.0 < ms <= max_gap:                  # longer: the server was idle
                 acc["host"] += ms
                 if measured is None:
                     acc["prefills"] += 1
                 elif est is not None:                # table + this round's own overhead estimate
-                    acc["table"] += self._cost(*measured[:2]) + max(0.0, est)
+                    acc["table"] += cost + max(0.0, est)
                 else:
-                    acc["table"] += self._cost(*measured[:2])
-                    acc["measured_plain" if measured[1] == 1 else "measured_rounds"] += 1
+                    acc["table"] += cost
+                    acc["measured_plain" if w == 1 else "measured_rounds"] += 1
         if measuring:
             if batch is None:
                 if self._launched and self._launched[-1] is not None:
@@ -554,7 +554,7 @@ class WidthController:
         choice's ring.  Not through ``observe_interval``'s filter (4x the table cost + 20 ms), which
         at a long context rejects every round (the table has no context in it); instead a residual
         above 4x the ring's median + 20 ms (an idle gap, once the ring holds 4) is left out."""
-        if not (residual > -1e9 and residual < float("inf")):
+        if not math.isfinite(residual):
             return
         ring = self._local_width.setdefault(choice, deque(maxlen=self.WIDTH_WINDOW))
         if len(ring) >= 4 and residual > 4.0 * max(statistics.median(r for r, _ in ring), 0.0) + 20.0:

@@ -628,7 +628,7 @@ class BudgetPolicy:
     def round_ms(self, bs: int, width: int) -> float:
         """Predicted ms of a round of ``bs`` requests at ``width``: the table's cost + the overhead
         + the expected admission prefill after it."""
-        return self.costs.cost(bs, width) + self.overhead(bs, width) + self.admission_ms(bs, width)
+        return self.round_cost(bs, width) + self.admission_ms(bs, width)
 
     def draft_overhead(self) -> float:
         """The drafter block's ms beyond its table row at the batch's context (``kv_k``): the

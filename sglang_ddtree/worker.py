@@ -960,7 +960,7 @@ class DDTreeWorker(DFlashWorkerV2):
                                                            sampling_info, draft_input, bs)
         else:
             target_top1 = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, N)
-            acc = (adaptive.root_only_accept(target_top1, B - 1) if N == 1 else
+            acc = (adaptive.root_only_accept(target_top1, tree.draft_depth) if N == 1 else
                    ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False))
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None:
