@@ -606,3 +606,56 @@ def test_the_per_pass_client_stays_behind_a_flag(tmp_path):
     assert isinstance(S.make_client(_args(), {}, str(tmp_path), "log"), S.PersistentClient)
     c = S.make_client(_args("--bench-serving-per-pass"), {}, str(tmp_path), "log")
     assert type(c) is S.PerPassClient and c.info()["mode"] == "per-pass"
+
+
+def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_path, monkeypatch):
+    """One cell over several device calls on one warm machine: a first run whose last arm is cut by
+    its deadline, then ``--resume`` in the same work dir runs only the arms not complete (with the
+    first run's level counts) and reports all of them; another GPU or other settings keep nothing."""
+    calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
+    gpus = {"now": ["GPU-aaa"]}
+    monkeypatch.setattr(S, "machine_id", lambda: dict(host="h", gpus=list(gpus["now"])))
+    model = _model_dir(tmp_path)
+    launched = []
+
+    def launcher(cmd, env, log):
+        launched.append(cmd[cmd.index("--port") + 1])
+        return _Srv()
+
+    def args(*extra):
+        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "1",
+                     "--repeats", "3", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
+                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"), "--no-env-probe",
+                     "--prompts", str(_prompts_file(tmp_path)), *extra)
+
+    real = S._measure_arm
+
+    def cut_dflash(arm, *a, **k):      # the first call's deadline: dflash measured only partly
+        rec = real(arm, *a, **k)
+        if arm["name"] == "dflash":
+            rec["status"] = "partial"
+        return rec
+
+    monkeypatch.setattr(S, "_measure_arm", cut_dflash)
+    first = S.run(args(), launcher=launcher)
+    assert [a["status"] for a in first["arms"]] == ["ok", "partial"] and len(launched) == 2
+    monkeypatch.setattr(S, "_measure_arm", real)
+    n_before = len(calls)
+    doc = S.run(args("--resume"), launcher=launcher)
+    assert len(launched) == 3                                   # only dflash's server started again
+    assert calls[n_before:] == [(1, 60)] * 3                    # no calibration: base's count kept
+    assert [a["name"] for a in doc["arms"]] == ["base", "dflash"]
+    assert doc["arms"][0].get("resumed") and not doc["arms"][1].get("resumed")
+    assert doc["resumed"]["arms"] == ["base"] and doc["identity"]["arms"]["dflash"]["identical"]
+    md = open(str(tmp_path / "r") + ".md").read()
+    assert "Resumed (`--resume`): `base` measured by an earlier call" in md and "GPU-aaa" in md
+    # everything complete now: a further resume starts no server
+    S.run(args("--resume"), launcher=launcher)
+    assert len(launched) == 3
+    # another GPU: nothing kept, both arms run
+    gpus["now"] = ["GPU-bbb"]
+    doc = S.run(args("--resume"), launcher=launcher)
+    assert len(launched) == 5 and "another machine" in doc["resume_refused"]
+    # other settings (repeats): nothing kept
+    doc = S.run(args("--resume", "--repeats", "2"), launcher=launcher)
+    assert len(launched) == 7 and "repeats" in doc["resume_refused"]

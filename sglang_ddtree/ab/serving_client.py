@@ -76,7 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import client
 from .client import http_json
@@ -625,6 +625,8 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
         return natural["files"][n]
 
     counts: Dict[int, int] = {}            # the calibrated request count per level (shared by every arm)
+    state_path = os.path.join(tmpdir, STATE_FILE)
+    machine = machine_id()
     doc = dict(
         kind="ab_serving", meta=env_info(python) if not args.no_env_probe else dict(argv=sys.argv),
         settings=dict(client="bench_serving", model_path=model, draft_model_path=draft, pair=pair,
@@ -650,6 +652,22 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     doc["settings"]["datasets_standin"] = bool(standin)
     outputs: Dict[str, Dict[int, list]] = {}
     maxc = max(levels)
+    doc["meta"]["machine"] = machine
+    key = resume_key(doc["settings"], machine)
+    kept: Dict[str, dict] = {}
+    if getattr(args, "resume", False):
+        kept, why = load_resume(state_path, key, [a["name"] for a in arms])
+        if why:
+            doc["resume_refused"] = why
+            print(f"ab_serving: --resume: nothing kept ({why})", flush=True)
+        else:
+            for name, (rec, outs) in kept.items():
+                outputs[name] = {int(c): v for c, v in outs.items()}
+            counts.update({int(c): int(n) for c, n in load_resume_counts(state_path).items()})
+            doc["resumed"] = dict(arms=sorted(kept), state=state_path,
+                                  note="arms measured by an earlier call on the same machine (same GPU and "
+                                       "settings); their levels ran the same request counts")
+            print(f"ab_serving: --resume: kept {sorted(kept)} from {state_path}", flush=True)
     print(f"ab_serving: {len(arms)} arms x concurrency {levels}, workload {workload}, work dir {tmpdir}"
           f"{', datasets stand-in on' if standin else ''}", flush=True)
     if args.dry_run:
@@ -662,9 +680,15 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     try:
         for i, arm in enumerate(arms):
             port = args.port + 10 * i
-            rec = _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python, cenv,
-                               tmpdir, deadline_at, launcher, id_prompts, outputs)
+            if arm["name"] in kept:
+                rec = dict(kept[arm["name"]][0], resumed=True)
+            else:
+                rec = _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python,
+                                   cenv, tmpdir, deadline_at, launcher, id_prompts, outputs)
+                rec["git_commit"] = doc["meta"].get("git_commit")
+                rec["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             doc["arms"].append(rec)
+            save_resume(state_path, key, doc["arms"], outputs, counts)
             doc["settings"]["requests_per_level"] = {str(c): n for c, n in sorted(counts.items())}
             doc["identity"] = identity_report(outputs, args.reference_arm, id_prompts)
             doc["elapsed_s"] = round(time.time() - t_start, 1)
@@ -681,6 +705,69 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
         doc["prompt_ids"] = [p["input_ids"] for p in id_prompts]
     write_outputs(doc, args.out, plot=False)
     return doc
+
+
+STATE_FILE = "serving_state.json"   # in --workdir: what --resume reads back (arms, output ids, counts)
+# the settings an arm's numbers depend on: --resume keeps an arm only when every one is the same
+RESUME_SETTINGS = ("client", "model_path", "draft_model_path", "pair", "arm_attention", "concurrency", "workload",
+                   "repeats", "seed", "min_level_seconds", "level_seconds_margin", "requests_per_level_spec",
+                   "server_args", "reference_arm", "identity")
+
+
+def machine_id() -> dict:
+    """This host and its GPUs' UUIDs (``nvidia-smi``; empty without one): a resumed report takes arms
+    only from the same machine (the device tool's rule: compare timings on the same warm machine)."""
+    import platform
+    uuids: List[str] = []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        if out.returncode == 0:
+            uuids = [x.strip() for x in out.stdout.splitlines() if x.strip()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return dict(host=platform.node(), gpus=uuids)
+
+
+def resume_key(settings: dict, machine: dict) -> dict:
+    return dict({k: settings.get(k) for k in RESUME_SETTINGS}, machine=machine)
+
+
+def save_resume(path: str, key: dict, arms: List[dict], outputs: Dict[str, Dict[int, list]],
+                counts: Dict[int, int]) -> None:
+    """The state after an arm: the key, every arm record so far, their identity outputs, the level counts."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(key=key, arms=arms, outputs={a: {str(c): v for c, v in o.items()} for a, o in outputs.items()},
+                       counts={str(c): n for c, n in counts.items()}), f)
+    os.replace(tmp, path)
+
+
+def load_resume(path: str, key: dict, wanted: List[str]) -> Tuple[Dict[str, tuple], Optional[str]]:
+    """({arm: (record, outputs)} of the state's complete arms (status ok) among ``wanted``, None) or
+    ({}, why nothing is kept): no state, another machine, other settings."""
+    if not os.path.exists(path):
+        return {}, f"no {os.path.basename(path)} in the work dir"
+    try:
+        with open(path) as f:
+            st = json.load(f)
+    except (OSError, ValueError) as e:
+        return {}, f"unreadable state: {e}"
+    old = st.get("key") or {}
+    if old.get("machine") != key.get("machine") or not (key.get("machine") or {}).get("gpus"):
+        return {}, f"another machine ({old.get('machine')} vs {key.get('machine')})"
+    diff = sorted(k for k in key if k != "machine" and old.get(k) != key.get(k))
+    if diff:
+        return {}, f"other settings: {diff}"
+    outs = st.get("outputs") or {}
+    kept = {r["name"]: (r, outs.get(r["name"]) or {}) for r in st.get("arms") or []
+            if r.get("status") == "ok" and r.get("name") in wanted}
+    return kept, None
+
+
+def load_resume_counts(path: str) -> Dict[str, int]:
+    with open(path) as f:
+        return json.load(f).get("counts") or {}
 
 
 def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List[dict]) -> dict:
@@ -866,6 +953,12 @@ def render_markdown(doc: dict) -> str:
          f"{m.get('date', '?')} · GPU {', '.join(m.get('gpu') or ['?'])} · torch {v.get('torch')} · triton "
          f"{v.get('triton')} · sglang {v.get('sglang')} · commit {m.get('git_commit')}"
          f"{' (dirty)' if m.get('git_dirty') else ''} · {doc.get('elapsed_s')} s", ""]
+    if doc.get("resumed"):
+        old = [a for a in arms if a.get("resumed")]
+        L += ["Resumed (`--resume`): " + ", ".join(
+            f"`{a['name']}` measured by an earlier call at {a.get('measured_at', '?')} (commit {a.get('git_commit')})"
+            for a in old) + f" on this machine (GPU {', '.join((m.get('machine') or {}).get('gpus') or ['?'])}), "
+              "same settings and request counts.", ""]
     if w["dataset"] == "sharegpt":
         nat = s.get("natural") or {}
         wl = (f"natural prompts ({nat.get('source')}; distinct per level {nat.get('distinct')}) as a ShareGPT file, "
@@ -937,7 +1030,8 @@ def render_markdown(doc: dict) -> str:
     L += ["", "## Server command lines", ""]
     for a in arms:
         env = " ".join(f"{k}={v}" for k, v in (a.get("env") or {}).items())
-        L.append(f"- `{a['name']}` (up in {a.get('start_s')} s): `{(env + ' ') if env else ''}{a.get('command_str')}`")
+        L.append(f"- `{a['name']}` (up in {a.get('start_s')} s{', an earlier call' if a.get('resumed') else ''}): "
+                 f"`{(env + ' ') if env else ''}{a.get('command_str')}`")
     ex = next((lv for a in arms for lv in a.get("levels") or [] if lv.get("command")), None)
     if ex is not None:
         L += ["", f"The client, one level (c={ex['concurrency']}, the first repeat): `{ex['command']}`"]
