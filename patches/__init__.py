@@ -24,14 +24,16 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
   also the drafter's block forward, with an all-set bitmask.
 * ``triton_cuda_graph_state``: a DDTREE target's verify graphs do not allocate the decode kernel's
   split-KV scratch for each of their ``max_bs * N`` rows (16.8 MB a row at Kimi K2's MLA widths).
+* ``mem_fraction_default``: remember whether ``--mem-fraction-static`` was given, so the adaptive
+  default's extra target states are taken out of SGLang's heuristic KV pool only when it was not.
 """
 from . import (alloc_len_per_decode, decode_graph_spec_info, dflash_prepare_for_decode, dflash_round_profile,
-               req_to_token_extra_context_len, req_update_finish_state, triton_cuda_graph_state,
+               mem_fraction_default, req_to_token_extra_context_len, req_update_finish_state, triton_cuda_graph_state,
                triton_verify_attention, validate_dflash_request, validate_input_ids)
 
 ALL = (decode_graph_spec_info, validate_input_ids, req_update_finish_state, dflash_prepare_for_decode,
        alloc_len_per_decode, req_to_token_extra_context_len, validate_dflash_request, dflash_round_profile,
-       triton_verify_attention, triton_cuda_graph_state)
+       triton_verify_attention, triton_cuda_graph_state, mem_fraction_default)
 
 
 def install_all() -> None:

@@ -250,6 +250,33 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
                           overhead=raw_oh == "measured", age_edges=age_edges, implicit=implicit)
 
 
+# ------------------------------------------------------------------ the states' GPU memory
+# Each extra target state holds CUDA graphs whose static outputs include the logits of every verify
+# row at its largest batch ([max_bs * w, vocab] fp32): most of its memory.  Fitted to the states the
+# worker logged (Qwen3-8B shape, vocab 151,936, tree graphs up to bs 64: widths 8 / 16 / 32 took
+# 0.47 / 0.86 / 1.66 GB on the H200, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s23_logs.tgz``;
+# the no-speculation state on flashinfer with graphs up to bs 256: 1.316 GB on the H100,
+# ``raw/serving_h100_qwen3-8bchain_random_s29_b_ddtree_server_log.txt.gz``; on triton ~0.12 GB with
+# graphs up to bs 64, ``raw/scalechain_ab_qwen3-8b_h200_s16_run2_logs.tgz``): logits x 1.2 plus a
+# fixed part, which a new flashinfer workspace makes ~1.15 GB.
+STATE_LOGITS_FACTOR = 1.2
+STATE_FIXED_GB = 0.1
+PLAIN_FIXED_GB = {"flashinfer": 1.15}
+
+
+def state_memory_gb(widths: Sequence[int], *, vocab: int, tree_max_bs: int, plain_max_bs: int,
+                    plain_backend: Optional[str]) -> float:
+    """Estimated GPU memory (GB) of the extra target states of ``widths`` (verify widths; 1 = the
+    no-speculation state with graphs up to ``plain_max_bs`` on ``plain_backend``, tree widths with
+    graphs up to ``tree_max_bs``)."""
+    total = 0.0
+    for w in widths:
+        rows = plain_max_bs if w == 1 else tree_max_bs * w
+        fixed = PLAIN_FIXED_GB.get(plain_backend or "", STATE_FIXED_GB) if w == 1 else STATE_FIXED_GB
+        total += STATE_LOGITS_FACTOR * rows * vocab * 4 / 1e9 + fixed
+    return total
+
+
 # ------------------------------------------------------------------ verify states per width
 @dataclasses.dataclass
 class VerifyState:

@@ -100,6 +100,7 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         cfg = env_vars.check(os.environ, algo=self.name, budget=settings.budget)
         if server_args.max_running_requests is None and plain_floor_graphs(server_args, cfg, self.name) is None:
             server_args.max_running_requests = 48   # SGLang's own default for speculative servers
+        reserve_adaptive_state_memory(server_args, cfg, vocab, self.name)
         if server_args.enable_mixed_chunk:
             server_args.enable_mixed_chunk = False
             logger.warning("%s: mixed chunked prefill disabled", self.name)
@@ -159,6 +160,42 @@ def plain_floor_graphs(server_args, cfg, algo: str) -> Optional[list]:
                 "up to bs %d, no-speculation rounds up to bs %d (above %d every round is plain decoding)",
                 algo, max(spec), max(full), max(spec))
     return full
+
+
+def reserve_adaptive_state_memory(server_args, cfg, vocab: Optional[int], algo: str) -> Optional[float]:
+    """The adaptive default's extra target states (``cfg.extra_widths``: the no-speculation state and
+    the narrower tree widths, each with CUDA graphs) are built after SGLang sized its KV pool; when
+    ``--mem-fraction-static`` was not given (``patches/mem_fraction_default.py`` recorded SGLang's
+    heuristic filling it), lower that heuristic by their estimate (``adaptive.state_memory_gb``) so
+    the pool leaves them room.  Returns the GB taken off, or None (a fixed budget or an explicit
+    set, the user's value, no CUDA graphs, unknown GPU memory or vocabulary)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_ddtree.patches.mem_fraction_default import GIVEN_ATTR, GPU_MEM_ATTR
+
+    from . import adaptive
+    from .plain_decode import user_decode_backend
+
+    given = getattr(server_args, GIVEN_ATTR, None)
+    gpu_mb = getattr(server_args, GPU_MEM_ATTR, None)
+    dec = server_args.cuda_graph_config.decode
+    if cfg is None or not cfg.implicit or cfg.cycle is not None or given is not False or not gpu_mb \
+            or not vocab or dec.backend == Backend.DISABLED or not dec.bs or server_args.mem_fraction_static is None:
+        return None
+    plain_bs = getattr(server_args, PLAIN_GRAPH_BS_ATTR, None) or dec.bs
+    gb = adaptive.state_memory_gb(cfg.extra_widths, vocab=int(vocab), tree_max_bs=int(dec.max_bs),
+                                  plain_max_bs=int(max(plain_bs)), plain_backend=user_decode_backend(server_args))
+    old = float(server_args.mem_fraction_static)
+    new = round(old - gb * 1e9 / (float(gpu_mb) * (1 << 20)), 3)
+    if new <= 0.1:
+        logger.warning("%s: the adaptive widths' states (~%.2f GB) do not fit SGLang's memory heuristic "
+                       "(--mem-fraction-static %.3f on %.0f MB): left as it is", algo, gb, old, gpu_mb)
+        return None
+    server_args.mem_fraction_static = new
+    logger.info("%s: --mem-fraction-static %.3f -> %.3f: SGLang's default less ~%.2f GB for the adaptive "
+                "default's extra target states (verify widths %s with CUDA graphs); give "
+                "--mem-fraction-static to size the KV pool yourself", algo, old, new, gb, list(cfg.extra_widths))
+    return gb
 
 
 # backends that may serve the target's prefill while its TARGET_VERIFY runs on triton (page size 1,

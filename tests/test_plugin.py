@@ -243,6 +243,70 @@ def test_launch_server_rejects_bad_budget_before_starting(tiny_models):
     assert "the tree budget must be in [1, 256] nodes (verify width budget + 1), got 299" in r.stderr
 
 
+MEM_FRACTION = r'''
+import json, logging, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt import server_args as SA
+SA.get_device_memory_capacity = lambda *a, **k: 81559.0     # an H100 80GB (MB), as SGLang reads it
+models = sys.argv[1]
+base = ["--model-path", f"{models}/gqa_target", "--speculative-draft-model-path", f"{models}/drafter",
+        "--device", "cuda"]
+msgs = []
+logging.getLogger("sglang_ddtree").addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: msgs.append(r.getMessage())})())
+logging.getLogger("sglang_ddtree").setLevel(logging.INFO)
+out = {}
+for name, extra, env in [("default", [], {}), ("fixed", [], {"SGLANG_DDTREE_ADAPTIVE": "0"}),
+                         ("given", ["--mem-fraction-static", "0.7"], {}),
+                         ("flashinfer", ["--attention-backend", "flashinfer"], {}),
+                         ("flashinfer_fixed", ["--attention-backend", "flashinfer"], {"SGLANG_DDTREE_ADAPTIVE": "0"}),
+                         ("dflash", [], {})]:
+    os.environ.update(env)
+    algo = "DFLASH" if name == "dflash" else "DDTREE-GPU"
+    del msgs[:]
+    sa = SA.prepare_server_args(base + ["--speculative-algorithm", algo] + extra)
+    out[name] = [sa.mem_fraction_static, [m for m in msgs if "mem-fraction-static" in m]]
+    for k in env:
+        os.environ.pop(k)
+print("RESULT" + json.dumps(out))
+'''
+
+
+def test_default_takes_its_states_memory_out_of_the_heuristic_kv_pool(tiny_models):
+    """SGLang sizes the KV pool before the adaptive default builds its extra target states; when the
+    user gave no --mem-fraction-static, SGLang's heuristic value is lowered by their estimate (the
+    log says from what to what); a value the user gave, a fixed budget and DFLASH keep SGLang's.
+    (Simulated 80 GB GPU; the tiny pair's vocab makes the estimate mostly the states' fixed parts:
+    0.1 GB per tree width on triton, 1.15 GB for a flashinfer no-speculation state.)"""
+    r = _py(MEM_FRACTION.replace("sys.argv[1]", repr(tiny_models)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT", 1)[1])
+    gpu_gb = 81559.0 * (1 << 20) / 1e9
+    assert out["given"][0] == 0.7 and not out["given"][1]
+    assert not out["fixed"][1] and not out["dflash"][1]
+    for name, fixed in (("default", "fixed"), ("flashinfer", "flashinfer_fixed")):
+        taken = (out[fixed][0] - out[name][0]) * gpu_gb
+        assert len(out[name][1]) == 1 and f"{out[fixed][0]:.3f} -> {out[name][0]:.3f}" in out[name][1][0], out
+        # the tiny pair (budget 28): extra states 1, 8, 16; the value is rounded to 3 decimals (~0.09 GB)
+        want = 0.1 * 3 if name == "default" else 0.1 * 2 + 1.15
+        assert "widths [1, 8, 16]" in out[name][1][0] and abs(taken - want) <= 0.1, (name, taken, out)
+
+
+def test_state_memory_estimate_against_the_logged_states():
+    """adaptive.state_memory_gb against what the worker logged for the Qwen3-8B shape (vocab 151,936):
+    widths 8 / 16 / 32 with graphs up to bs 64 (H200, s23), the flashinfer no-speculation state with
+    graphs up to bs 256 (H100, s29), the triton one up to bs 64 (H200, s16): within 12 %."""
+    from sglang_ddtree.adaptive import state_memory_gb
+    V = 151936
+    for widths, kw, logged in (([8], dict(plain_backend="flashinfer"), 0.473), ([16], {}, 0.861), ([32], {}, 1.662),
+                               ([1], dict(plain_max_bs=256, plain_backend="flashinfer"), 1.316),
+                               ([1], dict(plain_max_bs=64, plain_backend="triton"), 0.121)):
+        args = dict(vocab=V, tree_max_bs=64, plain_max_bs=64, plain_backend=None)
+        args.update(kw)
+        got = state_memory_gb(widths, **args)
+        assert abs(got - logged) <= 0.12 * logged + 0.03, (widths, kw, got, logged)
+
+
 HOPPER_DEFAULT = r'''
 import json, sys
 from sglang.srt.plugins import load_plugins
