@@ -659,3 +659,58 @@ def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_pa
     # other settings (repeats): nothing kept
     doc = S.run(args("--resume", "--repeats", "2"), launcher=launcher)
     assert len(launched) == 7 and "repeats" in doc["resume_refused"]
+
+
+def test_serving_profile_splits_each_level_from_its_own_repeats(tmp_path, monkeypatch):
+    """``--serving-profile``: only the speculative arms get SGLANG_DDTREE_PROFILE_FILE; a level's round
+    split holds the records inside its counted repeats (the uncounted warm-up pass's record is left
+    out), and the report shows it per verify width."""
+    monkeypatch.setattr(S, "PROFILE_FLUSH_S", 0.0)
+    envs = {}
+
+    def launcher(cmd, env, log):
+        envs[int(cmd[cmd.index("--port") + 1])] = env
+        return _Srv()
+
+    class Client:
+        def __init__(self, args, env, cwd, log_path):
+            self.k = 0
+
+        def run(self, cmd, timeout):
+            n, port = int(_opt(cmd, "--num-prompts")), int(_opt(cmd, "--port"))
+            prof = envs[port].get("SGLANG_DDTREE_PROFILE_FILE")
+            t = time.time()
+            time.sleep(0.2)       # passes lie further apart than the windows' 0.05 s slack
+            if prof:   # the uncounted warm-up pass (k = 0) was slow: 100 ms rounds; the counted ones 7 ms
+                ms = 100.0 if self.k == 0 else 7.0
+                with open(prof, "a") as f:
+                    f.write(json.dumps(dict(rounds=16, bs_mean=4.0, t_first=t + 0.05, t_last=t + 0.15,
+                                            round_ms=dict(median=ms), host_ms=dict(median=2.0),
+                                            by_width={"1": dict(rounds=16, round_ms=dict(median=ms))})) + "\n")
+            self.k += 1
+            return dict(ok=True, rc=0, seconds=25.0, result=dict(output_throughput=100.0, completed=n, duration=25.0,
+                                                                 median_ttft_ms=1.0, median_itl_ms=7.5))
+
+        def close(self):
+            pass
+
+        def info(self):
+            return dict(mode="fake", passes=self.k)
+
+    monkeypatch.setattr(S, "make_client", Client)
+    monkeypatch.setattr(S.client, "run_level", lambda url, prompts, c, m, *a, **k: (
+        [dict(ok=True, output_ids=[1, 2, 3]) for _ in prompts], 0.1, False))
+    monkeypatch.setattr(S, "wait_healthy", lambda *a, **k: None)
+    model = _model_dir(tmp_path)
+    args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "ddtree,base", "--concurrency", "4",
+                 "--repeats", "2", "--warmup", "1", "--min-level-seconds", "20", "--identity-prompts", "2",
+                 "--serving-profile", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                 "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
+    doc = S.run(args, launcher=launcher)
+    by = {a["name"]: a for a in doc["arms"]}
+    assert "SGLANG_DDTREE_PROFILE_FILE" not in envs[min(envs)] and "SGLANG_DDTREE_PROFILE_FILE" in envs[max(envs)]
+    sp = by["ddtree"]["levels"][0]["stage_profile"]
+    assert sp["rounds"] == 32 and sp["round_ms"] == 7.0 and sp["by_width"]["1"]["rounds"] == 32
+    assert "stage_profile" not in by["base"]["levels"][0]
+    md = open(str(tmp_path / "r") + ".md").read()
+    assert "## Round split" in md and "32 rounds, bs 4.0, GPU 7.00, host 2.00, ITL 7.50; w1: 32 x 7.00" in md

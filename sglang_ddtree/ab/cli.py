@@ -135,6 +135,10 @@ def build_parser(default_out: str = DEFAULT_OUT):
     g.add_argument("--arm-attention", default=DEFAULT_ARM_ATTENTION,
                    help="bench_serving: ARM=BACKEND,... the --attention-backend of those arms ('*': every other "
                         "arm; arms not named: no flag); 'none'")
+    g.add_argument("--serving-profile", action="store_true",
+                   help="bench_serving: DDTREE and DFLASH servers record their rounds (SGLANG_DDTREE_PROFILE_FILE, "
+                        "every --profile-every rounds) and the report adds each level's round split (GPU round, "
+                        "host, per verify width): a diagnostic (off: the servers run as users run them)")
     g.add_argument("--resume", action="store_true",
                    help="bench_serving: keep the arms an earlier run in the same --workdir measured completely on "
                         "this machine (same GPU UUIDs) with the same settings (its serving_state.json) and run "

@@ -794,6 +794,13 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
     cmd = serving_server_cmd(arm, opts, port)
     env = dict(os.environ)
     env.update(arm.get("env") or {})
+    prof = None
+    if getattr(args, "serving_profile", False) and arm["kind"] in ("ddtree", "ddtreecpu", "dflash"):
+        prof = os.path.join(tmpdir, f"profile_{arm['name']}.jsonl")
+        if os.path.exists(prof):
+            os.remove(prof)
+        env["SGLANG_DDTREE_PROFILE_FILE"] = prof
+        env["SGLANG_DDTREE_PROFILE_EVERY"] = str(args.profile_every)
     log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
     client_log = os.path.join(tmpdir, f"bench_serving_{arm['name']}.log")
     rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"], command=cmd,
@@ -864,6 +871,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
             counts[c] = n
             lv = level_summary(c, n, reps, args.min_level_seconds)
             lv["command"] = reps[0].get("command") if reps else None
+            lv["windows"] = [r["window"] for r in reps if r.get("window")]
             if calibration:
                 lv["calibration"] = calibration[0]
                 lv["calibration_passes"] = calibration
@@ -874,6 +882,9 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
                   f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}"
                   f"{' (calibration ' + ', '.join(str(x['num_prompts']) + ' in ' + _f(x['seconds']) + ' s' for x in calibration) + ')' if calibration else ''}",
                   flush=True)
+        if prof is not None:
+            time.sleep(PROFILE_FLUSH_S)     # the last record closes at the idle gap
+            add_round_split(rec["levels"], prof)
         # the identity requests: the same token-id prompts for every arm, greedy, through /generate
         ic = int(args.identity_concurrency)
         res, dur, partial = client.run_level(f"http://127.0.0.1:{port}", id_prompts, ic, args.identity_new_tokens,
@@ -903,9 +914,27 @@ def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, ta
     out = os.path.join(tmpdir, f"bs_{arm['name']}_c{c}_{tag}.jsonl")
     cmd = bench_serving_cmd(opts["python"], port, opts["model_path"], workload, c, n, out, args.serving_seed,
                             dataset_for(n))
+    t0 = time.time()
     r = bsc.run(cmd, timeout)
     r["command"] = shlex.join(cmd)
+    r["window"] = [t0, time.time()]
     return r
+
+
+PROFILE_FLUSH_S = 0.5   # > sglang_ddtree.profiling.IDLE_GAP_S
+
+
+def add_round_split(levels: List[dict], profile_path: str) -> None:
+    """``--serving-profile``: each level's ``stage_profile`` (``stats.aggregate_profile``) from the
+    server's round records that lie inside the level's counted repeats (their wall-clock windows;
+    calibration and warm-up passes left out)."""
+    from .stats import aggregate_profile, read_profile
+    recs = [r for r in read_profile(profile_path) if "t_first" in r and "t_last" in r]
+    for lv in levels:
+        wins = lv.get("windows") or []
+        mine = [r for r in recs if any(a - 0.05 <= r["t_first"] and r["t_last"] <= b + 0.05 for a, b in wins)]
+        if mine:
+            lv["stage_profile"] = aggregate_profile(mine)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -1009,6 +1038,19 @@ def render_markdown(doc: dict) -> str:
     table("Requests: completed / sent, duration (s), request/s, accept length (server)",
           lambda lv: f"{lv.get('completed')}/{lv.get('num_prompts')}, {_f(lv.get('duration'))} s, "
                      f"{_f(lv.get('request_throughput'), 2)}, {_f(lv.get('accept_length'), 2)}")
+    if any(lv.get("stage_profile") for a in arms for lv in a.get("levels") or []):
+        def split(lv):
+            sp = lv.get("stage_profile")
+            if not sp:
+                return "-"
+            bw = sp.get("by_width") or {}
+            widths = ", ".join(f"w{k}: {v['rounds']} x {_f(v.get('round_ms'), 2)}" for k, v in sorted(
+                bw.items(), key=lambda kv: int(kv[0])))
+            return (f"{sp['rounds']} rounds, bs {_f(sp.get('bs_mean'))}, GPU {_f(sp.get('round_ms'), 2)}, host "
+                    f"{_f(sp.get('host_ms'), 2)}, ITL {_f(lv.get('median_itl_ms'), 2)}" + (f"; {widths}" if widths else ""))
+        table("Round split (`--serving-profile`: the server's own records; ms, per-record medians weighted by "
+              "rounds: GPU = the round between CUDA events, host = the worker call's host time, per verify width "
+              "w: rounds x GPU ms)", split)
     idn = doc.get("identity") or {}
     ist = s.get("identity") or {}
     L += ["", "## Identity: greedy outputs against the reference arm's, token for token", "",
