@@ -652,13 +652,18 @@ def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_pa
     # everything complete now: a further resume starts no server
     S.run(args("--resume"), launcher=launcher)
     assert len(launched) == 3
+    # a call naming one more arm only: the state's arms come first, only the new one runs
+    doc = S.run(args("--resume", "--arms", "ddtree"), launcher=launcher)
+    assert len(launched) == 4 and [a["name"] for a in doc["arms"]] == ["base", "dflash", "ddtree"]
+    assert [a.get("resumed", False) for a in doc["arms"]] == [True, True, False]
+    assert doc["identity"]["arms"]["ddtree"]["identical"]
     # another GPU: nothing kept, both arms run
     gpus["now"] = ["GPU-bbb"]
     doc = S.run(args("--resume"), launcher=launcher)
-    assert len(launched) == 5 and "another machine" in doc["resume_refused"]
+    assert len(launched) == 6 and "another machine" in doc["resume_refused"]
     # other settings (repeats): nothing kept
     doc = S.run(args("--resume", "--repeats", "2"), launcher=launcher)
-    assert len(launched) == 7 and "repeats" in doc["resume_refused"]
+    assert len(launched) == 8 and "repeats" in doc["resume_refused"]
 
 
 def test_serving_profile_splits_each_level_from_its_own_repeats(tmp_path, monkeypatch):

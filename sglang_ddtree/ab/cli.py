@@ -141,8 +141,9 @@ def build_parser(default_out: str = DEFAULT_OUT):
                         "host, per verify width): a diagnostic (off: the servers run as users run them)")
     g.add_argument("--resume", action="store_true",
                    help="bench_serving: keep the arms an earlier run in the same --workdir measured completely on "
-                        "this machine (same GPU UUIDs) with the same settings (its serving_state.json) and run "
-                        "only the others: one cell's arms over several device calls on one warm machine")
+                        "this machine (same GPU UUIDs) with the same settings (its serving_state.json), also those "
+                        "--arms does not name, and run only the others: one cell's arms over several device calls "
+                        "on one warm machine (--arms base, then --arms dflash, then --arms ddtree)")
     g.add_argument("--identity-prompts", type=int, default=16, help="bench_serving: greedy identity requests per arm")
     g.add_argument("--identity-new-tokens", type=int, default=256)
     g.add_argument("--identity-concurrency", type=int, default=1)

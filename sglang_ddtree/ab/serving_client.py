@@ -656,7 +656,7 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     key = resume_key(doc["settings"], machine)
     kept: Dict[str, dict] = {}
     if getattr(args, "resume", False):
-        kept, why = load_resume(state_path, key, [a["name"] for a in arms])
+        kept, why = load_resume(state_path, key)
         if why:
             doc["resume_refused"] = why
             print(f"ab_serving: --resume: nothing kept ({why})", flush=True)
@@ -664,6 +664,10 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
             for name, (rec, outs) in kept.items():
                 outputs[name] = {int(c): v for c, v in outs.items()}
             counts.update({int(c): int(n) for c, n in load_resume_counts(state_path).items()})
+            # arms of the state this run does not name come first (e.g. base from the call before)
+            names = {a["name"] for a in arms}
+            arms = [parse_serving_arm(n) for n in kept if n not in names] + arms
+            doc["settings"]["arms"] = [a["name"] for a in arms]
             doc["resumed"] = dict(arms=sorted(kept), state=state_path,
                                   note="arms measured by an earlier call on the same machine (same GPU and "
                                        "settings); their levels ran the same request counts")
@@ -743,8 +747,8 @@ def save_resume(path: str, key: dict, arms: List[dict], outputs: Dict[str, Dict[
     os.replace(tmp, path)
 
 
-def load_resume(path: str, key: dict, wanted: List[str]) -> Tuple[Dict[str, tuple], Optional[str]]:
-    """({arm: (record, outputs)} of the state's complete arms (status ok) among ``wanted``, None) or
+def load_resume(path: str, key: dict) -> Tuple[Dict[str, tuple], Optional[str]]:
+    """({arm: (record, outputs)} of the state's complete arms (status ok), in its order, None) or
     ({}, why nothing is kept): no state, another machine, other settings."""
     if not os.path.exists(path):
         return {}, f"no {os.path.basename(path)} in the work dir"
@@ -761,7 +765,7 @@ def load_resume(path: str, key: dict, wanted: List[str]) -> Tuple[Dict[str, tupl
         return {}, f"other settings: {diff}"
     outs = st.get("outputs") or {}
     kept = {r["name"]: (r, outs.get(r["name"]) or {}) for r in st.get("arms") or []
-            if r.get("status") == "ok" and r.get("name") in wanted}
+            if r.get("status") == "ok"}
     return kept, None
 
 
