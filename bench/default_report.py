@@ -6,8 +6,10 @@ JSON per device call).
 usage: python bench/default_report.py OUT_PREFIX REPORT.json[.gz] [REPORT ...]
        (writes OUT_PREFIX.json and OUT_PREFIX.md)
 
-A cell takes all three arms from ONE report (ratios only within one run); where several reports hold
-the cell, the one with the most repeats, then the latest, is used.  Per cell:
+A cell takes all three arms from ONE report (ratios only within one run: one device call, or several
+on one warm machine joined by the A/B's ``--resume``); where several reports hold the cell, the one
+with the most arms measured, then the most repeats, then the latest, is used.  A report without all
+three arms at c gives an INCOMPLETE cell naming the missing ones.  The GPU column is each report's.  Per cell:
 
 * measured: every arm's level complete (not partial), >= 3 repeats, no repeat shorter than 20 s
   (the report's ``min_level_seconds`` >= 20 and the level not flagged short); else INCOMPLETE;
@@ -61,16 +63,28 @@ def outputs_verdict(doc: dict, arm: str) -> Tuple[bool, str]:
         f" ({cls.get('near_tie')} near ties, {cls.get('error')} errors)" if cls else " (not classified)")
 
 
+def card(doc: dict) -> str:
+    """The GPU a report ran on, short ("H100", "H200"), from its meta (``nvidia-smi`` name)."""
+    g = ((doc.get("meta") or {}).get("gpu") or ["?"])[0]
+    name = str(g).split(",")[0].replace("NVIDIA ", "")
+    return name.split()[0] if name.strip() else "?"
+
+
 def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
-    """One (pair, workload, c) cell from one report, or None when the report lacks an arm at c."""
+    """One (pair, workload, c) cell from one report (INCOMPLETE, naming them, when arms are missing at
+    c), or None when the report has no arm at c."""
     by = {a.get("name"): a for a in doc.get("arms") or []}
     lv = {name: _level(by.get(name), c) for name in ARMS}
-    if any(v is None for v in lv.values()):
+    if all(v is None for v in lv.values()):
         return None
     s = doc.get("settings") or {}
+    absent = [k for k, v in lv.items() if v is None]
+    lv = {k: (v or {}) for k, v in lv.items()}
     tput = {k: v.get("output_throughput") for k, v in lv.items()}
-    why = []
+    why = [f"{k} not measured" for k in absent]
     for k, v in lv.items():
+        if k in absent:
+            continue
         if v.get("partial") or not tput[k]:
             why.append(f"{k} partial")
         if int(v.get("repeats") or 0) < MIN_REPEATS:
@@ -78,7 +92,7 @@ def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
         if v.get("short") or float(s.get("min_level_seconds") or 0) < MIN_SECONDS:
             why.append(f"{k} level < {MIN_SECONDS:.0f} s")
     cell = dict(pair=pair_label(doc), workload=(s.get("workload") or {}).get("name"), concurrency=c,
-                source=source, date=(doc.get("meta") or {}).get("date"), tok_s=tput,
+                source=source, date=(doc.get("meta") or {}).get("date"), card=card(doc), tok_s=tput,
                 repeats={k: v.get("repeats") for k, v in lv.items()},
                 median_ttft_ms={k: v.get("median_ttft_ms") for k, v in lv.items()},
                 accept_length={k: v.get("accept_length") for k, v in lv.items()})
@@ -107,8 +121,8 @@ def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
 
 
 def assemble(docs: List[Tuple[str, dict]]) -> Dict[tuple, dict]:
-    """{(pair, workload, c): cell}: per key the cell of the report with the most repeats, then the
-    latest date, then the later argument."""
+    """{(pair, workload, c): cell}: per key the cell of the report with the most arms measured, then
+    the most repeats, then the latest date, then the later argument."""
     cells: Dict[tuple, dict] = {}
     for i, (src, doc) in enumerate(docs):
         if doc.get("kind") != "ab_serving":
@@ -118,7 +132,8 @@ def assemble(docs: List[Tuple[str, dict]]) -> Dict[tuple, dict]:
             if cell is None:
                 continue
             key = (cell["pair"], cell["workload"], int(c))
-            rank = (min(int(x or 0) for x in cell["repeats"].values()), str(cell["date"] or ""), i)
+            rank = (sum(1 for x in cell["tok_s"].values() if x), min(int(x or 0) for x in cell["repeats"].values()),
+                    str(cell["date"] or ""), i)
             if key not in cells or rank >= cells[key]["_rank"]:
                 cell["_rank"] = rank
                 cells[key] = cell
@@ -152,8 +167,8 @@ def render(cells: Dict[tuple, dict], gaps: List[str]) -> str:
          f"ddtree's outputs identical to base's (or classified bf16 near ties, no error); >= {MIN_REPEATS} "
          f"repeats of >= {MIN_SECONDS:.0f} s. Output tok/s, median of repeats; ratios within one report.", "",
          f"**{n_pass} of {len(keys)} cells pass.**", "",
-         "| pair | workload | c | base | dflash | ddtree | x max | x dflash | outputs | status | report |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+         "| pair | workload | c | base | dflash | ddtree | x max | x dflash | outputs | status | GPU | report |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for k in keys:
         x = cells[k]
         t = x["tok_s"]
@@ -161,7 +176,7 @@ def render(cells: Dict[tuple, dict], gaps: List[str]) -> str:
         r = lambda v: "-" if v is None else f"{v:.2f}"
         st = x["status"] + ("" if x["status"] == "PASS" else ": " + "; ".join(x.get("why", []) + x.get("fails", [])))
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['dflash'])} | {f(t['ddtree'])} | "
-                 f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {x['outputs']} | {st} | "
+                 f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {x['outputs']} | {st} | {x.get('card', '?')} | "
                  f"`{os.path.basename(x['source'])}` |")
     L += ["", "## Not measured yet", ""] + ([f"- {g}" for g in gaps] or ["- nothing: the matrix is complete"])
     return "\n".join(L) + "\n"

@@ -68,7 +68,11 @@ def test_short_or_few_repeats_is_incomplete_whatever_the_ratio():
 def test_a_cell_never_mixes_reports_and_more_repeats_win():
     a = report({4: dict(base=100.0, dflash=90.0)})
     b = report({4: dict(ddtree=150.0)})
-    assert cells_of(a, b) == {}
+    cell = cells_of(a, b)[("text", "random", 4)]          # two halves never make a cell
+    assert cell["status"] == "INCOMPLETE" and cell.get("x_best") is None and cell["source"] == "r0.json"
+    assert cell["why"] == ["ddtree not measured"] and cell["tok_s"] == dict(base=100.0, dflash=90.0, ddtree=None)
+    full = report({4: dict(base=100.0, dflash=90.0, ddtree=99.0)}, repeats=2, date="2026-12-01")
+    assert cells_of(full, a)[("text", "random", 4)]["tok_s"]["ddtree"] == 99.0   # more arms win
     two = report({4: dict(base=100.0, dflash=90.0, ddtree=90.0)}, repeats=2)
     three = report({4: dict(base=100.0, dflash=90.0, ddtree=99.0)}, repeats=3, date="2026-12-01")
     for order in ((two, three), (three, two)):
@@ -98,3 +102,4 @@ def test_the_command_writes_json_and_markdown(tmp_path):
     assert doc["passed"] == doc["total"] == 1
     md = (tmp_path / "default_h200.md").read_text()
     assert "**1 of 1 cells pass.**" in md and "| text | random | 1 | 100 | 120 | 130 | 1.08 | 1.08 |" in md
+    assert "| PASS | ? | `serving.json` |" in md
