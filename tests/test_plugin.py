@@ -260,6 +260,8 @@ for name, extra, env in [("default", [], {}), ("fixed", [], {"SGLANG_DDTREE_ADAP
                          ("given", ["--mem-fraction-static", "0.7"], {}),
                          ("flashinfer", ["--attention-backend", "flashinfer"], {}),
                          ("flashinfer_fixed", ["--attention-backend", "flashinfer"], {"SGLANG_DDTREE_ADAPTIVE": "0"}),
+                         ("no_graphs", ["--disable-cuda-graph"], {}), ("no_graphs_fixed", ["--disable-cuda-graph"],
+                                                                       {"SGLANG_DDTREE_ADAPTIVE": "0"}),
                          ("dflash", [], {})]:
     os.environ.update(env)
     algo = "DFLASH" if name == "dflash" else "DDTREE-GPU"
@@ -284,6 +286,8 @@ def test_default_takes_its_states_memory_out_of_the_heuristic_kv_pool(tiny_model
     gpu_gb = 81559.0 * (1 << 20) / 1e9
     assert out["given"][0] == 0.7 and not out["given"][1]
     assert not out["fixed"][1] and not out["dflash"][1]
+    # without CUDA graphs the default runs the fixed budget (no states): SGLang's value stands
+    assert not out["no_graphs"][1] and out["no_graphs"][0] == out["no_graphs_fixed"][0]
     for name, fixed in (("default", "fixed"), ("flashinfer", "flashinfer_fixed")):
         taken = (out[fixed][0] - out[name][0]) * gpu_gb
         assert len(out[name][1]) == 1 and f"{out[fixed][0]:.3f} -> {out[name][0]:.3f}" in out[name][1][0], out
