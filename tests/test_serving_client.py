@@ -719,3 +719,46 @@ def test_serving_profile_splits_each_level_from_its_own_repeats(tmp_path, monkey
     assert "stage_profile" not in by["base"]["levels"][0]
     md = open(str(tmp_path / "r") + ".md").read()
     assert "## Round split" in md and "32 rounds, bs 4.0, GPU 7.00, host 2.00, ITL 7.50; w1: 32 x 7.00" in md
+
+
+def test_a_repeat_that_cannot_finish_before_the_deadline_is_not_started(tmp_path, monkeypatch):
+    """With less time left than ~the previous repeat took, the level stops (partial, the missing
+    repeats counted) instead of starting a pass the deadline would kill; the arm is then partial, so
+    ``--resume`` runs it again."""
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(S.time, "time", lambda: clock["t"])
+    monkeypatch.setattr(S.time, "sleep", lambda s: None)
+
+    class Client:
+        def __init__(self, args, env, cwd, log_path):
+            self.k = 0
+
+        def run(self, cmd, timeout):
+            clock["t"] += 30.0                     # every pass takes 30 s of wall time
+            self.k += 1
+            n = int(_opt(cmd, "--num-prompts"))
+            return dict(ok=True, rc=0, seconds=30.0, result=dict(output_throughput=100.0, completed=n, duration=30.0,
+                                                                 median_ttft_ms=1.0, median_itl_ms=1.0))
+
+        def close(self):
+            pass
+
+        def info(self):
+            return dict(mode="fake", passes=self.k)
+
+    monkeypatch.setattr(S, "make_client", Client)
+    monkeypatch.setattr(S.client, "run_level", lambda url, prompts, c, m, *a, **k: (
+        [dict(ok=True, output_ids=[1, 2, 3]) for _ in prompts], 0.1, False))
+    monkeypatch.setattr(S, "wait_healthy", lambda *a, **k: None)
+    model = _model_dir(tmp_path)
+    # the deadline leaves base's calibration pass and two repeats (1000 + 3 x 30 = 1090 < 1100), not a third
+    args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
+                 "--repeats", "3", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
+                 "--deadline", "100", "--min-arm-s", "1", "--workdir", str(tmp_path / "w"),
+                 "--out", str(tmp_path / "r"), "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
+    doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+    arm = doc["arms"][0]
+    lv = arm["levels"][0]
+    assert lv["repeats"] == 2 and lv["partial"] and lv["missing_repeats"] == 1
+    assert arm["unstarted_repeats"] == [4] and arm["status"] == "partial"
+    assert clock["t"] == 1090.0            # no fourth pass was started into the deadline

@@ -851,6 +851,13 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
             while len(reps) < max(1, args.repeats):
                 if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
                     break
+                last = reps[-1] if reps else None
+                if last is not None and deadline_at is not None and last.get("window") \
+                        and deadline_at - time.time() < REPEAT_FIT * (last["window"][1] - last["window"][0]):
+                    # a repeat cut by the deadline is device time for nothing: leave it (the level is
+                    # partial; --resume runs the arm again in the next call)
+                    rec.setdefault("unstarted_repeats", []).append(c)
+                    break
                 tag = f"calib{len(calibration)}" if sizing else f"r{len(reps)}"
                 r = _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, tag, left())
                 if sizing:
@@ -876,6 +883,8 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
             lv = level_summary(c, n, reps, args.min_level_seconds)
             lv["command"] = reps[0].get("command") if reps else None
             lv["windows"] = [r["window"] for r in reps if r.get("window")]
+            if len(reps) < max(1, args.repeats):     # cut by the deadline: not a complete level
+                lv.update(partial=True, missing_repeats=max(1, args.repeats) - len(reps))
             if calibration:
                 lv["calibration"] = calibration[0]
                 lv["calibration_passes"] = calibration
@@ -926,6 +935,7 @@ def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, ta
 
 
 PROFILE_FLUSH_S = 0.5   # > sglang_ddtree.profiling.IDLE_GAP_S
+REPEAT_FIT = 1.15       # a repeat starts only with this x the previous one's wall time left before the deadline
 
 
 def add_round_split(levels: List[dict], profile_path: str) -> None:
