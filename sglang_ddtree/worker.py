@@ -733,15 +733,26 @@ class DDTreeWorker(DFlashWorkerV2):
         return res
 
     def _host_prefix_bound(self, batch, draft_input, bs: int):
-        """(seq_lens_cpu upper bound [bs] int32 CPU, its sum): the committed prefix on the host
-        lags by at most one round (<= B tokens), as in DFLASH."""
+        """(upper bound of the committed prefix [bs] int32 CPU, its sum), without waiting for the GPU:
+        the requests' committed lengths on the host (``req.kv_committed_len``, one round behind under
+        overlap scheduling, when this round's predecessor has not been processed yet) + B, the most
+        one round commits; no larger than the scheduler's reservation when it has one.  The
+        scheduler's host mirror (``batch.seq_lens_cpu``), when given, + B as before.  Fallbacks: the
+        reservation alone, then a device read (not reached by the spec-v2 scheduler)."""
         buf = self._draft_seq_lens_cpu_buf[:bs]
+        reqs = getattr(batch, "reqs", None)
+        reserved = draft_input.reserved_seq_lens_cpu
         if batch.seq_lens_cpu is not None:
             buf.copy_(batch.seq_lens_cpu)
             buf.add_(self.block_size)
-        elif draft_input.reserved_seq_lens_cpu is not None:
-            buf.copy_(draft_input.reserved_seq_lens_cpu)
-        else:  # no host mirror at all (not reached by the spec-v2 scheduler)
+        elif reqs is not None and len(reqs) == bs and all(hasattr(r, "kv_committed_len") for r in reqs):
+            buf.copy_(torch.tensor([int(r.kv_committed_len) for r in reqs], dtype=torch.int32))
+            buf.add_(self.block_size)
+            if reserved is not None and reserved.shape[0] == bs:
+                torch.minimum(buf, reserved.to(torch.int32), out=buf)
+        elif reserved is not None:
+            buf.copy_(reserved)
+        else:
             buf.copy_(batch.seq_lens.to("cpu", dtype=torch.int32))
         return buf, int(buf.sum())
 
