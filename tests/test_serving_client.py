@@ -398,10 +398,10 @@ class _Srv:
         pass
 
 
-def _fake_clients(monkeypatch, duration):
+def _fake_clients(monkeypatch, duration, itl=1.0):
     """Every arm's bench_serving client replaced: a pass of n requests at concurrency c lasts
-    duration(arm port, c, n, pass index of that arm) s (output_throughput 100 n / duration).
-    Returns the (c, n) of every pass, in order."""
+    duration(arm port, c, n, pass index of that arm) s (output_throughput 100 n / duration, median
+    ITL ``itl`` ms).  Returns the (c, n) of every pass, in order."""
     calls = []
 
     class Client:
@@ -414,7 +414,7 @@ def _fake_clients(monkeypatch, duration):
             dur = duration(int(_opt(cmd, "--port")), c, n, self.k)
             self.k += 1
             return dict(ok=True, rc=0, seconds=dur, result=dict(output_throughput=100.0 * n / dur, completed=n,
-                                                                duration=dur, median_ttft_ms=1.0, median_itl_ms=1.0))
+                                                                duration=dur, median_ttft_ms=1.0, median_itl_ms=itl))
 
         def close(self):
             pass
@@ -670,42 +670,25 @@ def test_serving_profile_splits_each_level_from_its_own_repeats(tmp_path, monkey
     """``--serving-profile``: only the speculative arms get SGLANG_DDTREE_PROFILE_FILE; a level's round
     split holds the records inside its counted repeats (the uncounted warm-up pass's record is left
     out), and the report shows it per verify width."""
-    monkeypatch.setattr(S, "PROFILE_FLUSH_S", 0.0)
     envs = {}
 
     def launcher(cmd, env, log):
         envs[int(cmd[cmd.index("--port") + 1])] = env
         return _Srv()
 
-    class Client:
-        def __init__(self, args, env, cwd, log_path):
-            self.k = 0
+    def a_pass(port, c, n, k):
+        prof = envs[port].get("SGLANG_DDTREE_PROFILE_FILE")
+        t = time.time()
+        time.sleep(0.2)       # passes lie further apart than the windows' 0.05 s slack
+        if prof:   # the uncounted warm-up pass (k = 0) was slow: 100 ms rounds; the counted ones 7 ms
+            ms = 100.0 if k == 0 else 7.0
+            with open(prof, "a") as f:
+                f.write(json.dumps(dict(rounds=16, bs_mean=4.0, t_first=t + 0.05, t_last=t + 0.15,
+                                        round_ms=dict(median=ms), host_ms=dict(median=2.0),
+                                        by_width={"1": dict(rounds=16, round_ms=dict(median=ms))})) + "\n")
+        return 25.0
 
-        def run(self, cmd, timeout):
-            n, port = int(_opt(cmd, "--num-prompts")), int(_opt(cmd, "--port"))
-            prof = envs[port].get("SGLANG_DDTREE_PROFILE_FILE")
-            t = time.time()
-            time.sleep(0.2)       # passes lie further apart than the windows' 0.05 s slack
-            if prof:   # the uncounted warm-up pass (k = 0) was slow: 100 ms rounds; the counted ones 7 ms
-                ms = 100.0 if self.k == 0 else 7.0
-                with open(prof, "a") as f:
-                    f.write(json.dumps(dict(rounds=16, bs_mean=4.0, t_first=t + 0.05, t_last=t + 0.15,
-                                            round_ms=dict(median=ms), host_ms=dict(median=2.0),
-                                            by_width={"1": dict(rounds=16, round_ms=dict(median=ms))})) + "\n")
-            self.k += 1
-            return dict(ok=True, rc=0, seconds=25.0, result=dict(output_throughput=100.0, completed=n, duration=25.0,
-                                                                 median_ttft_ms=1.0, median_itl_ms=7.5))
-
-        def close(self):
-            pass
-
-        def info(self):
-            return dict(mode="fake", passes=self.k)
-
-    monkeypatch.setattr(S, "make_client", Client)
-    monkeypatch.setattr(S.client, "run_level", lambda url, prompts, c, m, *a, **k: (
-        [dict(ok=True, output_ids=[1, 2, 3]) for _ in prompts], 0.1, False))
-    monkeypatch.setattr(S, "wait_healthy", lambda *a, **k: None)
+    _fake_clients(monkeypatch, a_pass, itl=7.5)
     model = _model_dir(tmp_path)
     args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "ddtree,base", "--concurrency", "4",
                  "--repeats", "2", "--warmup", "1", "--min-level-seconds", "20", "--identity-prompts", "2",
@@ -729,27 +712,11 @@ def test_a_repeat_that_cannot_finish_before_the_deadline_is_not_started(tmp_path
     monkeypatch.setattr(S.time, "time", lambda: clock["t"])
     monkeypatch.setattr(S.time, "sleep", lambda s: None)
 
-    class Client:
-        def __init__(self, args, env, cwd, log_path):
-            self.k = 0
+    def a_pass(port, c, n, k):
+        clock["t"] += 30.0                     # every pass takes 30 s of wall time
+        return 30.0
 
-        def run(self, cmd, timeout):
-            clock["t"] += 30.0                     # every pass takes 30 s of wall time
-            self.k += 1
-            n = int(_opt(cmd, "--num-prompts"))
-            return dict(ok=True, rc=0, seconds=30.0, result=dict(output_throughput=100.0, completed=n, duration=30.0,
-                                                                 median_ttft_ms=1.0, median_itl_ms=1.0))
-
-        def close(self):
-            pass
-
-        def info(self):
-            return dict(mode="fake", passes=self.k)
-
-    monkeypatch.setattr(S, "make_client", Client)
-    monkeypatch.setattr(S.client, "run_level", lambda url, prompts, c, m, *a, **k: (
-        [dict(ok=True, output_ids=[1, 2, 3]) for _ in prompts], 0.1, False))
-    monkeypatch.setattr(S, "wait_healthy", lambda *a, **k: None)
+    _fake_clients(monkeypatch, a_pass)
     model = _model_dir(tmp_path)
     # the deadline leaves base's calibration pass and two repeats (1000 + 3 x 30 = 1090 < 1100), not a third
     args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",

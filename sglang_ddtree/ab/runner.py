@@ -81,6 +81,21 @@ def _set_stage_profile(lv: dict, recs: List[dict]) -> None:
 IDLE_FLUSH_S = 0.3   # > sglang_ddtree.profiling.IDLE_GAP_S: the flush request's round closes the last record
 
 
+def profile_env(arm: dict, env: dict, tmpdir: str, every: int) -> Optional[str]:
+    """A DDTREE arm profiles its rounds, stock DFLASH through the plugin's hook
+    (patches/dflash_round_profile.py): the same stages, side by side in the report.  Sets the
+    server's ``SGLANG_DDTREE_PROFILE_FILE`` / ``_EVERY`` in ``env`` and returns the (emptied) file,
+    or None for an arm without rounds to profile."""
+    if arm["kind"] not in ("ddtree", "ddtreecpu", "dflash"):
+        return None
+    prof = os.path.join(tmpdir, f"profile_{arm['name']}.jsonl")
+    if os.path.exists(prof):
+        os.remove(prof)
+    env["SGLANG_DDTREE_PROFILE_FILE"] = prof
+    env["SGLANG_DDTREE_PROFILE_EVERY"] = str(every)
+    return prof
+
+
 def verify_width(arm: dict, draft_model_path: Optional[str]) -> Optional[int]:
     """Target verify tokens per request per round: budget + 1 for DDTREE arms; the drafter's
     ``dflash_config.block_size`` for DFLASH (read from its config.json when it is a local folder)."""
@@ -517,15 +532,7 @@ def _run_arms(doc, arms, opts, args, levels, per_level, prompts, outputs, deadli
         cmd = build_server_cmd(arm, opts, port, cfg_path, cfg_keys)
         env = dict(os.environ)
         env.update(arm.get("env") or {})  # ddtree_auto: the adaptive budget's switches
-        prof = None
-        # DDTREE arms profile their rounds; stock DFLASH through the plugin's hook
-        # (patches/dflash_round_profile.py): the same stages, side by side in the report
-        if arm["kind"] in ("ddtree", "ddtreecpu", "dflash") and not args.no_stage_profile:
-            prof = os.path.join(tmpdir, f"profile_{arm['name']}.jsonl")
-            if os.path.exists(prof):
-                os.remove(prof)
-            env["SGLANG_DDTREE_PROFILE_FILE"] = prof
-            env["SGLANG_DDTREE_PROFILE_EVERY"] = str(args.profile_every)
+        prof = None if args.no_stage_profile else profile_env(arm, env, tmpdir, args.profile_every)
         shared = f" (+ {', '.join(a['name'] for a in also)} on the same server)" if also else ""
         print(f"[{arm['name']}] ({i + 1}) {shlex.join(cmd)}{shared}", flush=True)
         try:

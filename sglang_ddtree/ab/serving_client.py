@@ -656,14 +656,14 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     key = resume_key(doc["settings"], machine)
     kept: Dict[str, dict] = {}
     if getattr(args, "resume", False):
-        kept, why = load_resume(state_path, key)
+        kept, kept_counts, why = load_resume(state_path, key)
         if why:
             doc["resume_refused"] = why
             print(f"ab_serving: --resume: nothing kept ({why})", flush=True)
         else:
             for name, (rec, outs) in kept.items():
                 outputs[name] = {int(c): v for c, v in outs.items()}
-            counts.update({int(c): int(n) for c, n in load_resume_counts(state_path).items()})
+            counts.update(kept_counts)
             # arms of the state this run does not name come first (e.g. base from the call before)
             names = {a["name"] for a in arms}
             arms = [parse_serving_arm(n) for n in kept if n not in names] + arms
@@ -747,31 +747,26 @@ def save_resume(path: str, key: dict, arms: List[dict], outputs: Dict[str, Dict[
     os.replace(tmp, path)
 
 
-def load_resume(path: str, key: dict) -> Tuple[Dict[str, tuple], Optional[str]]:
-    """({arm: (record, outputs)} of the state's complete arms (status ok), in its order, None) or
-    ({}, why nothing is kept): no state, another machine, other settings."""
+def load_resume(path: str, key: dict) -> Tuple[Dict[str, tuple], Dict[int, int], Optional[str]]:
+    """({arm: (record, outputs)} of the state's complete arms (status ok), in its order, {c: requests
+    per level}, None) or ({}, {}, why nothing is kept): no state, another machine, other settings."""
     if not os.path.exists(path):
-        return {}, f"no {os.path.basename(path)} in the work dir"
+        return {}, {}, f"no {os.path.basename(path)} in the work dir"
     try:
         with open(path) as f:
             st = json.load(f)
     except (OSError, ValueError) as e:
-        return {}, f"unreadable state: {e}"
+        return {}, {}, f"unreadable state: {e}"
     old = st.get("key") or {}
     if old.get("machine") != key.get("machine") or not (key.get("machine") or {}).get("gpus"):
-        return {}, f"another machine ({old.get('machine')} vs {key.get('machine')})"
+        return {}, {}, f"another machine ({old.get('machine')} vs {key.get('machine')})"
     diff = sorted(k for k in key if k != "machine" and old.get(k) != key.get(k))
     if diff:
-        return {}, f"other settings: {diff}"
+        return {}, {}, f"other settings: {diff}"
     outs = st.get("outputs") or {}
     kept = {r["name"]: (r, outs.get(r["name"]) or {}) for r in st.get("arms") or []
             if r.get("status") == "ok"}
-    return kept, None
-
-
-def load_resume_counts(path: str) -> Dict[str, int]:
-    with open(path) as f:
-        return json.load(f).get("counts") or {}
+    return kept, {int(c): int(n) for c, n in (st.get("counts") or {}).items()}, None
 
 
 def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List[dict]) -> dict:
@@ -794,17 +789,11 @@ def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List
 
 def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python, cenv, tmpdir,
                  deadline_at, launcher, id_prompts, outputs) -> dict:
-    from .runner import requests_per_level
+    from .runner import _profiles_by_window, profile_env, requests_per_level
     cmd = serving_server_cmd(arm, opts, port)
     env = dict(os.environ)
     env.update(arm.get("env") or {})
-    prof = None
-    if getattr(args, "serving_profile", False) and arm["kind"] in ("ddtree", "ddtreecpu", "dflash"):
-        prof = os.path.join(tmpdir, f"profile_{arm['name']}.jsonl")
-        if os.path.exists(prof):
-            os.remove(prof)
-        env["SGLANG_DDTREE_PROFILE_FILE"] = prof
-        env["SGLANG_DDTREE_PROFILE_EVERY"] = str(args.profile_every)
+    prof = profile_env(arm, env, tmpdir, args.profile_every) if getattr(args, "serving_profile", False) else None
     log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
     client_log = os.path.join(tmpdir, f"bench_serving_{arm['name']}.log")
     rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"], command=cmd,
@@ -882,7 +871,8 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
             counts[c] = n
             lv = level_summary(c, n, reps, args.min_level_seconds)
             lv["command"] = reps[0].get("command") if reps else None
-            lv["windows"] = [r["window"] for r in reps if r.get("window")]
+            if reps and all(r.get("window") for r in reps):   # the counted repeats, for --serving-profile
+                lv["_window"] = (reps[0]["window"][0], reps[-1]["window"][1])
             if len(reps) < max(1, args.repeats):     # cut by the deadline: not a complete level
                 lv.update(partial=True, missing_repeats=max(1, args.repeats) - len(reps))
             if calibration:
@@ -895,9 +885,10 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
                   f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}"
                   f"{' (calibration ' + ', '.join(str(x['num_prompts']) + ' in ' + _f(x['seconds']) + ' s' for x in calibration) + ')' if calibration else ''}",
                   flush=True)
-        if prof is not None:
-            time.sleep(PROFILE_FLUSH_S)     # the last record closes at the idle gap
-            add_round_split(rec["levels"], prof)
+        if prof is not None:   # each level's split of its counted repeats (a flush request closes the last record)
+            _profiles_by_window(rec["levels"], prof, f"http://127.0.0.1:{port}", id_prompts, deadline_at)
+        for lv in rec["levels"]:
+            lv.pop("_window", None)
         # the identity requests: the same token-id prompts for every arm, greedy, through /generate
         ic = int(args.identity_concurrency)
         res, dur, partial = client.run_level(f"http://127.0.0.1:{port}", id_prompts, ic, args.identity_new_tokens,
@@ -934,21 +925,7 @@ def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, ta
     return r
 
 
-PROFILE_FLUSH_S = 0.5   # > sglang_ddtree.profiling.IDLE_GAP_S
 REPEAT_FIT = 1.15       # a repeat starts only with this x the previous one's wall time left before the deadline
-
-
-def add_round_split(levels: List[dict], profile_path: str) -> None:
-    """``--serving-profile``: each level's ``stage_profile`` (``stats.aggregate_profile``) from the
-    server's round records that lie inside the level's counted repeats (their wall-clock windows;
-    calibration and warm-up passes left out)."""
-    from .stats import aggregate_profile, read_profile
-    recs = [r for r in read_profile(profile_path) if "t_first" in r and "t_last" in r]
-    for lv in levels:
-        wins = lv.get("windows") or []
-        mine = [r for r in recs if any(a - 0.05 <= r["t_first"] and r["t_last"] <= b + 0.05 for a, b in wins)]
-        if mine:
-            lv["stage_profile"] = aggregate_profile(mine)
 
 
 # ------------------------------------------------------------------------------------------ report
