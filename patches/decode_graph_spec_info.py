@@ -29,28 +29,24 @@ CHECKED_SGLANG_VERSIONS = ("0.5.16",)
 
 def get_spec_info_with_tree_mask(original, self, *args, **kwargs):
     spec_info = original(self, *args, **kwargs)
+    from sglang_ddtree import switches
     from sglang_ddtree.spec_algo import DDTreeSpecAlgo
 
     mr = self.model_runner
     if (spec_info is not None and isinstance(mr.spec_algorithm, DDTreeSpecAlgo)
+            and switches.CURRENT.graph_mask_patch
             and not mr.is_draft_worker and getattr(spec_info, "custom_mask", None) is None):
         spec_info.custom_mask = self.buffers.custom_mask
     return spec_info
 
 
-# Test switch: leave the hook out, reproducing the mask-dropping graph (the GPU test bed's
-# ``*_nomaskpatch`` stages check that the lossless check then catches it).
-DISABLE_ENV = "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"
+# The test-bed switch ``graph_mask_patch`` = False (``sglang_ddtree/switches.py``; stage suffix
+# ``nomaskpatch``) makes this hook pass the mask-less input through at capture, reproducing the
+# mask-dropping graph so the test bed can check that its lossless check catches it.  Read at
+# capture, not here: the switch may be set by a plugin that runs after this one.
 
 
 def install() -> None:
-    import os
-
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_ddtree.env_vars import flag
-
-    if flag(os.environ, DISABLE_ENV, False):
-        return
 
     HookRegistry.register(TARGET, get_spec_info_with_tree_mask, HookType.AROUND)

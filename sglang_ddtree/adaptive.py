@@ -12,8 +12,9 @@ its own (``plain_decode.py``: DECODE graphs, the user's decode backend) with the
 its token written later, batched.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16):
 at most every k-th round runs a wider tree than the chosen one (a probe, paid from 5 % of the
 rounds' cost; :class:`WidthController`) so the counterfactual acceptance of wider widths stays
-measured.  Test switch ``SGLANG_DDTREE_TEST_BUDGET_CYCLE=31,7,0`` forces the budgets round by round
-(``0`` = no speculation; each must be in the set), for the GPU lossless check.
+measured.  The test-bed / A/B switch ``budget_cycle`` (``switches.py``, e.g. ``(31, 7, 0)``) forces
+the budgets round by round (``0`` = no speculation; each must be in the set), for the GPU lossless
+check and the forced no-speculation arm.
 ``SGLANG_DDTREE_AGE_BUCKETS``: the request-age buckets (output tokens emitted) the acceptance is
 estimated in (``budget_policy.BudgetPolicy.update_window``): ``default`` (:data:`DEFAULT_AGE_EDGES`),
 ``off`` (one bucket: every request-round pooled, the behaviour before session 22) or ascending
@@ -52,6 +53,7 @@ import torch
 
 from .budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp, check_age_edges
 from .config import MAX_BUDGET, MIN_BUDGET
+from . import switches
 from .round_stats import CounterfactualWindow
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,7 @@ logger = logging.getLogger(__name__)
 ENV_BUDGETS = "SGLANG_DDTREE_BUDGETS"
 ENV_NO_SPEC = "SGLANG_DDTREE_NO_SPEC"
 ENV_PROBE_EVERY = "SGLANG_DDTREE_PROBE_EVERY"
-ENV_TEST_CYCLE = "SGLANG_DDTREE_TEST_BUDGET_CYCLE"
-ENV_OVERHEAD = "SGLANG_DDTREE_ROUND_OVERHEAD"   # measured (default) | off: the policy's per-round overhead term
+CYCLE_SWITCH = "switch budget_cycle"           # switches.Switches.budget_cycle, named in messages
 ENV_AGE_BUCKETS = "SGLANG_DDTREE_AGE_BUCKETS"   # default | off | ascending edges (output tokens)
 ENV_ADAPTIVE = "SGLANG_DDTREE_ADAPTIVE"         # 1 (default) | 0: the server's budget, fixed
 DEFAULT_LADDER = (7, 15, 31)                    # budgets below the widest in the default set
@@ -85,7 +86,7 @@ class AdaptiveConfig:
     no_spec: bool
     probe_every: int
     cycle: Optional[Tuple[int, ...]] = None
-    overhead: bool = True   # measure the per-round overhead outside the cost table (ENV_OVERHEAD)
+    overhead: bool = True   # measure the per-round overhead outside the cost table (switch round_overhead)
     age_edges: Tuple[int, ...] = DEFAULT_AGE_EDGES   # request-age buckets (ENV_AGE_BUCKETS)
     implicit: bool = False  # the default set (no budget setting given): a server without CUDA graphs
                             # then runs the fixed budget instead of refusing to start
@@ -181,19 +182,23 @@ def default_budgets(budget: int) -> List[int]:
     return sorted({b for b in DEFAULT_LADDER if 1.5 * b <= budget} | {int(budget)})
 
 
-def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[AdaptiveConfig]:
+def parse_config(env: Mapping[str, str], *, budget: int, algo: str,
+                 sw: Optional["switches.Switches"] = None) -> Optional[AdaptiveConfig]:
     """The adaptive settings from ``env`` (unset: the default set, :func:`default_budgets` + no
     speculation), or None for a fixed budget (``SGLANG_DDTREE_ADAPTIVE=0``, or one budget and no
-    speculation).  ``budget``: the server's resolved tree budget.  Raises ValueError, one line."""
+    speculation).  ``budget``: the server's resolved tree budget; ``sw``: the A/B / test-bed
+    switches (default ``switches.CURRENT``: its forced budget cycle and overhead term).  Raises
+    ValueError, one line."""
+    sw = switches.CURRENT if sw is None else sw
     raw = (env.get(ENV_BUDGETS) or "").strip()
     raw_ns = (env.get(ENV_NO_SPEC) or "").strip()
-    raw_cycle = (env.get(ENV_TEST_CYCLE) or "").strip()
+    raw_cycle = ",".join(map(str, sw.budget_cycle)) if sw.budget_cycle is not None else ""
     raw_probe = (env.get(ENV_PROBE_EVERY) or "").strip()
     raw_on = (env.get(ENV_ADAPTIVE) or "1").strip()
     if raw_on not in ("0", "1"):
         raise ValueError(f"{algo}: {ENV_ADAPTIVE} must be 0 or 1, got {raw_on!r}")
     if raw_on == "0":
-        given = [n for n, v in ((ENV_BUDGETS, raw), (ENV_NO_SPEC, raw_ns), (ENV_TEST_CYCLE, raw_cycle)) if v]
+        given = [n for n, v in ((ENV_BUDGETS, raw), (ENV_NO_SPEC, raw_ns), (CYCLE_SWITCH, raw_cycle)) if v]
         if given:
             raise ValueError(f"{algo}: {ENV_ADAPTIVE}=0 (a fixed budget) contradicts {given[0]}; "
                              "drop one of them")
@@ -222,9 +227,6 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
             probe = 0
         if probe < 1:
             raise ValueError(f"{algo}: {ENV_PROBE_EVERY} must be an integer >= 1, got {raw_probe!r}")
-    raw_oh = (env.get(ENV_OVERHEAD) or "measured").strip()
-    if raw_oh not in ("measured", "off"):
-        raise ValueError(f"{algo}: {ENV_OVERHEAD} must be 'measured' or 'off', got {raw_oh!r}")
     raw_age = (env.get(ENV_AGE_BUCKETS) or "default").strip()
     if raw_age == "default":
         age_edges = DEFAULT_AGE_EDGES
@@ -238,16 +240,16 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str) -> Optional[
             raise ValueError(f"{algo}: {ENV_AGE_BUCKETS}={raw_age}: {e} (or 'default' / 'off')") from None
     cycle = None
     if raw_cycle:
-        cycle = tuple(_int_list(algo, ENV_TEST_CYCLE, raw_cycle))
+        cycle = tuple(sw.budget_cycle)
         allowed = set(budgets) | ({0} if no_spec else set())
         off = [c for c in cycle if c not in allowed]
         if off:
-            raise ValueError(f"{algo}: {ENV_TEST_CYCLE}={raw_cycle}: {off[0]} is not one of the "
+            raise ValueError(f"{algo}: {CYCLE_SWITCH}={raw_cycle}: {off[0]} is not one of the "
                              f"budgets {sorted(allowed)} (0 needs {ENV_NO_SPEC}=1)")
     if not no_spec and len(budgets) == 1 and cycle is None:
         return None   # one budget, no alternative: the fixed path
     return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle,
-                          overhead=raw_oh == "measured", age_edges=age_edges, implicit=implicit)
+                          overhead=sw.round_overhead, age_edges=age_edges, implicit=implicit)
 
 
 # ------------------------------------------------------------------ the states' GPU memory

@@ -8,8 +8,10 @@ the server would run without the setting), naming the closest known one.  The sm
 (:func:`choice`, :func:`positive_int`, :func:`flag`) are the ones those modules use.
 
 :data:`VARIABLES` names each variable's kind (``docs/configuration.md`` documents every one):
-``user``, ``tuning``, ``diagnostic``, ``ab`` (A/B switches), ``test`` (test-bed switches),
-``tool`` (read by the A/B tool or the scripts, never by a server).
+``user``, ``tuning``, ``diagnostic``, ``tool`` (read by the A/B tool or the scripts, never by a
+server).  The A/B's and the test bed's switches are not variables a server reads
+(``switches.py``); :data:`REMOVED` names the variables they replaced, so an old launch line is
+refused with where its setting went.
 """
 from __future__ import annotations
 
@@ -32,19 +34,22 @@ VARIABLES = {
     "SGLANG_DDTREE_VERIFY_ATTN": "tuning",
     "SGLANG_DDTREE_VERIFY_ATTN_SPLITS": "tuning",
     "SGLANG_DDTREE_DRAFT_ATTN": "tuning",
-    "SGLANG_DDTREE_KV_COMMIT": "ab",
-    "SGLANG_DDTREE_COMMIT_OPS": "ab",
-    "SGLANG_DDTREE_ROUND_OVERHEAD": "ab",
     "SGLANG_DDTREE_STATS_FILE": "diagnostic",
     "SGLANG_DDTREE_STATS_EVERY": "diagnostic",
     "SGLANG_DDTREE_PROFILE_FILE": "diagnostic",
     "SGLANG_DDTREE_PROFILE_EVERY": "diagnostic",
     "SGLANG_DDTREE_SYNC_CHECK_FILE": "diagnostic",
-    "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "test",
-    "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP": "test",
-    "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH": "test",
     "SGLANG_DDTREE_CHECKOUT": "tool",
     "SGLANG_DDTREE_VENV": "tool",
+}
+_SWITCH = "now an A/B / test-bed switch, not a server setting (sglang_ddtree/switches.py: {})"
+REMOVED = {
+    "SGLANG_DDTREE_KV_COMMIT": _SWITCH.format("kv_commit"),
+    "SGLANG_DDTREE_COMMIT_OPS": _SWITCH.format("commit_ops; A/B arm suffix _torchcommit"),
+    "SGLANG_DDTREE_ROUND_OVERHEAD": _SWITCH.format("round_overhead; A/B arm suffix _nooverhead"),
+    "SGLANG_DDTREE_TEST_BUDGET_CYCLE": _SWITCH.format("budget_cycle; A/B arm suffix _nospec"),
+    "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP": _SWITCH.format("graph_mask_cap"),
+    "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH": _SWITCH.format("graph_mask_patch"),
 }
 FILES = ("SGLANG_DDTREE_STATS_FILE", "SGLANG_DDTREE_PROFILE_FILE", "SGLANG_DDTREE_SYNC_CHECK_FILE")
 
@@ -106,6 +111,8 @@ def _writable_file(env: Mapping[str, str], var: str, algo: str) -> None:
 def unknown(env: Mapping[str, str]) -> Optional[str]:
     """The one-line refusal of the first ``SGLANG_DDTREE_*`` name the plugin does not read, or None."""
     for name in sorted(env):
+        if name in REMOVED:
+            return f"{name} is {REMOVED[name]}"
         if name.startswith(PREFIX) and name not in VARIABLES:
             tails = {v[len(PREFIX):]: v for v in VARIABLES}     # the shared prefix would match anything
             near = difflib.get_close_matches(name[len(PREFIX):], list(tails), n=1)
@@ -120,25 +127,23 @@ def check(env: Mapping[str, str], *, algo: str, budget: int):
     returns the adaptive configuration (``adaptive.parse_config``: None for a fixed budget).
     ``SGLANG_DDTREE_BUDGET`` / ``_TOPK`` are resolved before (``config.resolve_settings``).  Raises
     ValueError, one line."""
-    from . import adaptive, logprobs, verify_attn_hook
+    from . import adaptive, logprobs, switches, verify_attn_hook
     from .profiling import ENV_EVERY as PROFILE_EVERY
     from .round_stats import ENV_EVERY as STATS_EVERY
 
     why = unknown(env)
     if why:
         raise ValueError(f"{algo}: {why}")
+    if switches.ERROR:     # the A/B's / test bed's switches plugin refused its DDTREE_SWITCHES
+        raise ValueError(f"{algo}: {switches.ERROR}")
     cfg = adaptive.parse_config(env, budget=budget, algo=algo)
     verify_attn_hook.mode(env, algo)
     verify_attn_hook.draft_mode(env, algo)
     verify_attn_hook.splits_override(env, algo)
-    choice(env, "SGLANG_DDTREE_KV_COMMIT", ("remap", "move"), algo)
-    choice(env, "SGLANG_DDTREE_COMMIT_OPS", ("fused", "torch"), algo)
     logprobs.enabled(env, algo)
     positive_int(env, STATS_EVERY, 64, algo)
     positive_int(env, PROFILE_EVERY, 64, algo)
-    positive_int(env, "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP", None, algo)
     flag(env, "SGLANG_DDTREE_ALLOW_UNCHECKED_SGLANG", False, algo)
-    flag(env, "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH", False, algo)
     for var in FILES:
         _writable_file(env, var, algo)
     return cfg

@@ -19,7 +19,7 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
 5. accept: greedy -> ``accept_greedy`` on the target argmax; sampled batches -> SGLang's target-only
    tree sampling kernel over the tree's first-child / next-sibling links (lossless);
 6. commit (``ddtree.commit_round``, one launch): the accepted slots' target KV locations move to
-   ``prefix + 0..a`` in ``req_to_token`` (``SGLANG_DDTREE_KV_COMMIT=move``: the K/V itself, SGLang's
+   ``prefix + 0..a`` in ``req_to_token`` (switch ``kv_commit="move"``: the K/V itself, SGLang's
    ``move_accept_tokens_to_target_kvcache``), the drafter's context K/V for those positions is
    materialised from the accepted slots' target hidden states, and the bonus token is relayed.
 
@@ -60,8 +60,8 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import (accept_estimate, adaptive, ddtree, env_vars, logprobs, plain_decode, sampling, tree_ops,
-               verify_attn_hook)
+from . import (accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampling, switches,
+               tree_ops, verify_attn_hook)
 from .budget_policy import BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .round_stats import make_round_observers
@@ -71,27 +71,22 @@ logger = logging.getLogger(__name__)
 
 # Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
 _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
-KV_COMMIT_ENV = "SGLANG_DDTREE_KV_COMMIT"
+def commit_ops_backend(sw: "switches.Switches", tree_backend: str) -> str:
+    """The backend of a round's ``ddtree.commit_round``: switch ``commit_ops`` ``fused`` (default) =
+    the one Triton launch (``tree_backend``), ``torch`` = the torch-op composition it replaced
+    (``backend="reference"``, on the same device; same outputs): kept so an A/B can measure the
+    fused kernel in the same run (arm suffix ``_torchcommit``)."""
+    return tree_backend if sw.commit_ops == "fused" else "reference"
 
 
-COMMIT_OPS_ENV = "SGLANG_DDTREE_COMMIT_OPS"
-
-
-def commit_ops_backend(env, algo: str, tree_backend: str) -> str:
-    """The backend of a round's ``ddtree.commit_round``: ``fused`` (default) = the one Triton launch
-    (``tree_backend``), ``torch`` = the torch-op composition it replaced (``backend="reference"``, on
-    the same device; same outputs): kept so an A/B can measure the fused kernel in the same run
-    (arm suffix ``_torchcommit``)."""
-    return tree_backend if env_vars.choice(env, COMMIT_OPS_ENV, ("fused", "torch"), algo) == "fused" else "reference"
-
-
-def kv_commit_mode(env, algo: str) -> str:
-    """How a round commits the accepted path's target K/V: ``remap`` (default) permutes the request's
-    ``req_to_token`` row over the verify slots (in ``ddtree.commit_round``, the round's one commit
-    launch, whatever the layer count); ``move`` copies each layer's K/V rows into place with SGLang's
-    ``move_accept_tokens_to_target_kvcache`` (two indexing ops per layer: 122 launches on a 61-layer
-    target).  Both need page size 1, which the plugin requires (``spec_algo``)."""
-    return env_vars.choice(env, KV_COMMIT_ENV, ("remap", "move"), algo)
+def kv_commit_mode(sw: "switches.Switches") -> str:
+    """How a round commits the accepted path's target K/V (switch ``kv_commit``): ``remap``
+    (default) permutes the request's ``req_to_token`` row over the verify slots (in
+    ``ddtree.commit_round``, the round's one commit launch, whatever the layer count); ``move``
+    copies each layer's K/V rows into place with SGLang's ``move_accept_tokens_to_target_kvcache``
+    (two indexing ops per layer: 122 launches on a 61-layer target).  Both need page size 1, which
+    the plugin requires (``spec_algo``)."""
+    return sw.kv_commit
 
 
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
@@ -239,13 +234,11 @@ def enable_draft_block_attention(drafter_backend, draft_model, block_size: int, 
     return state
 
 
-# Test switch: pretend the target's CUDA-graph mask buffer holds only this many elements, so the
-# eager fallback of _mask_out_buffer runs at test-bed sizes (bench/device stage suffix maskcap<N>).
-_GRAPH_MASK_CAP_ENV = "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"
-
-
 def _graph_mask_capacity(graph_buf: torch.Tensor) -> int:
-    cap = env_vars.positive_int(os.environ, _GRAPH_MASK_CAP_ENV, None)
+    """The elements a round's verify mask may use of the target's CUDA-graph mask buffer; the
+    test-bed switch ``graph_mask_cap`` pretends it is smaller, so the eager-verify fallback of
+    ``_mask_out_buffer`` runs at test-bed sizes (stage suffix ``maskcap<N>``)."""
+    cap = switches.CURRENT.graph_mask_cap
     return min(cap, graph_buf.numel()) if cap else graph_buf.numel()
 
 
@@ -388,8 +381,12 @@ class DDTreeWorker(DFlashWorkerV2):
         self.budget = self.settings.budget
         self.num_verify = self.settings.num_verify_tokens
         self.topk = self.settings.topk
-        self._kv_commit = kv_commit_mode(os.environ, self.algo_name)
-        self._commit_backend = commit_ops_backend(os.environ, self.algo_name, self.tree_backend)
+        if switches.ERROR:
+            raise ValueError(f"{self.algo_name}: {switches.ERROR}")
+        self._kv_commit = kv_commit_mode(switches.CURRENT)
+        self._commit_backend = commit_ops_backend(switches.CURRENT, self.tree_backend)
+        if switches.describe() and getattr(ps, "tp_rank", 0) == 0:
+            logger.info("%s %s", switches.LOG_TAG, switches.describe())
         # adaptive budget (issue 17): None unless SGLANG_DDTREE_BUDGETS / _NO_SPEC ask for it; the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
         self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)

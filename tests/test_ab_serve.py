@@ -255,7 +255,7 @@ def test_parse_arms_and_commands():
     assert d["ddtree_b8"]["env"] == {"SGLANG_DDTREE_ADAPTIVE": "0"}      # fixed: an explicit choice
     default = ab.parse_arm("ddtree")                                          # the product default
     assert default["env"] == {} and default["num_draft_tokens"] is None and default["auto"]
-    assert ab.parse_arm("ddtree_nospec")["env"] == {"SGLANG_DDTREE_TEST_BUDGET_CYCLE": "0"}
+    assert ab.parse_arm("ddtree_nospec")["env"] == {"DDTREE_SWITCHES": '{"budget_cycle": [0]}'}
     for bad in ("ddtree_16", "eagle", "base_b8", "base,base", "dflash_vattn", "base_vattn",
                 "ddtreecpu_b16_vattn", "ddtree_b16_vattn,ddtree_b16_vattn", "ddtree_pin7"):
         with pytest.raises(ValueError):
@@ -273,18 +273,21 @@ def test_parse_arms_and_commands():
             ab.parse_arms(bad)
     assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,31" and v["ddtree_auto_vattn"]["auto"]
     ns = ab.parse_arm("ddtree_auto_nospec")
-    assert ns["auto"] and ns["env"]["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] == "0"
+    assert ns["auto"] and ab.arm_switches(ns) == {"budget_cycle": [0]}
     assert ns["env"]["SGLANG_DDTREE_NO_SPEC"] == "1" and ns["num_draft_tokens"] == 32
     for bad in ("ddtree_b7_nospec", "dflash_nospec", "ddtree_auto_nospec_nospec", "ddtree_b7_nooverhead",
                 "ddtree_auto_nooverhead_nooverhead"):
         with pytest.raises(ValueError):
             ab.parse_arm(bad)
     no = ab.parse_arm("ddtree_auto_nooverhead")
-    assert no["auto"] and no["env"]["SGLANG_DDTREE_ROUND_OVERHEAD"] == "off" and no["num_draft_tokens"] == 32
+    assert no["auto"] and ab.arm_switches(no) == {"round_overhead": False} and no["num_draft_tokens"] == 32
     t = {a["name"]: a for a in ab.parse_arms("ddtree_b7_torchcommit,ddtree_auto_vattn_torchcommit")}
-    assert t["ddtree_b7_torchcommit"]["env"] == {"SGLANG_DDTREE_COMMIT_OPS": "torch", "SGLANG_DDTREE_ADAPTIVE": "0"}
+    assert t["ddtree_b7_torchcommit"]["env"] == {"DDTREE_SWITCHES": '{"commit_ops": "torch"}',
+                                                 "SGLANG_DDTREE_ADAPTIVE": "0"}
     assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
-    assert t["ddtree_auto_vattn_torchcommit"]["env"]["SGLANG_DDTREE_COMMIT_OPS"] == "torch"
+    assert ab.arm_switches(t["ddtree_auto_vattn_torchcommit"]) == {"commit_ops": "torch"}
+    both = ab.parse_arm("ddtree_auto_nospec_torchcommit")          # two switches: one object
+    assert ab.arm_switches(both) == {"budget_cycle": [0], "commit_ops": "torch"}
     for bad in ("dflash_torchcommit", "ddtree_b7_torchcommit_torchcommit"):
         with pytest.raises(ValueError):
             ab.parse_arms(bad)
@@ -1031,7 +1034,7 @@ def test_freeze_gc_arm_suffix_and_option(tmp_path):
     once, after that arm's warm-up, and the arm's record and the settings say so; other arms are not
     touched; a doubled suffix is refused."""
     from sglang_ddtree.ab.servers import parse_arm
-    assert parse_arm("ddtree_auto_nooverhead_freezegc")["env"]["SGLANG_DDTREE_ROUND_OVERHEAD"] == "off"
+    assert parse_arm("ddtree_auto_nooverhead_freezegc")["env"]["DDTREE_SWITCHES"] == '{"round_overhead": false}'
     assert parse_arm("base_freezegc")["freeze_gc"] and parse_arm("base_freezegc")["kind"] == "base"
     assert "freeze_gc" not in parse_arm("dflash")
     with pytest.raises(ValueError, match="_freezegc once"):

@@ -6,10 +6,13 @@ import types
 import pytest
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import switches as S
 
 
-def _parse(budget=31, **env):
-    return A.parse_config({k: v for k, v in env.items()}, budget=budget, algo="DDTREE-GPU")
+def _parse(budget=31, cycle=None, **env):
+    """parse_config of these variables; ``cycle``: the test-bed switch budget_cycle (switches.py)."""
+    return A.parse_config({k: v for k, v in env.items()}, budget=budget, algo="DDTREE-GPU",
+                          sw=S.Switches(budget_cycle=cycle))
 
 
 def test_unset_is_the_default_set_with_no_speculation():
@@ -44,10 +47,9 @@ def test_budgets_widths_and_options():
     assert c.widths == (1, 8, 32) and c.extra_widths == (1, 8) and c.probe_every == 3
     c = _parse(SGLANG_DDTREE_NO_SPEC="1")                         # the default set, said explicitly
     assert c.budgets == (7, 15, 31) and c.widths == (1, 8, 16, 32) and not c.implicit
-    c = _parse(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="1",
-               SGLANG_DDTREE_TEST_BUDGET_CYCLE="31,0,7")
+    c = _parse(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="1", cycle=(31, 0, 7))
     assert c.cycle == (31, 0, 7)
-    c = _parse(SGLANG_DDTREE_TEST_BUDGET_CYCLE="31")             # over the default set
+    c = _parse(cycle=(31,))                                       # over the default set
     assert c.budgets == (7, 15, 31) and c.cycle == (31,) and not c.implicit
 
 
@@ -65,13 +67,12 @@ def test_budgets_widths_and_options():
     (dict(SGLANG_DDTREE_NO_SPEC="2"), "must be 0 or 1"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_PROBE_EVERY="0"), "integer >= 1"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_PROBE_EVERY="often"), "integer >= 1"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_TEST_BUDGET_CYCLE="7,15"), "15 is not one of"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="0", SGLANG_DDTREE_TEST_BUDGET_CYCLE="0,7"),
-     "0 needs"),
+    (dict(SGLANG_DDTREE_BUDGETS="7,31", cycle=(7, 15)), "15 is not one of"),
+    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="0", cycle=(0, 7)), "0 needs"),
+    (dict(SGLANG_DDTREE_ADAPTIVE="0", cycle=(0,)), "contradicts switch budget_cycle"),
     (dict(SGLANG_DDTREE_ADAPTIVE="no"), "SGLANG_DDTREE_ADAPTIVE must be 0 or 1"),
     (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_BUDGETS="7,31"), "contradicts SGLANG_DDTREE_BUDGETS"),
     (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_NO_SPEC="1"), "contradicts SGLANG_DDTREE_NO_SPEC"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_TEST_BUDGET_CYCLE="7;31"), "integers"),
 ])
 def test_bad_values_are_one_line_errors(env, words):
     with pytest.raises(ValueError) as e:

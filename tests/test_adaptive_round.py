@@ -22,6 +22,7 @@ from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 from sglang_ddtree import plain_decode as P  # noqa: E402
+from sglang_ddtree import switches as S  # noqa: E402
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable  # noqa: E402
 from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
 
@@ -204,7 +205,7 @@ def world(monkeypatch, rng):
     return types.SimpleNamespace(rng=rng, built=built)
 
 
-def make_worker(world_fx, env, bs=3, p0=5, budget=15):
+def make_worker(world_fx, env, bs=3, p0=5, budget=15, sw=None):
     wd = World(world_fx.rng, bs, p0)
     wd.built = world_fx.built
     home_backend = Backend(budget + 1)
@@ -259,7 +260,7 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15):
         _append_target_hidden_to_draft_kv_by_loc=draft_append, _stats=None, _rounds=0,
         _own_mask_buf=None, _eager_mask_rounds=0, _kv_commit="remap",
         _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _adaptive=None, _verify_states=None,
-        _adaptive_cfg=A.parse_config(env, budget=budget, algo="DDTREE-GPU"))
+        _adaptive_cfg=A.parse_config(env, budget=budget, algo="DDTREE-GPU", sw=sw))
     if w._adaptive_cfg is not None:                      # what init_cuda_graphs builds, with fakes
         states = A.TargetStates(mr, w._adaptive_cfg.widest)
         for width in w._adaptive_cfg.extra_widths:
@@ -342,9 +343,8 @@ def test_fixed_budget_switch_runs_the_servers_budget(world):
 
 
 def test_forced_cycle_installs_each_width_and_stays_lossless(world):
-    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1",
-           "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "15,3,0,7,0,15,7,3"}
-    wd = make_worker(world, env)
+    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    wd = make_worker(world, env, sw=S.Switches(budget_cycle=(15, 3, 0, 7, 0, 15, 7, 3)))
     cycle = [15, 3, 0, 7, 0, 15, 7, 3] * 2
     for b in cycle:
         r = run_round(wd)
@@ -470,9 +470,8 @@ def test_rounds_commit_through_the_triton_kernel_losslessly(world, monkeypatch):
     real = CR.commit_round_triton
     monkeypatch.setattr(CR, "commit_round_triton", lambda *a, **kw: launched.append(kw["out"][4] is not None)
                         or real(*a, **kw))
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1",
-           "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "15,3,0,15,0,3"}
-    wd = make_worker(world, env)
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    wd = make_worker(world, env, sw=S.Switches(budget_cycle=(15, 3, 0, 15, 0, 3)))
     wd.w.tree_backend = "triton"
     plain_head = wd.w._eager_topk
 
@@ -491,13 +490,6 @@ def test_rounds_commit_through_the_triton_kernel_losslessly(world, monkeypatch):
     assert launched == [N > 1 for N in widths]          # one launch a round; drafter slots for N > 1
     assert_lossless(wd)
     assert all(int(c.max()) >= 3 for c, N in zip((r["commit"] for r in wd.log), widths) if N == 16)
-
-
-def test_kv_commit_mode_env():
-    assert W.kv_commit_mode({}, "DDTREE-GPU") == "remap"
-    assert W.kv_commit_mode({W.KV_COMMIT_ENV: " Move "}, "DDTREE-GPU") == "move"
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_KV_COMMIT must be 'remap' or 'move'"):
-        W.kv_commit_mode({W.KV_COMMIT_ENV: "copy"}, "DDTREE-GPU")
 
 
 def test_warm_batch_sizes_reach_every_bucket_and_specialisation():

@@ -9,6 +9,7 @@ import torch
 
 from sglang_ddtree import adaptive as A
 from sglang_ddtree import plain_decode as P
+from sglang_ddtree import switches
 from sglang_ddtree.budget_policy import NO_SPEC
 
 
@@ -295,8 +296,8 @@ def test_adaptive_without_graphs(fake_startup):
     W.DDTreeWorker.init_cuda_graphs(w)
     assert w._adaptive is None and w._adaptive_cfg is None and w._verify_states is None and mr.built == []
     # the forced cycle (the GPU lossless check) needs no cost table: eager states
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31", "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "7,31"},
-                         budget=31, algo="DDTREE-GPU")
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31"}, budget=31, algo="DDTREE-GPU",
+                         sw=switches.Switches(budget_cycle=(7, 31)))
     mr = FakeModelRunner(32, graphs=False)
     w = _fake_worker(W, cfg, mr)
     W.DDTreeWorker.init_cuda_graphs(w)

@@ -12,6 +12,7 @@ import torch
 
 from sglang_ddtree import adaptive as A
 from sglang_ddtree import ddtree, tree_ops
+from sglang_ddtree import switches as S
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 from sglang_ddtree.round_stats import CounterfactualWindow
 
@@ -319,8 +320,9 @@ def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
 
 
 def test_controller_cycle_probe_and_policy():
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                               SGLANG_DDTREE_TEST_BUDGET_CYCLE="0,3,15"), policy=None, device="cpu")
+    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1"), budget=15,
+                         algo="DDTREE-GPU", sw=S.Switches(budget_cycle=(0, 3, 15)))
+    c = A.WidthController(cfg, policy=None, device="cpu")
     assert [c.next_width(4) for _ in range(7)] == [1, 4, 16, 1, 4, 16, 1]
     assert c.chosen == {1: 3, 4: 2, 16: 2}
     # policy: no-spec is far cheaper, so the policy answers 1; a probe (the widest, 49 ms more than
@@ -666,13 +668,12 @@ def test_profile_records_carry_the_policy_state(tmp_path, monkeypatch):
 
 
 def test_round_overhead_switch():
-    """SGLANG_DDTREE_ROUND_OVERHEAD=off: the controller observes no interval (GPU table and acceptance
-    alone); anything but measured / off is refused."""
+    """The A/B switch round_overhead = False (arm suffix _nooverhead): the controller observes no
+    interval (GPU table and acceptance alone)."""
     assert _cfg(SGLANG_DDTREE_BUDGETS="3,15").overhead
-    cfg = _cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_ROUND_OVERHEAD="off")
+    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="3,15"), budget=15, algo="DDTREE-GPU",
+                         sw=S.Switches(round_overhead=False))
     assert not cfg.overhead
-    with pytest.raises(ValueError, match="ROUND_OVERHEAD"):
-        _cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_ROUND_OVERHEAD="0")
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
     clock = _Clock()
     c = A.WidthController(cfg, policy=BudgetPolicy(t), device="cpu", window_every=1000, window_lag=0,

@@ -13,44 +13,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"SGLANG_DDTREE_[A-Z0-9_]*[A-Z0-9]")
 
 
-def _names_in(*dirs, exts=(".py", ".sh")):
+def _names_in(*dirs, exts=(".py", ".sh"), skip=()):
     found = set()
     for d in dirs:
         for base, _, files in os.walk(os.path.join(ROOT, d)):
             for f in files:
-                if f.endswith(exts):
+                if f.endswith(exts) and os.path.relpath(os.path.join(base, f), ROOT) not in skip:
                     with open(os.path.join(base, f), errors="replace") as fh:
                         found.update(NAME.findall(fh.read()))
     return found
 
 
 def test_the_list_is_every_name_the_code_reads_and_each_is_documented():
-    shipped = _names_in("sglang_ddtree", "patches", "kernels") - {"SGLANG_DDTREE_"}
+    # env_vars.py names the removed variables (to refuse them): every other file only reads
+    shipped = _names_in("sglang_ddtree", "patches", "kernels", skip=("sglang_ddtree/env_vars.py",)) - {"SGLANG_DDTREE_"}
     anywhere = shipped | _names_in("bench", "scripts", ".ci")
     assert shipped <= set(E.VARIABLES), sorted(shipped - set(E.VARIABLES))
     assert set(E.VARIABLES) <= anywhere, sorted(set(E.VARIABLES) - anywhere)   # no stale entry
+    # the A/B and test-bed switches (issue 40 item 3): no server code, bench script or test bed reads them
+    assert not (set(E.REMOVED) & anywhere), sorted(set(E.REMOVED) & anywhere)
+    assert not (set(E.REMOVED) & set(E.VARIABLES))
     with open(os.path.join(ROOT, "docs", "configuration.md")) as fh:
         doc = fh.read()
     assert all(f"`{n}`" in doc for n in E.VARIABLES), [n for n in E.VARIABLES if f"`{n}`" not in doc]
-    assert set(E.VARIABLES.values()) == {"user", "tuning", "diagnostic", "ab", "test", "tool"}
+    assert set(E.VARIABLES.values()) == {"user", "tuning", "diagnostic", "tool"}
 
 
 @pytest.mark.parametrize("var,bad,says", [
     ("SGLANG_DDTREE_ADAPTIVE", "yes", "must be 0 or 1"),
     ("SGLANG_DDTREE_PROBE_EVERY", "0", "must be an integer >= 1"),
     ("SGLANG_DDTREE_AGE_BUCKETS", "9,3", "ascending"),
-    ("SGLANG_DDTREE_ROUND_OVERHEAD", "on", "'measured' or 'off'"),
     ("SGLANG_DDTREE_VERIFY_ATTN", "fast", "SGLANG_DDTREE_VERIFY_ATTN"),
     ("SGLANG_DDTREE_DRAFT_ATTN", "1", "SGLANG_DDTREE_DRAFT_ATTN"),
     ("SGLANG_DDTREE_VERIFY_ATTN_SPLITS", "65", "must be an integer in [1, 64]"),
-    ("SGLANG_DDTREE_KV_COMMIT", "copy", "must be 'remap' or 'move'"),
-    ("SGLANG_DDTREE_COMMIT_OPS", "triton", "must be 'fused' or 'torch'"),
     ("SGLANG_DDTREE_LOGPROBS", "maybe", "SGLANG_DDTREE_LOGPROBS must be one of"),
     ("SGLANG_DDTREE_STATS_EVERY", "-3", "SGLANG_DDTREE_STATS_EVERY must be an integer >= 1"),
     ("SGLANG_DDTREE_PROFILE_EVERY", "x", "SGLANG_DDTREE_PROFILE_EVERY must be an integer >= 1"),
-    ("SGLANG_DDTREE_TEST_GRAPH_MASK_CAP", "0", "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP must be an integer"),
     ("SGLANG_DDTREE_ALLOW_UNCHECKED_SGLANG", "please", "SGLANG_DDTREE_ALLOW_UNCHECKED_SGLANG must be one of"),
-    ("SGLANG_DDTREE_TEST_UNPATCHED_GRAPH", "2", "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH must be one of"),
     ("SGLANG_DDTREE_STATS_FILE", "/no/such/folder/s.jsonl", "does not exist"),
     ("SGLANG_DDTREE_PROFILE_FILE", "/", "is a folder"),
 ])
@@ -64,7 +63,7 @@ def test_each_bad_value_is_refused_naming_its_variable(var, bad, says):
 def test_good_values_pass_and_the_adaptive_configuration_comes_back(tmp_path):
     env = {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree", "SGLANG_DDTREE_VERIFY_ATTN_SPLITS": "8",
            "SGLANG_DDTREE_LOGPROBS": "off", "SGLANG_DDTREE_STATS_FILE": str(tmp_path / "s.jsonl"),
-           "SGLANG_DDTREE_STATS_EVERY": "16", "SGLANG_DDTREE_KV_COMMIT": "move",
+           "SGLANG_DDTREE_STATS_EVERY": "16",
            "SGLANG_DDTREE_PROBE_EVERY": "32", "SGLANG_DDTREE_VENV": "/anything", "OTHER": "x"}
     cfg = E.check(env, algo="DDTREE-GPU", budget=60)
     assert cfg.budgets == (7, 15, 31, 60) and cfg.no_spec and cfg.probe_every == 32
@@ -85,3 +84,13 @@ def test_the_shared_parsers():
     with pytest.raises(ValueError, match=r"V must be an integer in \[1, 8\], got '9'"):
         E.positive_int({"V": "9"}, "V", None, hi=8)
     assert E.choice({"V": " Move"}, "V", ("remap", "move")) == "move" and E.choice({}, "V", ("a", "b")) == "a"
+
+
+@pytest.mark.parametrize("var", sorted(E.REMOVED))
+def test_a_removed_variable_is_refused_with_where_its_setting_went(var):
+    """The A/B and test-bed switches are not server settings any more (sglang_ddtree/switches.py):
+    an old launch line that still sets one is refused, whatever its value, saying where it went."""
+    with pytest.raises(ValueError) as ei:
+        E.check({var: "1"}, algo="DDTREE-GPU", budget=60)
+    msg = str(ei.value)
+    assert msg.startswith(f"DDTREE-GPU: {var} is now an A/B / test-bed switch") and "switches.py" in msg

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sglang_ddtree import profiling, round_stats
+from sglang_ddtree import profiling, round_stats, switches
 from sglang_ddtree.round_stats import AcceptanceStats, make_round_observers
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -305,8 +305,8 @@ def test_records_read_nothing_on_the_host(guarded):
     assert FakeEvent.made == 28                   # rounds 0-3 in flight; round 4 reuses their events
 
 
-def _worker_rounds(world, env, monkeypatch, registry, metrics: bool, n=8):
-    wd = make_worker(world, env)
+def _worker_rounds(world, env, monkeypatch, registry, metrics: bool, n=8, cycle=None):
+    wd = make_worker(world, env, sw=switches.Switches(budget_cycle=cycle))
     w = wd.w
     w._stats, w._prof = make_round_observers(
         types.SimpleNamespace(enable_metrics=metrics), algo="DDTREE-GPU", budget=15, block_size=6,
@@ -356,9 +356,8 @@ def test_worker_round_fixed_budget(guarded, world, monkeypatch):
 
 def test_worker_round_adaptive_cycle(guarded, world, monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_STATS_EVERY", "2")
-    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1",
-           "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "15,3,0,7"}
-    wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, True)
+    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, True, cycle=(15, 3, 0, 7))
     assert widths == [16, 4, 1, 8] * 2 and calls == widths
     lab = dict(algo="DDTREE-GPU", budget="15", tp_rank="0")
     get = guarded.get_sample_value
@@ -377,8 +376,8 @@ def test_worker_round_metrics_off_does_nothing(guarded, world, monkeypatch):
 
     monkeypatch.setattr(AcceptanceStats, "__init__", boom)
     monkeypatch.setattr(round_stats._Prometheus, "__init__", boom)
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_TEST_BUDGET_CYCLE": "15,3"}
-    wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, False, n=4)
+    env = {"SGLANG_DDTREE_BUDGETS": "3,15"}
+    wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, False, n=4, cycle=(15, 3))
     assert wd.w._stats is None and not wd.w._prof.enabled and calls == []
     assert FakeEvent.made == 0 and round_stats._Prometheus._made is None
     assert list(guarded.collect()) == []

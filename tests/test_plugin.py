@@ -195,7 +195,7 @@ CASES = [
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "maybe"}),
     ("DDTREE-GPU", ["--max-running-requests", "32"], {"SGLANG_DDTREE_PROBE_EVERY": "0"}),
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUGDET": "8"}),          # a typo: refused, not ignored
-    ("DDTREE-GPU", [], {"SGLANG_DDTREE_KV_COMMIT": "copy"}),    # checked in the launcher, not the scheduler
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_KV_COMMIT": "move"}),    # a switch now (switches.py): refused, with where it went
 ]
 
 
@@ -219,7 +219,7 @@ def test_server_args_resolution_and_rejections(tiny_models):
     # checked at argument resolution whether or not the running requests are given
     assert not bad_given["ok"] and "SGLANG_DDTREE_PROBE_EVERY must be an integer >= 1" in bad_given["msg"]
     assert not typo["ok"] and "did you mean SGLANG_DDTREE_BUDGET?" in typo["msg"]
-    assert not bad_commit["ok"] and "SGLANG_DDTREE_KV_COMMIT must be 'remap' or 'move'" in bad_commit["msg"]
+    assert not bad_commit["ok"] and "SGLANG_DDTREE_KV_COMMIT is now an A/B / test-bed switch" in bad_commit["msg"]
     assert out[1]["ok"] and out[1]["n"] == 65 and out[1]["algo"] == "DDTREE-CPU"
     assert out[2]["ok"] and out[2]["n"] == 9
     expect = ["must be >= 2", "must be in [1, 256]",

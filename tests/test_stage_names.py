@@ -1,12 +1,14 @@
 """bench/device/stage.py's stage names: each suffix sets the switch the GPU stage is meant to test."""
+import json
 import os
 
 import pytest
 
 from helpers import load_bench
+from sglang_ddtree import switches
 
 ST = load_bench("device/stage")
-KEYS = ("SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_NO_SPEC", "SGLANG_DDTREE_TEST_BUDGET_CYCLE",
+KEYS = ("SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_NO_SPEC", switches.ENV,
         "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED")
 SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
@@ -18,6 +20,12 @@ def clean_env(monkeypatch):
     for k in KEYS + SET_BY_EVERY_NAME:
         monkeypatch.setenv(k, "x")
         monkeypatch.delenv(k)
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches())   # parse_name applies switches here
+    monkeypatch.setattr(switches, "ERROR", None)
+
+
+def _switches():
+    return json.loads(os.environ[switches.ENV])
 
 
 def test_plain_name_sets_no_switch():
@@ -28,14 +36,27 @@ def test_plain_name_sets_no_switch():
 def test_cycle_and_vattn_suffixes():
     ST.parse_name("gqa_ddtree_graph_b31_cycle_vattn")
     assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,31" and os.environ["SGLANG_DDTREE_NO_SPEC"] == "1"
-    cyc = [int(x) for x in os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"].split(",")]
+    cyc = _switches()["budget_cycle"]
     assert cyc[0] == 31 and 0 in cyc and set(cyc) <= {0, 3, 7, 31}
+    assert switches.CURRENT.budget_cycle == tuple(cyc)     # applied in the stage's own process too
     assert os.environ["SGLANG_DDTREE_VERIFY_ATTN"] == "ddtree"
 
 
 def test_auto_has_no_forced_cycle():
     ST.parse_name("mla_ddtree_graph_b16_auto")
-    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,16" and "SGLANG_DDTREE_TEST_BUDGET_CYCLE" not in os.environ
+    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,16" and switches.ENV not in os.environ
+
+
+def test_test_switch_suffixes():
+    """nospec, nomaskpatch and maskcap<N> are switches (sglang_ddtree/switches.py), not variables a
+    server reads: one DDTREE_SWITCHES object, merged across suffixes."""
+    ST.parse_name("text_ddtree_graph_b16_nomaskpatch_maskcap4096")
+    assert _switches() == {"graph_mask_patch": False, "graph_mask_cap": 4096}
+    assert switches.CURRENT == switches.Switches(graph_mask_patch=False, graph_mask_cap=4096)
+    assert os.environ.pop("SGLANG_DDTREE_ADAPTIVE") == "0"        # b16 alone: a fixed budget
+    os.environ.pop(switches.ENV)
+    ST.parse_name("gqa_ddtree_graph_nospec_flashinfer")
+    assert _switches() == {"budget_cycle": [0]} and "SGLANG_DDTREE_ADAPTIVE" not in os.environ
 
 
 @pytest.mark.parametrize("bad", ["gqa_dflash_graph_cycle", "gqa_ddtree_graph_b4_cycle", "zzz_ddtree_graph_b16"])

@@ -186,11 +186,11 @@ def test_draft_head_ports_recipe_values(rng, device):
 
 
 def test_commit_ops_switch():
-    """SGLANG_DDTREE_COMMIT_OPS picks the commit's backend: fused (default) = the tree backend's one
-    launch, torch = the reference composition; anything else is refused at start-up."""
+    """The A/B switch commit_ops picks the commit's backend: fused (default) = the tree backend's one
+    launch, torch = the reference composition; anything else is refused when the switches are made."""
+    from sglang_ddtree import switches
     from sglang_ddtree.worker import commit_ops_backend
-    assert commit_ops_backend({}, "DDTREE-GPU", "triton") == "triton"
-    assert commit_ops_backend({"SGLANG_DDTREE_COMMIT_OPS": " Fused "}, "DDTREE-GPU", "triton") == "triton"
-    assert commit_ops_backend({"SGLANG_DDTREE_COMMIT_OPS": "torch"}, "DDTREE-GPU", "triton") == "reference"
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_COMMIT_OPS"):
-        commit_ops_backend({"SGLANG_DDTREE_COMMIT_OPS": "kernel"}, "DDTREE-GPU", "triton")
+    assert commit_ops_backend(switches.Switches(), "triton") == "triton"
+    assert commit_ops_backend(switches.Switches(commit_ops="torch"), "triton") == "reference"
+    with pytest.raises(ValueError, match="commit_ops must be 'fused' or 'torch'"):
+        switches.Switches(commit_ops="kernel")

@@ -61,6 +61,19 @@ PAIRS = {"gqa": "drafter", "mla": "drafter", "text": "text_drafter", "mlaint4": 
 PAIR_ENGINE = {"kimicost": {"mem_fraction_static": 0.8}}
 
 
+def _switch(**fields):
+    """Test-bed switches (sglang_ddtree/switches.py) for this stage's Engine: they travel as
+    DDTREE_SWITCHES and testbed_hooks.register applies them in every process of the Engine (this
+    one included, before the Engine starts: SGLang loads plugins then)."""
+    from sglang_ddtree import switches
+
+    raw = os.environ.get(switches.ENV)
+    sw = dict(json.loads(raw)) if raw else {}
+    sw.update(fields)
+    os.environ[switches.ENV] = switches.to_env(**sw)
+    switches.register_from_environment()   # this process too (SGLang may have loaded plugins already)
+
+
 def parse_name(name):
     parts = name.split("_")
     pair, algo, mode = parts[:3]
@@ -70,11 +83,11 @@ def parse_name(name):
         if p.startswith("b") and p[1:].isdigit():
             budget = int(p[1:])
         elif p == "nomaskpatch":  # leave the graph-mask hook out (must then FAIL on a real model)
-            os.environ["SGLANG_DDTREE_TEST_UNPATCHED_GRAPH"] = "1"
+            _switch(graph_mask_patch=False)
         elif p.startswith("tp") and p[2:].isdigit():  # tensor parallel (needs that many GPUs)
             os.environ["DDTREE_STAGE_TP"] = p[2:]
         elif p.startswith("maskcap") and p[7:].isdigit():  # pretend the graph mask buffer holds N elements
-            os.environ["SGLANG_DDTREE_TEST_GRAPH_MASK_CAP"] = p[7:]  # (the eager-verify fallback runs)
+            _switch(graph_mask_cap=int(p[7:]))  # (the eager-verify fallback runs)
         elif p == "moetriton":  # the INT4 experts through SGLang's Triton W4A16 MoE instead of Marlin
             os.environ["DDTREE_STAGE_MOE_BACKEND"] = "triton"
         elif p == "synccheck":  # count host syncs per DDTree round (worker writes one line per round)
@@ -105,7 +118,7 @@ def parse_name(name):
         if os.environ.get("DDTREE_STAGE_UNCAPPED") and adaptive != ["default"]:
             raise ValueError(f"bad stage name {name!r}: uncapped needs default alone")
         if "nospec" in adaptive:
-            os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] = "0"
+            _switch(budget_cycle=[0])
         if not any(p.startswith("b") and p[1:].isdigit() for p in parts[3:]):
             os.environ["DDTREE_STAGE_DEFAULT_BUDGET"] = "1"   # the server resolves its own widest
     elif adaptive:
@@ -114,7 +127,7 @@ def parse_name(name):
         os.environ["SGLANG_DDTREE_BUDGETS"] = f"3,7,{budget}"
         os.environ["SGLANG_DDTREE_NO_SPEC"] = "1"
         if "cycle" in adaptive:  # forced widths round by round, no speculation (0) included: must stay lossless
-            os.environ["SGLANG_DDTREE_TEST_BUDGET_CYCLE"] = f"{budget},0,3,{budget},7,0,7,3"
+            _switch(budget_cycle=[budget, 0, 3, budget, 7, 0, 7, 3])
     return pair, algo, mode, budget, backend
 
 

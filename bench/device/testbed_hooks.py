@@ -4,6 +4,8 @@ run_stages.sh installs it without pip: it copies this file next to a generated
 `ddtree_testbed-0.0.1.dist-info/entry_points.txt` in a folder on PYTHONPATH.  SGLang calls
 `register()` in every process that loads plugins (Engine/launcher, scheduler, detokenizer), so:
 
+* with DDTREE_SWITCHES set (stage.py's test switches: nospec, cycle, nomaskpatch, maskcap<N>), it
+  applies them (`sglang_ddtree.switches.register_from_environment`) in every process;
 * every call prints `[ddtree-testbed] register pid=<pid> ppid=<parent> proc=<cmdline>`; run_stages.sh
   counts distinct pids per stage log (2 for an Engine: the launcher and the spawned scheduler, whose
   command line starts with `python3 -B -c from multiprocessing.spawn ...`).  The capture hook's line
@@ -79,6 +81,13 @@ def _install_capture(out_dir):
 
 def register():
     print(f"[ddtree-testbed] register pid={os.getpid()} ppid={os.getppid()} proc={_proc_name()}", flush=True)
+    if os.environ.get("DDTREE_SWITCHES"):   # stage.py's test switches (sglang_ddtree/switches.py)
+        try:
+            from sglang_ddtree import switches
+            switches.register_from_environment()
+            print(f"[ddtree-testbed] switches pid={os.getpid()}: {switches.describe()}", flush=True)
+        except Exception as e:   # kept in switches.ERROR: the launcher's check refuses the stage
+            print(f"[ddtree-testbed] switches refused: {e!r}", flush=True)
     d = os.environ.get("DDTREE_CAPTURE_DIR")
     if d:
         try:

@@ -2,6 +2,7 @@
 its health wait."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 from typing import List, Optional
 
+from .. import switches
 from .client import http_json
 
 DEFAULT_ARMS = "base,dflash,ddtree_b16,ddtreecpu_b16,ddtree_b32,ddtree_b8,ddtree_b64"
@@ -18,13 +20,27 @@ ALGO = {"base": None, "dflash": "DFLASH", "ddtree": "DDTREE-GPU", "ddtreecpu": "
 
 # ------------------------------------------------------------------------------------------ arms
 AUTO_BUDGETS = (7, 15, 31)
-# DDTree arm suffix -> (server environment variable, value, adaptive arms only); at most one per variable
+# DDTree arm suffix -> (server environment variable or "switch:<field>" of sglang_ddtree/switches.py,
+# value, adaptive arms only); at most one per variable / switch.  Switches travel as DDTREE_SWITCHES,
+# applied in the server's processes by the switches plugin PopenServer puts on its PYTHONPATH.
 ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang", False),
                 ("_dattn", "SGLANG_DDTREE_DRAFT_ATTN", "ddtree", False),
-                ("_torchcommit", "SGLANG_DDTREE_COMMIT_OPS", "torch", False),
-                ("_nospec", "SGLANG_DDTREE_TEST_BUDGET_CYCLE", "0", True),
-                ("_nooverhead", "SGLANG_DDTREE_ROUND_OVERHEAD", "off", True))
+                ("_torchcommit", "switch:commit_ops", "torch", False),
+                ("_nospec", "switch:budget_cycle", [0], True),
+                ("_nooverhead", "switch:round_overhead", False, True))
+
+
+def arm_switches(arm: dict) -> dict:
+    """The switches an arm's server runs with ({} = the defaults), from its ``DDTREE_SWITCHES``."""
+    raw = (arm.get("env") or {}).get(switches.ENV)
+    return json.loads(raw) if raw else {}
+
+
+def _with_switch(env: dict, field: str, value) -> dict:
+    sw = dict(json.loads(env[switches.ENV])) if env.get(switches.ENV) else {}
+    sw[field] = value
+    return dict(env, **{switches.ENV: switches.to_env(**sw)})
 
 
 # any arm (base too) + this: SGLang's /freeze_gc after the arm's warm-up (sglang_ddtree.ab.runner)
@@ -47,13 +63,14 @@ def parse_arm(name: str) -> dict:
     also through our kernel (``SGLANG_DDTREE_DRAFT_ATTN=ddtree``, all-set bitmask; off by default).
     ``_torchcommit`` (e.g.
     ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
-    (``SGLANG_DDTREE_COMMIT_OPS=torch``), to measure the fused commit kernel in the same run.
-    ``_nospec`` (adaptive arms only: ``ddtree_auto_nospec``): every round the adaptive budget's
-    "no speculation" choice (``SGLANG_DDTREE_TEST_BUDGET_CYCLE=0``), to measure that round against
+    (switch ``commit_ops=torch``), to measure the fused commit kernel in the same run.
+    ``_nospec`` (adaptive arms only: ``ddtree_nospec``): every round the adaptive budget's
+    "no speculation" choice (switch ``budget_cycle=[0]``), to measure that round against
     the base arm's decode step in the same run (the floor the policy falls back to under load).
     ``_nooverhead`` (adaptive arms only): the policy without its measured per-round overhead term
-    (``SGLANG_DDTREE_ROUND_OVERHEAD=off``: GPU cost table and acceptance alone), to see what that
-    term does to the choice in the same run.  Any arm may end in ``_freezegc`` (last): the A/B calls
+    (switch ``round_overhead=false``: GPU cost table and acceptance alone), to see what that
+    term does to the choice in the same run.  Switches are not server settings
+    (``sglang_ddtree/switches.py``): the arm's ``env`` carries them as ``DDTREE_SWITCHES``.  Any arm may end in ``_freezegc`` (last): the A/B calls
     SGLang's ``/freeze_gc`` after that arm's warm-up (``gc.freeze()`` in the scheduler, tokenizer and
     detokenizer: the objects alive then, CUDA graphs and model included, leave the collector's
     reach), to measure the scheduler's garbage-collection pauses in the same run.  An adaptive arm
@@ -87,13 +104,15 @@ def parse_arm(name: str) -> dict:
         if not name.endswith(suffix):
             continue
         arm = parse_arm(name[:-len(suffix)])
-        if arm["kind"] != "ddtree" or var in (arm.get("env") or {}):
+        env = arm.get("env") or {}
+        field = var[len("switch:"):] if var.startswith("switch:") else None
+        if arm["kind"] != "ddtree" or (var in env if field is None else field in arm_switches(arm)):
             raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once "
                              f"(ddtree_b<B>{suffix}, ddtree_auto{suffix})")
         if auto_only and not arm.get("auto"):
             raise ValueError(f"arm {name!r}: only adaptive arms take {suffix} (ddtree_auto{suffix})")
         arm["name"] = name
-        arm["env"] = dict(arm.get("env") or {}, **{var: value})
+        arm["env"] = dict(env, **{var: value}) if field is None else _with_switch(env, field, value)
         return arm
     if name == "ddtree":   # the product default: no DDTree setting at all (adaptive over the default set)
         return dict(name=name, kind="ddtree", algo=ALGO["ddtree"], budget=None, num_draft_tokens=None,
@@ -210,6 +229,14 @@ class PopenServer:
     """A launch_server process in its own process group (killed as a group)."""
 
     def __init__(self, cmd, env, log_path):
+        self.log_path = log_path
+        # an arm with switches (DDTREE_SWITCHES): the switches plugin goes first on the server's
+        # PYTHONPATH, and wait_healthy checks that the worker logged them
+        self.switches_expected = (env or {}).get(switches.ENV) or None
+        if self.switches_expected:
+            folder = switches.write_plugin(os.path.join(os.path.dirname(os.path.abspath(log_path)),
+                                                        "ddtree_switches_plugin"))
+            env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p))
         self.log = open(log_path, "ab")
         # cwd = the log's folder: `python -m sglang.launch_server` puts its cwd first on sys.path, and
         # from a checkout's root that shadows the installed sglang_ddtree with the bare source folder
@@ -274,6 +301,22 @@ def log_tail(path, n=40):
 HEALTH_POLL_S = 1.0
 
 
+def _switches_missing(server) -> Optional[str]:
+    """None unless the server was given switches and its log lacks the worker's line naming them
+    (the switches plugin did not load: the arm would measure the defaults under its name)."""
+    want, path = getattr(server, "switches_expected", None), getattr(server, "log_path", None)
+    if not want or not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    if switches.LOG_TAG in text:
+        return None
+    return f"the server's log has no '{switches.LOG_TAG}' line for {switches.ENV}={want}: its switches plugin did not load"
+
+
 def wait_healthy(base_url: str, server, limit_s: float) -> Optional[str]:
     """None when /health_generate answers 200, else the reason."""
     t0 = time.time()
@@ -284,7 +327,7 @@ def wait_healthy(base_url: str, server, limit_s: float) -> Optional[str]:
         try:
             st, _ = http_json(base_url, "GET", "/health_generate", timeout=5)
             if st == 200:
-                return None
+                return _switches_missing(server)
         except Exception:  # noqa: BLE001 - not up yet
             pass
         time.sleep(HEALTH_POLL_S)

@@ -1,0 +1,131 @@
+"""Switches that are not settings: the A/B's alternatives and the GPU test bed's test switches.
+
+A server reads none of them from its environment (issue 40 item 3: test and A/B switches out of
+the serving code paths).  The serving code reads :data:`CURRENT` (all defaults unless something put
+other values there); three things do:
+
+* tests: ``monkeypatch.setattr(switches, "CURRENT", switches.Switches(...))``;
+* the A/B (``sglang_ddtree/ab/servers.py``, arm suffixes such as ``_nospec``) and the GPU test bed
+  (``bench/device/stage.py``, stage suffixes such as ``nospec``, ``nomaskpatch``): they put a JSON
+  object in ``DDTREE_SWITCHES`` and load :func:`register_from_environment` into every process of the
+  server as an SGLang plugin of its own (:func:`write_plugin`: an entry-point folder on the
+  server's ``PYTHONPATH``; the test bed's ``testbed_hooks.register`` calls it).  A package
+  installed with pip registers no such entry point, so ``DDTREE_SWITCHES`` does nothing on a
+  user's server.
+
+SGLang's plugin loader logs a plugin's exception and goes on, so a bad ``DDTREE_SWITCHES`` is kept
+in :data:`ERROR` and refused by the launcher's check (``env_vars.check``); the worker logs the
+switches it runs with when they are not the defaults (:func:`describe`), which the A/B checks in
+the server's log."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Mapping, Optional, Tuple
+
+ENV = "DDTREE_SWITCHES"          # read only by register_from_environment (the A/B's / test bed's plugin)
+PLUGIN_NAME = "ddtree_switches"  # its entry-point name (group sglang.srt.plugins)
+LOG_TAG = "DDTree switches (A/B / test bed):"
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """budget_cycle: forced tree budgets round by round (0 = no speculation; each must be in the
+    adaptive set: ``adaptive.parse_config`` checks), the GPU lossless check of every width and the
+    A/B's forced no-speculation arm; kv_commit: ``remap`` (default) or ``move`` (SGLang's per-layer
+    copy, ``worker.kv_commit_mode``); commit_ops: ``fused`` (the one Triton launch) or ``torch``
+    (the ops it replaced, ``worker.commit_ops_backend``); round_overhead: False leaves the policy's
+    measured per-round overhead out; graph_mask_cap: pretend the target's CUDA-graph mask buffer
+    holds this many elements (the eager-verify fallback at test-bed sizes); graph_mask_patch: False
+    leaves the tree mask out of captured verify graphs (``patches/decode_graph_spec_info.py``: the
+    wrong-output bug the text pair must catch)."""
+
+    budget_cycle: Optional[Tuple[int, ...]] = None
+    kv_commit: str = "remap"
+    commit_ops: str = "fused"
+    round_overhead: bool = True
+    graph_mask_cap: Optional[int] = None
+    graph_mask_patch: bool = True
+
+    def __post_init__(self):
+        if self.budget_cycle is not None:
+            cyc = self.budget_cycle
+            if (not isinstance(cyc, (tuple, list)) or not cyc
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in cyc)):
+                raise ValueError(f"budget_cycle must be a non-empty list of integers >= 0, got {cyc!r}")
+            object.__setattr__(self, "budget_cycle", tuple(cyc))
+        for name, allowed in (("kv_commit", ("remap", "move")), ("commit_ops", ("fused", "torch"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be " + " or ".join(map(repr, allowed))
+                                 + f", got {getattr(self, name)!r}")
+        for name in ("round_overhead", "graph_mask_patch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        cap = self.graph_mask_cap
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"graph_mask_cap must be an integer >= 1, got {cap!r}")
+
+
+CURRENT = Switches()
+ERROR: Optional[str] = None      # why DDTREE_SWITCHES was refused in this process (env_vars.check raises it)
+
+
+def parse(text: str) -> Switches:
+    """A JSON object of :class:`Switches` fields -> Switches; ValueError (one line) otherwise."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{ENV} is not JSON ({e}): {text!r}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{ENV} must be a JSON object, got {text!r}")
+    names = {f.name for f in dataclasses.fields(Switches)}
+    unknown = sorted(set(obj) - names)
+    if unknown:
+        raise ValueError(f"{ENV}: unknown switch {unknown[0]!r} (known: {', '.join(sorted(names))})")
+    try:
+        return Switches(**obj)
+    except ValueError as e:
+        raise ValueError(f"{ENV}: {e}") from None
+
+
+def to_env(**fields) -> str:
+    """The ``DDTREE_SWITCHES`` value that sets these fields (checked here, as the plugin will)."""
+    Switches(**fields)
+    return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in sorted(fields.items())})
+
+
+def register_from_environment(env: Optional[Mapping[str, str]] = None) -> None:
+    """The A/B's / test bed's plugin entry: :data:`CURRENT` from ``env[DDTREE_SWITCHES]`` (unset or
+    empty: the defaults).  A bad value leaves the defaults and is kept in :data:`ERROR`."""
+    global CURRENT, ERROR
+    env = os.environ if env is None else env
+    raw = (env.get(ENV) or "").strip()
+    if not raw:
+        CURRENT, ERROR = Switches(), None
+        return
+    try:
+        CURRENT, ERROR = parse(raw), None
+    except ValueError as e:
+        CURRENT, ERROR = Switches(), str(e)
+        raise
+
+
+def describe(sw: Optional[Switches] = None) -> Optional[str]:
+    """The switches that differ from the defaults, as ``name=value`` pairs; None when none do."""
+    sw = CURRENT if sw is None else sw
+    diff = [f"{f.name}={getattr(sw, f.name)!r}" for f in dataclasses.fields(Switches)
+            if getattr(sw, f.name) != f.default]
+    return ", ".join(diff) if diff else None
+
+
+def write_plugin(folder: str) -> str:
+    """Make ``folder`` an entry-point folder that loads :func:`register_from_environment` as the
+    SGLang plugin ``ddtree_switches``; put the returned path first on a server's ``PYTHONPATH``."""
+    info = os.path.join(folder, "ddtree_switches-0.0.0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: ddtree-switches\nVersion: 0.0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write(f"[sglang.srt.plugins]\n{PLUGIN_NAME} = sglang_ddtree.switches:register_from_environment\n")
+    return folder
