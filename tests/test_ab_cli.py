@@ -122,10 +122,12 @@ def test_wrapper_runs_the_same_cli():
 
 
 def _copy_installed_layout(dst):
-    """sglang_ddtree/__init__.py + sglang_ddtree/ab/ as a wheel lays them out, with no checkout around."""
+    """sglang_ddtree/__init__.py, switches.py + sglang_ddtree/ab/ as a wheel lays them out, with no
+    checkout around."""
     pkg = dst / "sglang_ddtree"
     (pkg / "ab").mkdir(parents=True)
     shutil.copy(os.path.join(REPO, "sglang_ddtree", "__init__.py"), pkg)
+    shutil.copy(os.path.join(REPO, "sglang_ddtree", "switches.py"), pkg)   # the arms' switches (pure Python)
     for f in os.listdir(os.path.join(REPO, "sglang_ddtree", "ab")):
         if f.endswith(".py"):
             shutil.copy(os.path.join(REPO, "sglang_ddtree", "ab", f), pkg / "ab")

@@ -141,9 +141,10 @@ def test_eager_verify_declines_the_graph_only_inside_and_restores():
 def test_mask_capacity_test_switch(monkeypatch):
     import torch
     buf = torch.zeros(1000, dtype=torch.uint8)
-    monkeypatch.delenv(W._GRAPH_MASK_CAP_ENV, raising=False)
+    from sglang_ddtree import switches
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches())
     assert W._graph_mask_capacity(buf) == 1000
-    monkeypatch.setenv(W._GRAPH_MASK_CAP_ENV, "300")
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(graph_mask_cap=300))   # the test bed's maskcap300
     assert W._graph_mask_capacity(buf) == 300
-    monkeypatch.setenv(W._GRAPH_MASK_CAP_ENV, "5000")
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(graph_mask_cap=5000))
     assert W._graph_mask_capacity(buf) == 1000
