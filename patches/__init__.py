@@ -17,11 +17,11 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 * ``dflash_prepare_for_decode``, ``alloc_len_per_decode``, ``req_to_token_extra_context_len``: a
   DDTREE round may touch ``max(2N, N + B)`` KV slots past the committed length
   (``sglang_ddtree/reservation.py``): reserve, account for and size rows by that, not ``2N``.
-* ``triton_verify_attention``: unless ``SGLANG_DDTREE_VERIFY_ATTN=sglang`` (and the drafter's block
-  left to SGLang, the default), the target's TARGET_VERIFY attention on the triton backend runs our
-  tree-verify kernel with the round's bitmask instead of ``extend_attention_fwd`` with a FULL_MASK
-  (where it covers the target: ``auto``, the default); with ``SGLANG_DDTREE_DRAFT_ATTN=auto|ddtree``
-  also the drafter's block forward, with an all-set bitmask.
+* ``triton_verify_attention``: unless ``SGLANG_DDTREE_VERIFY_ATTN=sglang``, the target's
+  TARGET_VERIFY attention on the triton backend runs our tree-verify kernel with the round's
+  bitmask instead of ``extend_attention_fwd`` with a FULL_MASK (where it covers the target:
+  ``auto``, the default); with the A/B switch ``draft_attn=auto|ddtree`` also the drafter's block
+  forward, with an all-set bitmask.  Every call on a backend without our state goes to SGLang's.
 * ``triton_cuda_graph_state``: a DDTREE target's verify graphs do not allocate the decode kernel's
   split-KV scratch for each of their ``max_bs * N`` rows (16.8 MB a row at Kimi K2's MLA widths).
 * ``mem_fraction_default``: remember whether ``--mem-fraction-static`` was given, so the adaptive

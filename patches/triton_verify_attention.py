@@ -16,10 +16,11 @@ accept / commit after it is unchanged), then ``tree_verify_attention`` (GQA / MH
 ``tree_verify_attention_mla`` (absorbed MLA: q = cat(q_nope W_kc, q_pe), one latent cache
 ``[S, 1, kv_lora_rank + rope]``) from the cache.  Every other call -- the drafter's backend (it runs
 TARGET_VERIFY too, on its own backend object, which never carries the state), prefill, decode,
-other algorithms -- goes to SGLang's ``forward_extend`` unchanged.  The switch off: not installed.
+other algorithms -- goes to SGLang's ``forward_extend`` unchanged (with ``sglang`` no backend
+carries a state, so every call does).
 
-The drafter's block (``SGLANG_DDTREE_DRAFT_ATTN=auto|ddtree``, off by default; not yet served on the
-GPU): the worker may also attach a state to the drafter's backend, with every bit of its
+The drafter's block (the A/B switch ``draft_attn=auto|ddtree``, off by default; not yet served on
+the GPU): the worker may also attach a state to the drafter's backend, with every bit of its
 ``[max_bs, block, ceil(block/32)]`` bitmask set once at start-up.  The drafter's block forward is a
 TARGET_VERIFY on that backend whose layers are ENCODER_ONLY (SGLang runs ``extend_attention_fwd``
 with causal off and no mask: each block query sees the whole context and the whole block), so this
@@ -56,8 +57,6 @@ score_mod=None, aux_tensors=None)`` at line 1207, its KV write through ``_set_kv
 """
 from __future__ import annotations
 
-import os
-
 TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 CHECKED_SGLANG_VERSIONS = ("0.5.16",)
 
@@ -77,10 +76,7 @@ def tree_verify_forward_extend(original, self, *args, **kwargs):
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ddtree.verify_attn_hook import hook_wanted
-
-    if not hook_wanted(os.environ):
-        # SGLANG_DDTREE_VERIFY_ATTN=sglang and the drafter's block left to SGLang (the default):
-        # SGLang's forward_extend, unwrapped (a bad value installs it and is refused by the worker)
-        return
+    # Installed in every process (also with SGLANG_DDTREE_VERIFY_ATTN=sglang: the A/B's draft_attn
+    # switch may be applied by a plugin that runs after this one); a backend without our state -- the
+    # only kind there is then -- goes to SGLang's forward_extend unchanged.
     HookRegistry.register(TARGET, tree_verify_forward_extend, HookType.AROUND)

@@ -4,21 +4,20 @@ The default (issue 39 item 1): with no DDTree setting, a round chooses among the
 :func:`default_budgets` derives from the server's budget (the widest: ``--speculative-num-draft-tokens``
 - 1, else ``config.default_budget`` of the drafter's block) and "no speculation".
 ``SGLANG_DDTREE_ADAPTIVE=0`` is the one switch to a fixed budget (the server's).
-``SGLANG_DDTREE_BUDGETS=7,15,31`` names the tree budgets instead (verify width ``N = budget + 1``);
-the widest must be the server's budget, so SGLang reserves KV, sizes buffers and captures its own
-target graph for the widest width, as for a fixed budget.  ``SGLANG_DDTREE_NO_SPEC=0`` leaves "no
-speculation this round" out (default in): such a round is SGLang's own decode step on a state of
-its own (``plain_decode.py``: DECODE graphs, the user's decode backend) with the drafter's K/V for
-its token written later, batched.  ``SGLANG_DDTREE_PROBE_EVERY=k`` (default 16):
-at most every k-th round runs a wider tree than the chosen one (a probe, paid from 5 % of the
-rounds' cost; :class:`WidthController`) so the counterfactual acceptance of wider widths stays
-measured.  The test-bed / A/B switch ``budget_cycle`` (``switches.py``, e.g. ``(31, 7, 0)``) forces
-the budgets round by round (``0`` = no speculation; each must be in the set), for the GPU lossless
-check and the forced no-speculation arm.
-``SGLANG_DDTREE_AGE_BUCKETS``: the request-age buckets (output tokens emitted) the acceptance is
-estimated in (``budget_policy.BudgetPolicy.update_window``): ``default`` (:data:`DEFAULT_AGE_EDGES`),
-``off`` (one bucket: every request-round pooled, the behaviour before session 22) or ascending
-edges, e.g. ``16,64,256``.
+``SGLANG_DDTREE_BUDGETS=0,7,15,31`` names the budgets instead (verify width ``N = budget + 1``;
+``0`` = no speculation, the one encoding of it in a setting, as in a request's pin); the widest must
+be the server's budget, so SGLang reserves KV, sizes buffers and captures its own target graph for
+the widest width, as for a fixed budget.  A no-speculation round is SGLang's own decode step on a
+state of its own (``plain_decode.py``: DECODE graphs, the user's decode backend) with the
+drafter's K/V for its token written later, batched.  Switches (``switches.py``, the A/B's and the
+test bed's, not server settings): ``probe_every`` (default 16): at most every k-th round runs a
+wider tree than the chosen one (a probe, paid from 5 % of the rounds' cost;
+:class:`WidthController`) so the counterfactual acceptance of wider widths stays measured;
+``budget_cycle`` (e.g. ``(31, 7, 0)``) forces the budgets round by round (each must be in the set),
+for the GPU lossless check and the forced no-speculation arm; ``age_buckets``: the request-age
+buckets (output tokens emitted) the acceptance is estimated in
+(``budget_policy.BudgetPolicy.update_window``): None the default (:data:`DEFAULT_AGE_EDGES`), ``[]``
+one bucket (every request-round pooled) or ascending edges.
 
 A request may pin its rounds' budget: ``"custom_params": {"ddtree_budget": 15}`` in its sampling
 parameters (one of the server's budgets; 0 = no speculation where allowed; anything else is refused
@@ -59,10 +58,7 @@ from .round_stats import CounterfactualWindow
 logger = logging.getLogger(__name__)
 
 ENV_BUDGETS = "SGLANG_DDTREE_BUDGETS"
-ENV_NO_SPEC = "SGLANG_DDTREE_NO_SPEC"
-ENV_PROBE_EVERY = "SGLANG_DDTREE_PROBE_EVERY"
 CYCLE_SWITCH = "switch budget_cycle"           # switches.Switches.budget_cycle, named in messages
-ENV_AGE_BUCKETS = "SGLANG_DDTREE_AGE_BUCKETS"   # default | off | ascending edges (output tokens)
 ENV_ADAPTIVE = "SGLANG_DDTREE_ADAPTIVE"         # 1 (default) | 0: the server's budget, fixed
 DEFAULT_LADDER = (7, 15, 31)                    # budgets below the widest in the default set
 MIN_FREE_GB = 2.0   # the default set builds a width only with this much (or twice the largest state) free
@@ -72,7 +68,7 @@ MIN_FREE_GB = 2.0   # the default set builds a width only with this much (or twi
 # acceptance_by_age_chain_cpu.md); the pooled estimate fills buckets with few request-rounds
 DEFAULT_AGE_EDGES = (4, 6, 9, 14, 20, 30, 45, 68, 100, 150, 230, 340, 510, 770, 1150, 1730, 2600, 3900,
                      5800, 8800, 13000, 20000, 30000, 45000, 68000, 100000)
-DEFAULT_PROBE_EVERY = 16
+DEFAULT_PROBE_EVERY = switches.Switches.probe_every
 PREDICT_EVERY = 4        # a tree round narrower than the widest predicts every width on every k-th round
 DRAFT_PROBE_SHARE = 0.005  # a no-speculation stretch pays draft-only probes from 0.5 % of its rounds' time
 CLOSE_DRAFT_PROBE_SHARE = 0.01   # ... 1 % while a tree width could win at PROBE_OPTIMISM x its estimate
@@ -87,7 +83,7 @@ class AdaptiveConfig:
     probe_every: int
     cycle: Optional[Tuple[int, ...]] = None
     overhead: bool = True   # measure the per-round overhead outside the cost table (switch round_overhead)
-    age_edges: Tuple[int, ...] = DEFAULT_AGE_EDGES   # request-age buckets (ENV_AGE_BUCKETS)
+    age_edges: Tuple[int, ...] = DEFAULT_AGE_EDGES   # request-age buckets (switch age_buckets)
     implicit: bool = False  # the default set (no budget setting given): a server without CUDA graphs
                             # then runs the fixed budget instead of refusing to start
 
@@ -122,7 +118,7 @@ def register_served(algo: str, budget: int, cfg: Optional["AdaptiveConfig"]) -> 
 
 def allowed_request_budgets(budget: int, cfg: Optional["AdaptiveConfig"]) -> List[int]:
     """The values ``custom_params["ddtree_budget"]`` may take on a server: its fixed budget, or the
-    adaptive set (0 = no speculation, unless ``SGLANG_DDTREE_NO_SPEC=0``)."""
+    adaptive set (0 = no speculation, when the set has it)."""
     if cfg is None:
         return [int(budget)]
     return ([0] if cfg.no_spec else []) + list(cfg.budgets)
@@ -145,7 +141,7 @@ def request_budget_error(custom_params, served=None) -> Optional[str]:
                 f"got {val!r}")
     if val not in allowed:
         how = ("the server's fixed budget; launch with SGLANG_DDTREE_BUDGETS for a set"
-               if cfg is None else "the adaptive budgets; 0 = no speculation unless SGLANG_DDTREE_NO_SPEC=0")
+               if cfg is None else "the adaptive budgets; 0 = no speculation when the set has it")
         return (f"{algo}: custom_params.{REQUEST_BUDGET_KEY}={val} is not a budget this server runs: "
                 f"allowed {allowed} ({how})")
     return None
@@ -184,71 +180,62 @@ def default_budgets(budget: int) -> List[int]:
 
 def parse_config(env: Mapping[str, str], *, budget: int, algo: str,
                  sw: Optional["switches.Switches"] = None) -> Optional[AdaptiveConfig]:
-    """The adaptive settings from ``env`` (unset: the default set, :func:`default_budgets` + no
-    speculation), or None for a fixed budget (``SGLANG_DDTREE_ADAPTIVE=0``, or one budget and no
-    speculation).  ``budget``: the server's resolved tree budget; ``sw``: the A/B / test-bed
-    switches (default ``switches.CURRENT``: its forced budget cycle and overhead term).  Raises
-    ValueError, one line."""
+    """The adaptive settings: ``SGLANG_DDTREE_BUDGETS`` lists the budgets a round may choose among
+    (``0`` = no speculation; unset: the default set, :func:`default_budgets` + no speculation), or
+    None for a fixed budget (``SGLANG_DDTREE_ADAPTIVE=0``, or a list of one tree budget).
+    ``budget``: the server's resolved tree budget, the widest; ``sw``: the A/B / test-bed switches
+    (default ``switches.CURRENT``: the forced budget cycle, the overhead term, the probe spacing,
+    the age buckets).  Raises ValueError, one line."""
     sw = switches.CURRENT if sw is None else sw
     raw = (env.get(ENV_BUDGETS) or "").strip()
-    raw_ns = (env.get(ENV_NO_SPEC) or "").strip()
-    raw_cycle = ",".join(map(str, sw.budget_cycle)) if sw.budget_cycle is not None else ""
-    raw_probe = (env.get(ENV_PROBE_EVERY) or "").strip()
+    cycle = sw.budget_cycle
     raw_on = (env.get(ENV_ADAPTIVE) or "1").strip()
     if raw_on not in ("0", "1"):
         raise ValueError(f"{algo}: {ENV_ADAPTIVE} must be 0 or 1, got {raw_on!r}")
     if raw_on == "0":
-        given = [n for n, v in ((ENV_BUDGETS, raw), (ENV_NO_SPEC, raw_ns), (CYCLE_SWITCH, raw_cycle)) if v]
+        given = [n for n, v in ((ENV_BUDGETS, raw), (CYCLE_SWITCH, cycle)) if v]
         if given:
             raise ValueError(f"{algo}: {ENV_ADAPTIVE}=0 (a fixed budget) contradicts {given[0]}; "
                              "drop one of them")
         return None
-    if raw_ns not in ("", "0", "1"):
-        raise ValueError(f"{algo}: {ENV_NO_SPEC} must be 0 or 1, got {raw_ns!r}")
-    no_spec = raw_ns != "0"
-    implicit = not (raw or raw_ns or raw_cycle)
-    budgets = _int_list(algo, ENV_BUDGETS, raw) if raw else default_budgets(budget)
-    bad = [b for b in budgets if not MIN_BUDGET <= b <= MAX_BUDGET]
-    if bad:
-        raise ValueError(f"{algo}: {ENV_BUDGETS}={raw}: every budget must be in [{MIN_BUDGET}, "
-                         f"{MAX_BUDGET}], got {bad[0]}")
-    if len(set(budgets)) != len(budgets):
-        raise ValueError(f"{algo}: {ENV_BUDGETS}={raw} lists a budget twice")
-    budgets = sorted(budgets)
+    implicit = not (raw or cycle)
+    if raw:
+        listed = _int_list(algo, ENV_BUDGETS, raw)
+        bad = [b for b in listed if b != 0 and not MIN_BUDGET <= b <= MAX_BUDGET]
+        if bad:
+            raise ValueError(f"{algo}: {ENV_BUDGETS}={raw}: every budget must be 0 (no speculation) or "
+                             f"in [{MIN_BUDGET}, {MAX_BUDGET}], got {bad[0]}")
+        if len(set(listed)) != len(listed):
+            raise ValueError(f"{algo}: {ENV_BUDGETS}={raw} lists a budget twice")
+        no_spec = 0 in listed
+        budgets = sorted(b for b in listed if b)
+        if not budgets:
+            raise ValueError(f"{algo}: {ENV_BUDGETS}={raw} names no tree budget (0 is no speculation): "
+                             "list the tree budgets too, or serve without a speculative algorithm")
+    else:
+        no_spec, budgets = True, default_budgets(budget)
     if budgets[-1] != budget:
         raise ValueError(f"{algo}: {ENV_BUDGETS}={raw}: the widest budget {budgets[-1]} must be the "
                          f"server's tree budget {budget}; launch with --speculative-num-draft-tokens "
                          f"{budgets[-1] + 1} (= widest budget + 1)")
-    probe = DEFAULT_PROBE_EVERY
-    if raw_probe:
-        try:
-            probe = int(raw_probe)
-        except ValueError:
-            probe = 0
-        if probe < 1:
-            raise ValueError(f"{algo}: {ENV_PROBE_EVERY} must be an integer >= 1, got {raw_probe!r}")
-    raw_age = (env.get(ENV_AGE_BUCKETS) or "default").strip()
-    if raw_age == "default":
+    if sw.age_buckets is None:
         age_edges = DEFAULT_AGE_EDGES
-    elif raw_age == "off":
-        age_edges = ()
+    elif not sw.age_buckets:
+        age_edges = ()                # one bucket: every request-round pooled
     else:
-        listed = _int_list(algo, ENV_AGE_BUCKETS, raw_age)
         try:
-            age_edges = check_age_edges(listed)
+            age_edges = check_age_edges(list(sw.age_buckets))
         except ValueError as e:
-            raise ValueError(f"{algo}: {ENV_AGE_BUCKETS}={raw_age}: {e} (or 'default' / 'off')") from None
-    cycle = None
-    if raw_cycle:
-        cycle = tuple(sw.budget_cycle)
+            raise ValueError(f"{algo}: switch age_buckets={list(sw.age_buckets)}: {e}") from None
+    if cycle is not None:
         allowed = set(budgets) | ({0} if no_spec else set())
         off = [c for c in cycle if c not in allowed]
         if off:
-            raise ValueError(f"{algo}: {CYCLE_SWITCH}={raw_cycle}: {off[0]} is not one of the "
-                             f"budgets {sorted(allowed)} (0 needs {ENV_NO_SPEC}=1)")
+            raise ValueError(f"{algo}: {CYCLE_SWITCH}={list(cycle)}: {off[0]} is not one of the "
+                             f"budgets {sorted(allowed)} (0 needs 0 in {ENV_BUDGETS})")
     if not no_spec and len(budgets) == 1 and cycle is None:
         return None   # one budget, no alternative: the fixed path
-    return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=probe, cycle=cycle,
+    return AdaptiveConfig(budgets=tuple(budgets), no_spec=no_spec, probe_every=sw.probe_every, cycle=cycle,
                           overhead=sw.round_overhead, age_edges=age_edges, implicit=implicit)
 
 

@@ -3,7 +3,7 @@
 SGLang 0.5.16 has no hook for new CLI flags, so DDTree reuses existing ones:
 
 * ``--speculative-num-draft-tokens N`` = the verify width = ``budget + 1`` tree slots (the root is the
-  previous round's bonus token).  Or ``SGLANG_DDTREE_BUDGET=<budget>`` (then N = budget + 1).
+  previous round's bonus token); unset: :func:`default_budget` of the drafter's block.
 * the draft depth comes from the drafter: ``block_size - 1`` (its ``dflash_config.block_size``, or
   ``--speculative-dflash-block-size``).
 * ``SGLANG_DDTREE_TOPK``: per-depth top-k.  Default ``min(budget, vocab)``: the exact DDTree
@@ -19,7 +19,6 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
-ENV_BUDGET = "SGLANG_DDTREE_BUDGET"
 ENV_TOPK = "SGLANG_DDTREE_TOPK"
 
 MIN_BUDGET = 1
@@ -88,7 +87,6 @@ def resolve_settings(*, algo: str, num_draft_tokens: Optional[int], block_size: 
     if block_size < 2:
         raise ValueError(f"{algo}: the drafter's block size must be >= 2 (root + at least one "
                          f"drafted position), got {block_size}")
-    env_budget = _env_int(env, ENV_BUDGET)
     if num_draft_tokens is not None:
         n = int(num_draft_tokens)
         if n < MIN_BUDGET + 1:
@@ -96,12 +94,6 @@ def resolve_settings(*, algo: str, num_draft_tokens: Optional[int], block_size: 
                 f"{algo}: --speculative-num-draft-tokens is the verify width = tree budget + 1 "
                 f"(root included) and must be >= {MIN_BUDGET + 1}, got {n}")
         budget = n - 1
-        if env_budget is not None and env_budget != budget:
-            raise ValueError(
-                f"{algo}: {ENV_BUDGET}={env_budget} disagrees with --speculative-num-draft-tokens="
-                f"{n} (= budget {budget} + 1); set one of them")
-    elif env_budget is not None:
-        budget = env_budget
     else:
         budget = default_budget(block_size)
     if not MIN_BUDGET <= budget <= MAX_BUDGET:

@@ -23,17 +23,11 @@ PREFIX = "SGLANG_DDTREE_"
 
 VARIABLES = {
     "SGLANG_DDTREE_ADAPTIVE": "user",
-    "SGLANG_DDTREE_BUDGET": "user",
     "SGLANG_DDTREE_LOGPROBS": "user",
     "SGLANG_DDTREE_ALLOW_UNCHECKED_SGLANG": "user",
     "SGLANG_DDTREE_BUDGETS": "tuning",
-    "SGLANG_DDTREE_NO_SPEC": "tuning",
-    "SGLANG_DDTREE_PROBE_EVERY": "tuning",
-    "SGLANG_DDTREE_AGE_BUCKETS": "tuning",
     "SGLANG_DDTREE_TOPK": "tuning",
     "SGLANG_DDTREE_VERIFY_ATTN": "tuning",
-    "SGLANG_DDTREE_VERIFY_ATTN_SPLITS": "tuning",
-    "SGLANG_DDTREE_DRAFT_ATTN": "tuning",
     "SGLANG_DDTREE_STATS_FILE": "diagnostic",
     "SGLANG_DDTREE_STATS_EVERY": "diagnostic",
     "SGLANG_DDTREE_PROFILE_FILE": "diagnostic",
@@ -50,6 +44,14 @@ REMOVED = {
     "SGLANG_DDTREE_TEST_BUDGET_CYCLE": _SWITCH.format("budget_cycle; A/B arm suffix _nospec"),
     "SGLANG_DDTREE_TEST_GRAPH_MASK_CAP": _SWITCH.format("graph_mask_cap"),
     "SGLANG_DDTREE_TEST_UNPATCHED_GRAPH": _SWITCH.format("graph_mask_patch"),
+    "SGLANG_DDTREE_PROBE_EVERY": _SWITCH.format("probe_every"),
+    "SGLANG_DDTREE_AGE_BUCKETS": _SWITCH.format("age_buckets"),
+    "SGLANG_DDTREE_VERIFY_ATTN_SPLITS": _SWITCH.format("verify_attn_splits"),
+    "SGLANG_DDTREE_DRAFT_ATTN": _SWITCH.format("draft_attn; A/B arm suffix _dattn"),
+    "SGLANG_DDTREE_BUDGET": ("no longer read: the tree budget is --speculative-num-draft-tokens N "
+                             "(budget N - 1; the widest with the adaptive default)"),
+    "SGLANG_DDTREE_NO_SPEC": ("no longer read: no speculation is budget 0 in SGLANG_DDTREE_BUDGETS "
+                              "(e.g. 0,7,15,31; left out, no round skips speculation)"),
 }
 FILES = ("SGLANG_DDTREE_STATS_FILE", "SGLANG_DDTREE_PROFILE_FILE", "SGLANG_DDTREE_SYNC_CHECK_FILE")
 
@@ -125,7 +127,7 @@ def unknown(env: Mapping[str, str]) -> Optional[str]:
 def check(env: Mapping[str, str], *, algo: str, budget: int):
     """Every ``SGLANG_DDTREE_*`` value of ``env`` through its parser (see the module docstring);
     returns the adaptive configuration (``adaptive.parse_config``: None for a fixed budget).
-    ``SGLANG_DDTREE_BUDGET`` / ``_TOPK`` are resolved before (``config.resolve_settings``).  Raises
+    ``SGLANG_DDTREE_TOPK`` is resolved before (``config.resolve_settings``).  Raises
     ValueError, one line."""
     from . import adaptive, logprobs, switches, verify_attn_hook
     from .profiling import ENV_EVERY as PROFILE_EVERY
@@ -138,8 +140,6 @@ def check(env: Mapping[str, str], *, algo: str, budget: int):
         raise ValueError(f"{algo}: {switches.ERROR}")
     cfg = adaptive.parse_config(env, budget=budget, algo=algo)
     verify_attn_hook.mode(env, algo)
-    verify_attn_hook.draft_mode(env, algo)
-    verify_attn_hook.splits_override(env, algo)
     logprobs.enabled(env, algo)
     positive_int(env, STATS_EVERY, 64, algo)
     positive_int(env, PROFILE_EVERY, 64, algo)

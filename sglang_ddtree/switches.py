@@ -39,7 +39,13 @@ class Switches:
     measured per-round overhead out; graph_mask_cap: pretend the target's CUDA-graph mask buffer
     holds this many elements (the eager-verify fallback at test-bed sizes); graph_mask_patch: False
     leaves the tree mask out of captured verify graphs (``patches/decode_graph_spec_info.py``: the
-    wrong-output bug the text pair must catch)."""
+    wrong-output bug the text pair must catch).  Tuning kept out of the user's settings (their
+    defaults are what was measured): probe_every: at most every k-th adaptive round is a probe
+    (``adaptive.WidthController``); age_buckets: the request-age bucket edges (output tokens) of
+    the acceptance estimate, None the default edges, ``[]`` one pooled bucket; verify_attn_splits:
+    our verify attention's prefix split count (1-64; None: from the context length); draft_attn:
+    the drafter's block forward through our kernel (``sglang`` off, ``auto`` where it covers,
+    ``ddtree`` or a start-up error; A/B arm suffix ``_dattn``)."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
     kv_commit: str = "remap"
@@ -47,6 +53,10 @@ class Switches:
     round_overhead: bool = True
     graph_mask_cap: Optional[int] = None
     graph_mask_patch: bool = True
+    probe_every: int = 16
+    age_buckets: Optional[Tuple[int, ...]] = None
+    verify_attn_splits: Optional[int] = None
+    draft_attn: str = "sglang"
 
     def __post_init__(self):
         if self.budget_cycle is not None:
@@ -55,16 +65,31 @@ class Switches:
                     or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in cyc)):
                 raise ValueError(f"budget_cycle must be a non-empty list of integers >= 0, got {cyc!r}")
             object.__setattr__(self, "budget_cycle", tuple(cyc))
-        for name, allowed in (("kv_commit", ("remap", "move")), ("commit_ops", ("fused", "torch"))):
+        for name, allowed in (("kv_commit", ("remap", "move")), ("commit_ops", ("fused", "torch")),
+                              ("draft_attn", ("sglang", "auto", "ddtree"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be " + " or ".join(map(repr, allowed))
                                  + f", got {getattr(self, name)!r}")
         for name in ("round_overhead", "graph_mask_patch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        cap = self.graph_mask_cap
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"graph_mask_cap must be an integer >= 1, got {cap!r}")
+        for name, hi in (("graph_mask_cap", None), ("probe_every", None), ("verify_attn_splits", 64)):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or n < 1 or (hi is not None and n > hi)):
+                span = f"in [1, {hi}]" if hi is not None else ">= 1"
+                raise ValueError(f"{name} must be an integer {span}, got {n!r}")
+        if self.probe_every is None:
+            raise ValueError("probe_every must be an integer >= 1, got None")
+        edges = self.age_buckets
+        if edges is not None:
+            if (not isinstance(edges, (tuple, list)) or not all(_is_int(e) and e >= 1 for e in edges)
+                    or any(b <= a for a, b in zip(edges, edges[1:]))):
+                raise ValueError(f"age_buckets must be ascending integers >= 1 ([] = one bucket), got {edges!r}")
+            object.__setattr__(self, "age_buckets", tuple(edges))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 CURRENT = Switches()

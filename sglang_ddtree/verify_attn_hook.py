@@ -15,7 +15,7 @@ budget).  :func:`enable` refuses (ValueError) what the hook does not cover and a
 :func:`forward_tree_verify` (the tree's K/V written into the cache exactly as SGLang does, then
 ``tree_verify_attention`` / ``tree_verify_attention_mla`` over the cache with the round's bitmask);
 every other call (the drafter's backend, which also runs TARGET_VERIFY, prefill, other servers) goes
-to SGLang's code unchanged -- unless ``SGLANG_DDTREE_DRAFT_ATTN`` (off by default) attached an
+to SGLang's code unchanged -- unless the A/B switch ``draft_attn`` (off by default) attached an
 ``all_visible`` state to the drafter's backend: its block forward (ENCODER_ONLY layers, each block
 query sees the whole context and block) then runs the same kernel with every bit set.
 
@@ -38,7 +38,6 @@ from typing import List, Mapping, Optional
 import torch
 
 ENV = "SGLANG_DDTREE_VERIFY_ATTN"
-ENV_SPLITS = "SGLANG_DDTREE_VERIFY_ATTN_SPLITS"
 STATE_ATTR = "_ddtree_verify_attn"
 MODES = ("auto", "ddtree", "sglang")
 DEFAULT_MODE = "auto"
@@ -47,9 +46,9 @@ DEFAULT_MODE = "auto"
 # The drafter's block forward (DFLASH's, which DDTREE runs: TARGET_VERIFY on the drafter's own backend,
 # every layer ENCODER_ONLY, so each block query sees the whole context and the whole block) through
 # the same kernel with an all-set bitmask.  Off by default until it is served on the GPU host: at 32k
-# prompts that forward costs 11.5 ms a round in SGLang's extend kernel (scale_h200 run 14).
-DRAFT_ENV = "SGLANG_DDTREE_DRAFT_ATTN"
-DRAFT_DEFAULT_MODE = "sglang"
+# prompts that forward costs 11.5 ms a round in SGLang's extend kernel (scale_h200 run 14).  The A/B
+# switch draft_attn (switches.py; arm suffix _dattn) turns it on; not a server setting yet.
+DRAFT_SWITCH = "switch draft_attn"
 
 
 def _mode(var: str, default: str, env: Optional[Mapping[str, str]], algo: str) -> str:
@@ -66,20 +65,13 @@ def mode(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> str:
     return _mode(ENV, DEFAULT_MODE, env, algo)
 
 
-def draft_mode(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> str:
-    """``SGLANG_DDTREE_DRAFT_ATTN``: ``"sglang"`` (unset / empty: the drafter's block attention in
-    SGLang's kernel), ``"auto"`` (ours where it covers the drafter, SGLang's otherwise) or
-    ``"ddtree"`` (ours or a start-up error); ValueError otherwise."""
-    return _mode(DRAFT_ENV, DRAFT_DEFAULT_MODE, env, algo)
+def draft_mode() -> str:
+    """The switch ``draft_attn``: ``"sglang"`` (default: the drafter's block attention in SGLang's
+    kernel), ``"auto"`` (ours where it covers the drafter, SGLang's otherwise) or ``"ddtree"`` (ours
+    or a start-up error)."""
+    from . import switches
 
-
-def hook_wanted(env: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether ``patches/triton_verify_attention.py`` installs the hook: the target's verify or the
-    drafter's block may run our kernel (a bad value installs it: the worker refuses it at start-up)."""
-    try:
-        return enabled(env) or draft_mode(env) != "sglang"
-    except ValueError:
-        return True
+    return switches.CURRENT.draft_attn
 
 
 def enabled(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> bool:
@@ -104,7 +96,7 @@ class VerifyAttnState:
     num_splits: int
     use_mla: bool
     calls: int = 0           # hooked layer calls (host counter; tests and logs)
-    splits_fixed: bool = False   # SGLANG_DDTREE_VERIFY_ATTN_SPLITS set: every batch uses num_splits
+    splits_fixed: bool = False   # switch verify_attn_splits set: every batch uses num_splits
     all_visible: bool = False    # the drafter's block: every bit set at start-up, never rewritten
 
     def splits_for(self, bs: int, M: int, Hkv: int, d1: int, dv: int) -> int:
@@ -210,20 +202,20 @@ def backend_problems(backend, model, all_visible: bool = False) -> List[str]:
     return why + _layer_problems(model, all_visible)
 
 
-def splits_override(env: Optional[Mapping[str, str]] = None, algo: str = "DDTREE") -> Optional[int]:
-    """``SGLANG_DDTREE_VERIFY_ATTN_SPLITS``: an integer in [1, 64], None when unset (ValueError else)."""
-    from .env_vars import positive_int
+def splits_override() -> Optional[int]:
+    """The switch ``verify_attn_splits``: an integer in [1, 64], None when not set."""
+    from . import switches
 
-    return positive_int(os.environ if env is None else env, ENV_SPLITS, None, algo, hi=64)
+    return switches.CURRENT.verify_attn_splits
 
 
-def default_splits(backend, env: Optional[Mapping[str, str]] = None) -> int:
+def default_splits(backend) -> int:
     """Prefix splits: the kernel's rule on the context length, capped so the workspace fits the
-    backend's own decode buffers (``max_kv_splits`` per head); ``SGLANG_DDTREE_VERIFY_ATTN_SPLITS``
+    backend's own decode buffers (``max_kv_splits`` per head); the switch ``verify_attn_splits``
     overrides (a larger workspace is then allocated per call)."""
     from sglang_ddtree.kernels.tree_verify_attention import default_num_splits
 
-    n = splits_override(env)
+    n = splits_override()
     if n is not None:
         return n
     cap = max(1, int(getattr(backend, "max_kv_splits", 2)) - 1)
@@ -246,7 +238,7 @@ def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]
     ``model``: the target's nn.Module (its RadixAttention layers are checked).  ``all_visible``: the
     drafter's backend and model instead: its block forward of ``num_verify`` tokens, every query
     seeing the whole context and block (the bitmask set once, here)."""
-    var = DRAFT_ENV if all_visible else ENV
+    var = DRAFT_SWITCH if all_visible else ENV
     why = backend_problems(backend, model, all_visible)
     if why:
         what = "the drafter's block attention" if all_visible else "this target's verify"
@@ -260,10 +252,8 @@ def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]
         words = all_set_words(max_bs, N, backend.device)
     else:
         words = torch.zeros((max_bs, N, (N + 31) // 32), dtype=torch.int32, device=backend.device)
-    env_ = os.environ if env is None else env
-    state = VerifyAttnState(num_verify=N, mask_words=words, num_splits=default_splits(backend, env),
-                            use_mla=bool(backend.use_mla),
-                            splits_fixed=bool((env_.get(ENV_SPLITS) or "").strip()),
+    state = VerifyAttnState(num_verify=N, mask_words=words, num_splits=default_splits(backend),
+                            use_mla=bool(backend.use_mla), splits_fixed=splits_override() is not None,
                             all_visible=all_visible)
     setattr(backend, STATE_ATTR, state)
     return state

@@ -203,16 +203,16 @@ def enable_tree_verify_attention(attn_backend, model_runner, algo: str, drafter_
 
 def enable_draft_block_attention(drafter_backend, draft_model, block_size: int, req_to_token,
                                  algo: str, target_backend=None):
-    """Our kernel for the drafter's block forward (``SGLANG_DDTREE_DRAFT_ATTN``, off by default):
+    """Our kernel for the drafter's block forward (the A/B switch ``draft_attn``, off by default):
     the state (an all-set bitmask of ``block_size`` columns) on the backend the drafter's
     TARGET_VERIFY runs on; None when off, or under ``auto`` when not covered (the reason logged).
     ``req_to_token``: the pool the worker addresses the block's KV slots with; the drafter's backend
     must read the same one (the kernel finds prefix and block slots there).  ``=ddtree``: what is not
     covered is a ValueError."""
-    m = verify_attn_hook.draft_mode(os.environ, algo)
+    m = verify_attn_hook.draft_mode()
     if m == "sglang":
         return None
-    var, what = verify_attn_hook.DRAFT_ENV, "drafter block attention"
+    var, what = verify_attn_hook.DRAFT_SWITCH, "drafter block attention"
 
     def enable():
         if drafter_backend is None or draft_model is None:
@@ -387,7 +387,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._commit_backend = commit_ops_backend(switches.CURRENT, self.tree_backend)
         if switches.describe() and getattr(ps, "tp_rank", 0) == 0:
             logger.info("%s %s", switches.LOG_TAG, switches.describe())
-        # adaptive budget (issue 17): None unless SGLANG_DDTREE_BUDGETS / _NO_SPEC ask for it; the
+        # adaptive budget (issues 17, 39): the default set, SGLANG_DDTREE_BUDGETS', or None (fixed); the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
         self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
         # what a request may pin with custom_params["ddtree_budget"] (checked at admission)
@@ -434,7 +434,7 @@ class DDTreeWorker(DFlashWorkerV2):
         draft_runner = getattr(self, "draft_model_runner", None)
         enable_tree_verify_attention(backend, self._target_worker.model_runner, self.algo_name,
                                      getattr(draft_runner, "attn_backend", None))
-        if verify_attn_hook.draft_mode(os.environ, self.algo_name) != "sglang":   # off by default
+        if verify_attn_hook.draft_mode() != "sglang":   # off by default
             enable_draft_block_attention(getattr(draft_runner, "attn_backend", None),
                                          getattr(draft_runner, "model", None), self.block_size,
                                          self._target_worker.model_runner.req_to_token_pool.req_to_token,
@@ -485,7 +485,7 @@ class DDTreeWorker(DFlashWorkerV2):
             adaptive.register_served(algo, self.budget, None)
             return
         if cfg.cycle is None and not use_graphs:
-            raise ValueError(f"{algo}: {adaptive.ENV_BUDGETS} / {adaptive.ENV_NO_SPEC} need the "
+            raise ValueError(f"{algo}: {adaptive.ENV_BUDGETS} needs the "
                              "target's CUDA graphs (the round cost table is measured from their "
                              "replays); drop --disable-cuda-graph")
         free_gb = self._free_gb_reader()

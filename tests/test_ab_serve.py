@@ -215,7 +215,7 @@ def make_launcher(started, broken=(), mismatch=(), incremental=()):
                         + ("SGLang's masked extend kernel (SGLANG_DDTREE_VERIFY_ATTN=sglang)\n"
                            if env.get("SGLANG_DDTREE_VERIFY_ATTN") == "sglang" else
                            "sglang_ddtree tree_verify_attention (bitmask (64, 9, 1), 7 prefix splits)\n"))
-                if env.get("SGLANG_DDTREE_DRAFT_ATTN") == "ddtree":
+                if json.loads(env.get("DDTREE_SWITCHES") or "{}").get("draft_attn") == "ddtree":
                     f.write("[2026-12-02 06:28:52] DDTREE-GPU: drafter block attention = sglang_ddtree "
                             "tree_verify_attention (block 16, all visible, 7 prefix splits)\n")
         return FakeSGLang(int(flag("--port")), algo, nd, mismatch=name in mismatch, incremental=name in incremental,
@@ -271,10 +271,10 @@ def test_parse_arms_and_commands():
     for bad in ("dflash_sglattn", "ddtree_b7_vattn_sglattn"):
         with pytest.raises(ValueError, match="only DDTREE-GPU arms"):
             ab.parse_arms(bad)
-    assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,31" and v["ddtree_auto_vattn"]["auto"]
+    assert v["ddtree_auto_vattn"]["env"]["SGLANG_DDTREE_BUDGETS"] == "0,7,15,31" and v["ddtree_auto_vattn"]["auto"]
     ns = ab.parse_arm("ddtree_auto_nospec")
     assert ns["auto"] and ab.arm_switches(ns) == {"budget_cycle": [0]}
-    assert ns["env"]["SGLANG_DDTREE_NO_SPEC"] == "1" and ns["num_draft_tokens"] == 32
+    assert ns["env"]["SGLANG_DDTREE_BUDGETS"] == "0,7,15,31" and ns["num_draft_tokens"] == 32
     for bad in ("ddtree_b7_nospec", "dflash_nospec", "ddtree_auto_nospec_nospec", "ddtree_b7_nooverhead",
                 "ddtree_auto_nooverhead_nooverhead"):
         with pytest.raises(ValueError):
@@ -773,9 +773,9 @@ def test_ddtree_auto_arm(tmp_path):
     from sglang_ddtree.ab import report, servers
     a = servers.parse_arm("ddtree_auto")
     assert a["auto"] and a["budget"] == 31 and a["num_draft_tokens"] == 32
-    assert a["env"] == {"SGLANG_DDTREE_BUDGETS": "7,15,31", "SGLANG_DDTREE_NO_SPEC": "1"}
+    assert a["env"] == {"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}          # 0: no speculation
     b = servers.parse_arm("ddtree_auto_b63-7-15")
-    assert b["env"]["SGLANG_DDTREE_BUDGETS"] == "7,15,63" and b["num_draft_tokens"] == 64
+    assert b["env"]["SGLANG_DDTREE_BUDGETS"] == "0,7,15,63" and b["num_draft_tokens"] == 64
     for bad in ("ddtree_auto_7-15", "ddtree_auto_bx", "ddtree_autox"):
         with pytest.raises(ValueError):
             servers.parse_arm(bad)
@@ -979,7 +979,7 @@ def test_each_arm_records_its_verify_attention(tmp_path):
     doc = ab.run(args, launcher=make_launcher([]))
     arms = {a["name"]: a for a in doc["arms"]}
     assert "verify_attention" not in arms["base"]
-    # _dattn: the drafter's block through our kernel too (SGLANG_DDTREE_DRAFT_ATTN=ddtree), recorded
+    # _dattn: the drafter's block through our kernel too (switch draft_attn=ddtree), recorded
     assert arms["ddtree_b8_dattn"]["draft_attention"].endswith("(block 16, all visible, 7 prefix splits)")
     assert all("draft_attention" not in arms[n] for n in ("base", "ddtree_b8", "ddtree_b8_sglattn"))
     assert arms["ddtree_b8"]["verify_attention"].startswith("sglang_ddtree tree_verify_attention (bitmask")

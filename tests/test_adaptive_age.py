@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import switches as S
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 
 from helpers import Clock as _Clock
@@ -87,15 +88,17 @@ def test_update_window_argument_checks():
             BudgetPolicy(CostTable(verify_ms={8: {1: 5.0}}, base_ms={1: 2.0}), age_edges=bad)
 
 
-def test_age_bucket_setting():
-    cfg = lambda v: A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15", **({} if v is None else
-                                    {"SGLANG_DDTREE_AGE_BUCKETS": v})}, budget=15, algo="DDTREE-GPU")
-    assert cfg(None).age_edges == A.DEFAULT_AGE_EDGES == cfg("default").age_edges
+def test_age_bucket_switch():
+    """The switch age_buckets (switches.py): None the default edges, [] one pooled bucket, else
+    ascending edges; anything else refused where the switches are made."""
+    cfg = lambda v: A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU",
+                                   sw=S.Switches(age_buckets=v))
+    assert cfg(None).age_edges == A.DEFAULT_AGE_EDGES
     assert list(A.DEFAULT_AGE_EDGES) == sorted(set(A.DEFAULT_AGE_EDGES))
-    assert cfg("off").age_edges == () and cfg(" 16, 64,256 ").age_edges == (16, 64, 256)
-    for bad in ("64,16", "0,8", "8,8", "x"):
-        with pytest.raises(ValueError, match="SGLANG_DDTREE_AGE_BUCKETS"):
-            cfg(bad)
+    assert cfg([]).age_edges == () and cfg([16, 64, 256]).age_edges == (16, 64, 256)
+    for bad in ([64, 16], [0, 8], [8, 8], ["x"]):
+        with pytest.raises(ValueError, match="age_buckets"):
+            S.Switches(age_buckets=bad)
 
 
 # ------------------------------------------------------------------ the replay
@@ -174,9 +177,8 @@ def _replay_ab(age_setting, seed):
     """The A/B on one server: a warm-up burst of 49 fresh requests, then the adaptive arm at c = 1,
     4, 16, 64 (24 / 64 / 128 / 256 requests, 3 repeats, median), then plain decoding and each fixed
     width pinned by the requests, same levels.  Returns {c: auto / best other arm}."""
-    env = {"SGLANG_DDTREE_BUDGETS": "7,15,31,63", "SGLANG_DDTREE_NO_SPEC": "1",
-           "SGLANG_DDTREE_AGE_BUCKETS": age_setting}
-    cfg = A.parse_config(env, budget=63, algo="DDTREE-GPU")
+    env = {"SGLANG_DDTREE_BUDGETS": "0,7,15,31,63"}
+    cfg = A.parse_config(env, budget=63, algo="DDTREE-GPU", sw=S.Switches(age_buckets=age_setting))
     clock = _Clock()
     ctl = A.WidthController(cfg, policy=BudgetPolicy(COSTS, allow_no_spec=True, age_edges=cfg.age_edges),
                             device="cpu", clock=clock)
@@ -197,7 +199,7 @@ def test_replay_with_age_buckets_matches_the_best_fixed_width_at_every_load():
     before session 22) the same replay gives worst levels 0.889-0.966 and means <= 0.973 (c = 64:
     width 16 where 8 is best, as on the H200), so this test fails on the old estimator."""
     seed = random.randrange(1 << 30)
-    ratios = _replay_ab("default", seed)
+    ratios = _replay_ab(None, seed)      # None: the default edges
     assert min(ratios.values()) >= 0.96 and sum(ratios.values()) / 4 >= 0.985, (seed, ratios)
 
 
@@ -205,8 +207,8 @@ def test_snapshot_reports_the_batch_and_per_age_estimates():
     """The profile records (``WidthController.snapshot``) carry the estimate the last choice used for
     its batch (``accept_batch``) and each age bucket's estimate with any weight, keyed by its lower
     edge; the ages come from the requests' ``output_ids`` and the window's counts from ``seq_lens``."""
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15", "SGLANG_DDTREE_NO_SPEC": "1",
-                          "SGLANG_DDTREE_AGE_BUCKETS": "10"}, budget=15, algo="DDTREE-GPU")
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU",
+                         sw=S.Switches(age_buckets=[10]))
     pol = _two_bucket_policy()
     ctl = A.WidthController(cfg, policy=pol, device="cpu", window_every=1, window_lag=0, clock=lambda: 0.0)
     reqs = [types.SimpleNamespace(origin_input_ids=[1] * 5, output_ids=[0] * out,

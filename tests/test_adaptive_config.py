@@ -9,15 +9,16 @@ from sglang_ddtree import adaptive as A
 from sglang_ddtree import switches as S
 
 
-def _parse(budget=31, cycle=None, **env):
-    """parse_config of these variables; ``cycle``: the test-bed switch budget_cycle (switches.py)."""
+def _parse(budget=31, cycle=None, probe=16, **env):
+    """parse_config of these variables; ``cycle`` / ``probe``: the test-bed switches budget_cycle /
+    probe_every (switches.py)."""
     return A.parse_config({k: v for k, v in env.items()}, budget=budget, algo="DDTREE-GPU",
-                          sw=S.Switches(budget_cycle=cycle))
+                          sw=S.Switches(budget_cycle=cycle, probe_every=probe))
 
 
 def test_unset_is_the_default_set_with_no_speculation():
-    for env in ({}, dict(SGLANG_DDTREE_BUDGETS=""), dict(SGLANG_DDTREE_BUDGETS="  ", SGLANG_DDTREE_NO_SPEC=""),
-                dict(SGLANG_DDTREE_ADAPTIVE="1"), dict(SGLANG_DDTREE_PROBE_EVERY="4")):
+    for env in ({}, dict(SGLANG_DDTREE_BUDGETS=""), dict(SGLANG_DDTREE_BUDGETS="  "),
+                dict(SGLANG_DDTREE_ADAPTIVE="1")):
         c = _parse(**env)
         assert c.budgets == (7, 15, 31) and c.no_spec and c.implicit and c.cycle is None, env
         assert c.widths == (1, 8, 16, 32) and c.extra_widths == (1, 8, 16)
@@ -30,24 +31,26 @@ def test_unset_is_the_default_set_with_no_speculation():
 
 def test_the_fixed_budget_switch():
     assert _parse(SGLANG_DDTREE_ADAPTIVE="0") is None
-    assert _parse(SGLANG_DDTREE_ADAPTIVE=" 0 ", SGLANG_DDTREE_PROBE_EVERY="4") is None
-    assert _parse(SGLANG_DDTREE_BUDGETS="31", SGLANG_DDTREE_NO_SPEC="0") is None   # one budget, nothing else
-    c = _parse(SGLANG_DDTREE_BUDGETS="31")                       # the server's budget or no speculation
+    assert _parse(SGLANG_DDTREE_ADAPTIVE=" 0 ", probe=4) is None
+    assert _parse(SGLANG_DDTREE_BUDGETS="31") is None              # one budget, nothing else: fixed
+    c = _parse(SGLANG_DDTREE_BUDGETS="0,31")                     # the server's budget or no speculation
     assert c.widths == (1, 32) and not c.implicit
 
 
 def test_budgets_widths_and_options():
-    c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,31")
+    """0 in SGLANG_DDTREE_BUDGETS is no speculation (in any position); without it no round skips
+    speculation."""
+    c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,0,31")
     assert c.budgets == (7, 15, 31) and c.no_spec and not c.implicit and c.cycle is None
-    c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,31", SGLANG_DDTREE_NO_SPEC="0")
+    c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,31")
     assert c.budgets == (7, 15, 31) and not c.no_spec and c.cycle is None
     assert c.widths == (8, 16, 32) and c.widest == 32 and c.extra_widths == (8, 16)
-    assert c.probe_every == A.DEFAULT_PROBE_EVERY
-    c = _parse(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="1", SGLANG_DDTREE_PROBE_EVERY="3")
+    assert c.probe_every == A.DEFAULT_PROBE_EVERY == 16
+    c = _parse(SGLANG_DDTREE_BUDGETS="0,7,31", probe=3)
     assert c.widths == (1, 8, 32) and c.extra_widths == (1, 8) and c.probe_every == 3
-    c = _parse(SGLANG_DDTREE_NO_SPEC="1")                         # the default set, said explicitly
+    c = _parse(SGLANG_DDTREE_BUDGETS="0,7,15,31")                 # the default set, said explicitly
     assert c.budgets == (7, 15, 31) and c.widths == (1, 8, 16, 32) and not c.implicit
-    c = _parse(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="1", cycle=(31, 0, 7))
+    c = _parse(SGLANG_DDTREE_BUDGETS="0,7,31", cycle=(31, 0, 7))
     assert c.cycle == (31, 0, 7)
     c = _parse(cycle=(31,))                                       # over the default set
     assert c.budgets == (7, 15, 31) and c.cycle == (31,) and not c.implicit
@@ -57,22 +60,18 @@ def test_budgets_widths_and_options():
     (dict(SGLANG_DDTREE_BUDGETS="7,x,31"), "comma-separated list of integers"),
     (dict(SGLANG_DDTREE_BUDGETS="7,,31"), "comma-separated list of integers"),
     (dict(SGLANG_DDTREE_BUDGETS="7.5,31"), "comma-separated list of integers"),
-    (dict(SGLANG_DDTREE_BUDGETS="0,31"), "must be in [1, 256], got 0"),
-    (dict(SGLANG_DDTREE_BUDGETS="-3,31"), "must be in [1, 256], got -3"),
+    (dict(SGLANG_DDTREE_BUDGETS="0"), "names no tree budget"),
+    (dict(SGLANG_DDTREE_BUDGETS="-3,31"), "must be 0 (no speculation) or in [1, 256], got -3"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31,300"), "got 300"),
     (dict(SGLANG_DDTREE_BUDGETS="7,7,31"), "lists a budget twice"),
+    (dict(SGLANG_DDTREE_BUDGETS="0,0,31"), "lists a budget twice"),
     (dict(SGLANG_DDTREE_BUDGETS="7,15"), "--speculative-num-draft-tokens 16"),
     (dict(SGLANG_DDTREE_BUDGETS="7,63"), "widest budget 63 must be the server's tree budget 31"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="yes"), "must be 0 or 1"),
-    (dict(SGLANG_DDTREE_NO_SPEC="2"), "must be 0 or 1"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_PROBE_EVERY="0"), "integer >= 1"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_PROBE_EVERY="often"), "integer >= 1"),
     (dict(SGLANG_DDTREE_BUDGETS="7,31", cycle=(7, 15)), "15 is not one of"),
-    (dict(SGLANG_DDTREE_BUDGETS="7,31", SGLANG_DDTREE_NO_SPEC="0", cycle=(0, 7)), "0 needs"),
+    (dict(SGLANG_DDTREE_BUDGETS="7,31", cycle=(0, 7)), "0 needs 0 in SGLANG_DDTREE_BUDGETS"),
     (dict(SGLANG_DDTREE_ADAPTIVE="0", cycle=(0,)), "contradicts switch budget_cycle"),
     (dict(SGLANG_DDTREE_ADAPTIVE="no"), "SGLANG_DDTREE_ADAPTIVE must be 0 or 1"),
-    (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_BUDGETS="7,31"), "contradicts SGLANG_DDTREE_BUDGETS"),
-    (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_NO_SPEC="1"), "contradicts SGLANG_DDTREE_NO_SPEC"),
+    (dict(SGLANG_DDTREE_ADAPTIVE="0", SGLANG_DDTREE_BUDGETS="0,7,31"), "contradicts SGLANG_DDTREE_BUDGETS"),
 ])
 def test_bad_values_are_one_line_errors(env, words):
     with pytest.raises(ValueError) as e:
@@ -87,8 +86,7 @@ def _cp(v):
 
 
 def test_a_request_may_pin_a_budget_the_server_runs(monkeypatch):
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15,31", "SGLANG_DDTREE_NO_SPEC": "1"}, budget=31,
-                         algo="DDTREE-GPU")
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31, algo="DDTREE-GPU")
     served = ("DDTREE-GPU", 31, cfg)
     assert A.allowed_request_budgets(31, cfg) == [0, 7, 15, 31]
     for v in (0, 7, 15, 31):
@@ -100,8 +98,7 @@ def test_a_request_may_pin_a_budget_the_server_runs(monkeypatch):
         msg = A.request_budget_error(_cp(bad), served)
         assert msg and words in msg and "\n" not in msg, (bad, msg)
     # no speculation only where the server allows it; a fixed budget only equals itself
-    no_ns = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15", "SGLANG_DDTREE_NO_SPEC": "0"}, budget=15,
-                           algo="DDTREE-GPU")
+    no_ns = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
     assert "allowed [7, 15]" in A.request_budget_error(_cp(0), ("DDTREE-GPU", 15, no_ns))
     assert A.request_budget_error(_cp(15), ("DDTREE-GPU", 15, None)) is None
     assert "fixed budget" in A.request_budget_error(_cp(7), ("DDTREE-GPU", 15, None))
@@ -118,7 +115,6 @@ def test_requested_width_is_the_narrowest_pin():
     assert A.requested_width(reqs(None, {}, {"x": 1})) is None
     assert A.requested_width(reqs(None, _cp(15), _cp(31))) == 16
     assert A.requested_width(reqs(_cp(7), _cp(0))) == 1
-    ctl = A.WidthController(A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15", "SGLANG_DDTREE_NO_SPEC": "0"},
-                                           budget=15, algo="g"),
+    ctl = A.WidthController(A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="g"),
                             policy=None, device="cpu")
     assert [ctl.next_width(4, r) for r in (8, 16, None, 1, 12)] == [8, 16, 16, 8, 8]

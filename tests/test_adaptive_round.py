@@ -343,7 +343,7 @@ def test_fixed_budget_switch_runs_the_servers_budget(world):
 
 
 def test_forced_cycle_installs_each_width_and_stays_lossless(world):
-    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,7,15"}
     wd = make_worker(world, env, sw=S.Switches(budget_cycle=(15, 3, 0, 7, 0, 15, 7, 3)))
     cycle = [15, 3, 0, 7, 0, 15, 7, 3] * 2
     for b in cycle:
@@ -368,8 +368,8 @@ def test_policy_no_spec_and_a_probe_once_its_credit_is_there(world):
     """A table that makes no-speculation the best choice: after the first window of counts the policy
     answers NO_SPEC; the widest-width probe (79 ms more than a 1 ms plain step) waits for its credit
     (5 % of each round's cost), then runs once (every 4th round at most)."""
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1", "SGLANG_DDTREE_PROBE_EVERY": "4"}
-    wd = make_worker(world, env)
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
+    wd = make_worker(world, env, sw=S.Switches(probe_every=4))
     table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2})
     ctl = wd.w._adaptive
     ctl.policy, ctl._clock = BudgetPolicy(table, allow_no_spec=True), (lambda: 0.0)
@@ -388,8 +388,8 @@ def test_policy_no_spec_and_a_probe_once_its_credit_is_there(world):
 def test_policy_switches_widths_and_learns_from_wide_rounds(world):
     """Costs that favour the narrow tree: the first rounds and the policy run width 4 (the widest costs
     over twice as much); the acceptance of width 16 arrives with its probe."""
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_PROBE_EVERY": "3"}
-    wd = make_worker(world, env)
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
+    wd = make_worker(world, env, sw=S.Switches(probe_every=3))
     table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
     ctl = wd.w._adaptive
@@ -411,8 +411,8 @@ def test_no_spec_stretch_probes_with_the_drafter_alone(world):
     (the drafter's K/V owed by the plain rounds written first, the drafter block, the widest tree, a
     plain decode step: one token per request), never a widest-width verify; its predictions reach the
     policy, whose estimate then covers every width."""
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1", "SGLANG_DDTREE_PROBE_EVERY": "4"}
-    wd = make_worker(world, env)
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
+    wd = make_worker(world, env, sw=S.Switches(probe_every=4))
     table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2},
                       draft_ms={1: 0.5, 8: 0.6})
     ctl = wd.w._adaptive
@@ -440,8 +440,8 @@ def test_no_spec_stretch_probes_with_the_drafter_alone(world):
 def test_narrow_rounds_predict_every_width_on_their_cadence(world):
     """Width 4 is the choice: every PREDICT_EVERY-th round also builds the widest tree (budget 15)
     for the estimate, and verifies the narrow one; the policy's calibration pairs come from them."""
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_PROBE_EVERY": "1000"}
-    wd = make_worker(world, env)
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
+    wd = make_worker(world, env, sw=S.Switches(probe_every=1000))
     table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
     ctl = wd.w._adaptive
@@ -470,7 +470,7 @@ def test_rounds_commit_through_the_triton_kernel_losslessly(world, monkeypatch):
     real = CR.commit_round_triton
     monkeypatch.setattr(CR, "commit_round_triton", lambda *a, **kw: launched.append(kw["out"][4] is not None)
                         or real(*a, **kw))
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd = make_worker(world, env, sw=S.Switches(budget_cycle=(15, 3, 0, 15, 0, 3)))
     wd.w.tree_backend = "triton"
     plain_head = wd.w._eager_topk
@@ -665,7 +665,7 @@ def test_policy_snapshot_reaches_the_profiler_whichever_is_built_first(monkeypat
 def test_requests_pin_the_budget_narrowest_wins_and_stays_lossless(world):
     """custom_params["ddtree_budget"]: the round runs the narrowest budget its requests pin (0 = no
     speculation), whatever the policy would choose; requests without it do not constrain."""
-    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,7,15"}
     wd = make_worker(world, env)
     assert wd.bs >= 2
     key = A.REQUEST_BUDGET_KEY
@@ -690,7 +690,7 @@ def test_request_rounds_past_max_new_tokens_are_not_counted(world):
     request 1 (max_new_tokens 4) counts min(accepted, tokens left - 1) until it has 4; request 2
     (no limit) counts every round.  Each counts in the age bucket of its output so far (seq_lens -
     prompt + 1 before the round; the default edges)."""
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15"}
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd = make_worker(world, env)
     wd.req_limits = [(5, 1), (5, 4), (5, None)]
     ctl = wd.w._adaptive

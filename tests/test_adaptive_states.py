@@ -258,7 +258,7 @@ def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startu
     W = fake_startup.W
     mr = FakeModelRunner(32)
     home = (mr.attn_backend, mr.decode_cuda_graph_runner)
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31", "SGLANG_DDTREE_NO_SPEC": "1"}, budget=31,
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31,
                          algo="DDTREE-GPU")
     w = _fake_worker(W, cfg, mr)
     W.DDTreeWorker.init_cuda_graphs(w)
@@ -286,8 +286,8 @@ def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startu
 
 def test_adaptive_without_graphs(fake_startup):
     W = fake_startup.W
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31"}, budget=31, algo="DDTREE-GPU")
-    with pytest.raises(ValueError, match="need the target's CUDA graphs"):
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU")
+    with pytest.raises(ValueError, match="needs the target's CUDA graphs"):
         W.DDTreeWorker.init_cuda_graphs(_fake_worker(W, cfg, FakeModelRunner(32, graphs=False)))
     # the default set without graphs: the fixed budget, logged, nothing built
     mr = FakeModelRunner(32, graphs=False)
@@ -296,7 +296,7 @@ def test_adaptive_without_graphs(fake_startup):
     W.DDTreeWorker.init_cuda_graphs(w)
     assert w._adaptive is None and w._adaptive_cfg is None and w._verify_states is None and mr.built == []
     # the forced cycle (the GPU lossless check) needs no cost table: eager states
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,31"}, budget=31, algo="DDTREE-GPU",
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU",
                          sw=switches.Switches(budget_cycle=(7, 31)))
     mr = FakeModelRunner(32, graphs=False)
     w = _fake_worker(W, cfg, mr)
@@ -337,7 +337,7 @@ def test_default_set_stops_building_widths_when_memory_runs_short(fake_startup, 
     assert A.request_budget_error({A.REQUEST_BUDGET_KEY: 7}) is not None
     # an explicit set: built whatever the free memory says
     mr2 = FakeModelRunner(32)
-    w2 = _fake_worker(W, A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15,31"}, budget=31, algo="DDTREE-GPU"),
+    w2 = _fake_worker(W, A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31, algo="DDTREE-GPU"),
                       mr2)
     w2.budget = 31
     monkeypatch.setattr(W.DDTreeWorker, "_free_gb_reader", lambda self: (lambda: 0.5))

@@ -167,7 +167,7 @@ def test_remaining_tokens_from_prompt_length_and_max_new_tokens():
                                            sampling_params=types.SimpleNamespace(max_new_tokens=m))
     reqs = [ns(5, 1), ns(5, 4), ns(7, None)]
     assert A.token_limits(reqs) == [6, 9, 7 + A.NO_TOKEN_LIMIT]
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=None, device="cpu")
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15"), policy=None, device="cpu")
     seq = torch.tensor([5, 5, 7])
     assert c.remaining_and_age(reqs, seq)[0].tolist() == [0, 3, A.NO_TOKEN_LIMIT - 1]
     seq = seq + torch.tensor([0, 3, 2])                  # request 1 accepted 2 (+ bonus): 1 left
@@ -305,8 +305,9 @@ def test_overhead_is_the_median_of_recent_samples_and_ignores_rare_spikes():
         BudgetPolicy(t, overhead_window=0)
 
 
-def _cfg(**env):
-    return A.parse_config(env, budget=15, algo="DDTREE-GPU")
+def _cfg(probe=16, **env):
+    """parse_config of these variables; ``probe``: the switch probe_every (switches.py)."""
+    return A.parse_config(env, budget=15, algo="DDTREE-GPU", sw=S.Switches(probe_every=probe))
 
 
 def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
@@ -320,7 +321,7 @@ def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
 
 
 def test_controller_cycle_probe_and_policy():
-    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1"), budget=15,
+    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="0,3,15"), budget=15,
                          algo="DDTREE-GPU", sw=S.Switches(budget_cycle=(0, 3, 15)))
     c = A.WidthController(cfg, policy=None, device="cpu")
     assert [c.next_width(4) for _ in range(7)] == [1, 4, 16, 1, 4, 16, 1]
@@ -329,8 +330,8 @@ def test_controller_cycle_probe_and_policy():
     # a 1 ms plain step) is paid from 5 % of each round's cost: the first one after 980 rounds
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 50.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(t, allow_no_spec=True)
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                               SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                               probe=5), policy=pol, device="cpu",
                           window_every=2, window_lag=0, clock=lambda: 0.0)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
     c.PROBE_OPTIMISM = 1e9                       # every wider width worth a probe: the credit alone
@@ -342,8 +343,8 @@ def test_controller_cycle_probe_and_policy():
     # as shipped: width 16 cannot win (3 tokens in 50 ms against 1 in 1 ms) even at 1.3x its
     # acceptance, so no probe is ever paid
     pol = BudgetPolicy(t, allow_no_spec=True)
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                               SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                               probe=5), policy=pol, device="cpu",
                           window_every=2, window_lag=0, clock=lambda: 0.0)
     ws = _drive(c, 1000, path)
     assert set(ws[2:]) == {1} and c.probes == 0
@@ -358,8 +359,8 @@ def test_probe_credit_is_a_share_of_the_round_wall_time_not_its_gpu_time():
     for extra_ms in (0.0, 1.0):
         pol = BudgetPolicy(t, allow_no_spec=True)
         clock = _Clock()
-        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                                   SGLANG_DDTREE_PROBE_EVERY="5"), policy=pol, device="cpu",
+        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                                   probe=5), policy=pol, device="cpu",
                               window_every=2, window_lag=0, clock=clock)
         c.PROBE_OPTIMISM = 1e9                   # the credit alone decides (see the test above)
         path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
@@ -379,7 +380,7 @@ def test_controller_recovers_from_a_warm_up_burst_at_c1():
                   base_ms={1: 2.06, 48: 3.5})
     pol = BudgetPolicy(t, allow_no_spec=True)
     clock = _Clock()
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15,31", "SGLANG_DDTREE_NO_SPEC": "1"}, budget=31,
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31,
                          algo="DDTREE-GPU")
     c = A.WidthController(cfg, policy=pol, device="cpu", clock=clock)
 
@@ -398,10 +399,10 @@ def test_controller_recovers_from_a_warm_up_burst_at_c1():
 
 def test_controller_first_rounds_skip_a_widest_tree_that_costs_over_twice_the_narrowest():
     t = CostTable(verify_ms={4: {1: 10.0}, 8: {1: 19.0}, 16: {1: 21.0}}, base_ms={1: 1.0})
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=BudgetPolicy(t), device="cpu",
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,7,15"), policy=BudgetPolicy(t), device="cpu",
                           window_every=4, window_lag=0, clock=lambda: 0.0)
     assert [c.next_width(1) for _ in range(3)] == [8, 8, 8]
-    assert A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=None, device="cpu").next_width(1) == 16
+    assert A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,7,15"), policy=None, device="cpu").next_width(1) == 16
 
 
 def test_controller_probes_cost_at_most_their_share(rng):
@@ -410,8 +411,8 @@ def test_controller_probes_cost_at_most_their_share(rng):
     t = CostTable(verify_ms={4: {1: 1.5}, 16: {1: 2.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
     k = 5
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                               SGLANG_DDTREE_PROBE_EVERY=str(k)), policy=pol, device="cpu",
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                               probe=k), policy=pol, device="cpu",
                           window_every=2, window_lag=0, clock=lambda: 0.0)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
     pol.accept[16] = 2.0
@@ -437,8 +438,8 @@ def test_probes_go_to_the_widest_width_that_could_still_win():
     for a8, want in ((3.5, 8), (2.5, None)):
         pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
         pol.accept.update({4: 2.0, 8: a8, 16: 4.0})
-        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15", SGLANG_DDTREE_NO_SPEC="1",
-                                   SGLANG_DDTREE_PROBE_EVERY="2"), policy=pol, device="cpu")
+        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,7,15",
+                                   probe=2), policy=pol, device="cpu")
         assert c._probe_target(1, 4) == want
         c.probe_credit, c._since_probe = 1e9, 10
         assert c._probe_or(1, 4) == (want or 4) and c.probes == (1 if want else 0)
@@ -457,8 +458,8 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
 
     clock = _Clock()
     pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                               SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol, device="cpu",
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                               probe=1000), policy=pol, device="cpu",
                           window_every=4, window_lag=0, clock=clock, share=share)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
     cost = {1: 10.0, 4: 40.0, 16: 45.0}
@@ -470,8 +471,8 @@ def test_controller_round_overhead_moves_the_choice_and_is_shared_at_windows():
     assert set(ws[4:]) == {4}, ws
     # the same table, no overhead (the clock stands still: every interval is ignored): plain decode
     pol2 = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
-    c2 = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                                SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol2, device="cpu",
+    c2 = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                                probe=1000), policy=pol2, device="cpu",
                            window_every=4, window_lag=0, clock=lambda: 0.0)
     assert set(_drive(c2, 40, path)[4:]) == {1} and pol2.overhead_ms == 0.0
 
@@ -485,7 +486,7 @@ def test_controller_keeps_the_plain_rounds_overhead_apart():
     shared = []
     clock = _Clock()
     pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_PROBE_EVERY="1000"),
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15", probe=1000),
                           policy=pol, device="cpu", window_every=4, window_lag=0, clock=clock,
                           share=lambda d: shared.append(d) or d)
     path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
@@ -507,8 +508,8 @@ def test_controller_keeps_the_plain_rounds_overhead_apart():
 def _controller(lag, clock):
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
     pol = BudgetPolicy(t, allow_no_spec=True, hysteresis=0.0)
-    return A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_NO_SPEC="1",
-                                  SGLANG_DDTREE_PROBE_EVERY="1000"), policy=pol, device="cpu",
+    return A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15",
+                                  probe=1000), policy=pol, device="cpu",
                              window_every=1000, window_lag=0, clock=clock, lag=lag)
 
 
@@ -633,7 +634,7 @@ def test_policy_observe_interval_filters_and_takes_the_median():
 
 
 def test_controller_record_drops_wider_widths():
-    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,7,15"), policy=None, device="cpu",
+    c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,7,15"), policy=None, device="cpu",
                           window_every=1, window_lag=0)
     path = torch.tensor([[0, 2, 5, 9, -1, -1, -1]], dtype=torch.int32)     # slots 2, 5 <= 7; 9 > 7
     c.record(path, 8)                               # a width-8 round: widths 4 and 8 known, 16 not
@@ -670,8 +671,8 @@ def test_profile_records_carry_the_policy_state(tmp_path, monkeypatch):
 def test_round_overhead_switch():
     """The A/B switch round_overhead = False (arm suffix _nooverhead): the controller observes no
     interval (GPU table and acceptance alone)."""
-    assert _cfg(SGLANG_DDTREE_BUDGETS="3,15").overhead
-    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="3,15"), budget=15, algo="DDTREE-GPU",
+    assert _cfg(SGLANG_DDTREE_BUDGETS="0,3,15").overhead
+    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="0,3,15"), budget=15, algo="DDTREE-GPU",
                          sw=S.Switches(round_overhead=False))
     assert not cfg.overhead
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
@@ -709,7 +710,7 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
         t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})
         pol = BudgetPolicy(t, allow_no_spec=False, hysteresis=0.0)
         pol.update_sums({4: 2.0, 16: 2.0}, {4: 1, 16: 1})
-        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15", SGLANG_DDTREE_PROBE_EVERY="1000"),
+        c = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15", probe=1000),
                               policy=pol, device="cpu", window_every=1000, window_lag=0, clock=clock, lag=lag)
         tms = 0.0
         for i in range(40):
@@ -732,7 +733,7 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
         snap = c.snapshot()
         assert snap["prefills_weight"] > 0 and snap["prefill_ms"] == 0.0     # not shared yet
     # nothing measured yet: None (the policy keeps its values)
-    fresh = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="3,15"), policy=BudgetPolicy(t), device="cpu")
+    fresh = A.WidthController(_cfg(SGLANG_DDTREE_BUDGETS="0,3,15"), policy=BudgetPolicy(t), device="cpu")
     assert fresh._close_window() == {"overhead_ms": None, "overhead_plain_ms": None, "prefill_ms": None,
                                      "finish_rate": None}
 

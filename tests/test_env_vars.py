@@ -41,11 +41,9 @@ def test_the_list_is_every_name_the_code_reads_and_each_is_documented():
 
 @pytest.mark.parametrize("var,bad,says", [
     ("SGLANG_DDTREE_ADAPTIVE", "yes", "must be 0 or 1"),
-    ("SGLANG_DDTREE_PROBE_EVERY", "0", "must be an integer >= 1"),
-    ("SGLANG_DDTREE_AGE_BUCKETS", "9,3", "ascending"),
+    ("SGLANG_DDTREE_BUDGETS", "0", "names no tree budget"),
+    ("SGLANG_DDTREE_BUDGETS", "7,61", "must be the server's tree budget 60"),
     ("SGLANG_DDTREE_VERIFY_ATTN", "fast", "SGLANG_DDTREE_VERIFY_ATTN"),
-    ("SGLANG_DDTREE_DRAFT_ATTN", "1", "SGLANG_DDTREE_DRAFT_ATTN"),
-    ("SGLANG_DDTREE_VERIFY_ATTN_SPLITS", "65", "must be an integer in [1, 64]"),
     ("SGLANG_DDTREE_LOGPROBS", "maybe", "SGLANG_DDTREE_LOGPROBS must be one of"),
     ("SGLANG_DDTREE_STATS_EVERY", "-3", "SGLANG_DDTREE_STATS_EVERY must be an integer >= 1"),
     ("SGLANG_DDTREE_PROFILE_EVERY", "x", "SGLANG_DDTREE_PROFILE_EVERY must be an integer >= 1"),
@@ -61,19 +59,27 @@ def test_each_bad_value_is_refused_naming_its_variable(var, bad, says):
 
 
 def test_good_values_pass_and_the_adaptive_configuration_comes_back(tmp_path):
-    env = {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree", "SGLANG_DDTREE_VERIFY_ATTN_SPLITS": "8",
+    env = {"SGLANG_DDTREE_VERIFY_ATTN": "ddtree", "SGLANG_DDTREE_BUDGETS": "15,0,60",
            "SGLANG_DDTREE_LOGPROBS": "off", "SGLANG_DDTREE_STATS_FILE": str(tmp_path / "s.jsonl"),
-           "SGLANG_DDTREE_STATS_EVERY": "16",
-           "SGLANG_DDTREE_PROBE_EVERY": "32", "SGLANG_DDTREE_VENV": "/anything", "OTHER": "x"}
+           "SGLANG_DDTREE_STATS_EVERY": "16", "SGLANG_DDTREE_VENV": "/anything", "OTHER": "x"}
     cfg = E.check(env, algo="DDTREE-GPU", budget=60)
-    assert cfg.budgets == (7, 15, 31, 60) and cfg.no_spec and cfg.probe_every == 32
+    assert cfg.budgets == (15, 60) and cfg.no_spec and cfg.probe_every == 16
+    assert E.check({}, algo="DDTREE-GPU", budget=60).budgets == (7, 15, 31, 60)    # the default set
     assert E.check({"SGLANG_DDTREE_ADAPTIVE": "0"}, algo="DDTREE-GPU", budget=60) is None
+    assert E.check({"SGLANG_DDTREE_BUDGETS": "60"}, algo="DDTREE-GPU", budget=60) is None   # one budget: fixed
+
+
+def test_at_most_six_user_facing_settings():
+    """Issue 40 item 3: a handful of settings a user may touch (user + tuning kinds), the rest
+    diagnostics (which change nothing served) or the tools' own."""
+    facing = sorted(n for n, k in E.VARIABLES.items() if k in ("user", "tuning"))
+    assert len(facing) <= 6, facing
 
 
 def test_an_unknown_name_is_refused_with_the_closest_known_one():
-    with pytest.raises(ValueError, match=r"unknown variable SGLANG_DDTREE_BUGDET \(did you mean "
-                                         r"SGLANG_DDTREE_BUDGET\?\)"):
-        E.check({"SGLANG_DDTREE_BUGDET": "8"}, algo="DDTREE-GPU", budget=60)
+    with pytest.raises(ValueError, match=r"unknown variable SGLANG_DDTREE_BUGDETS \(did you mean "
+                                         r"SGLANG_DDTREE_BUDGETS\?\)"):
+        E.check({"SGLANG_DDTREE_BUGDETS": "8"}, algo="DDTREE-GPU", budget=60)
     assert E.unknown({"SGLANG_DDTREE_ZZZZZZZZ": "1"}).startswith("unknown variable SGLANG_DDTREE_ZZZZZZZZ:")
     assert E.unknown({"DDTREE_STAGE_TP": "2", "SGLANG_OTHER": "1"}) is None
 
@@ -88,9 +94,15 @@ def test_the_shared_parsers():
 
 @pytest.mark.parametrize("var", sorted(E.REMOVED))
 def test_a_removed_variable_is_refused_with_where_its_setting_went(var):
-    """The A/B and test-bed switches are not server settings any more (sglang_ddtree/switches.py):
-    an old launch line that still sets one is refused, whatever its value, saying where it went."""
+    """The A/B and test-bed switches are not server settings any more (sglang_ddtree/switches.py),
+    and SGLANG_DDTREE_BUDGET / _NO_SPEC have one way each now (the flag; budget 0 in
+    SGLANG_DDTREE_BUDGETS): an old launch line that still sets one is refused, whatever its value,
+    saying where it went."""
     with pytest.raises(ValueError) as ei:
         E.check({var: "1"}, algo="DDTREE-GPU", budget=60)
     msg = str(ei.value)
-    assert msg.startswith(f"DDTREE-GPU: {var} is now an A/B / test-bed switch") and "switches.py" in msg
+    if var in ("SGLANG_DDTREE_BUDGET", "SGLANG_DDTREE_NO_SPEC"):
+        assert msg.startswith(f"DDTREE-GPU: {var} is no longer read: ")
+        assert ("--speculative-num-draft-tokens" if var.endswith("BUDGET") else "budget 0 in SGLANG_DDTREE_BUDGETS") in msg
+    else:
+        assert msg.startswith(f"DDTREE-GPU: {var} is now an A/B / test-bed switch") and "switches.py" in msg

@@ -199,7 +199,7 @@ def test_admission_hook_refuses_a_budget_the_server_does_not_run(monkeypatch):
     req = _req()
     req.sampling_params.custom_params = {adaptive.REQUEST_BUDGET_KEY: 9}
     assert VH.validate_with_logprobs(validate_dflash_request, req, False) is None   # no worker: unchecked
-    cfg = adaptive.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    cfg = adaptive.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU")
     adaptive.register_served("DDTREE-GPU", 15, cfg)
     msg = VH.validate_with_logprobs(validate_dflash_request, req, False)
     assert msg and "ddtree_budget=9" in msg and "allowed [0, 7, 15]" in msg

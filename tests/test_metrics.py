@@ -356,7 +356,7 @@ def test_worker_round_fixed_budget(guarded, world, monkeypatch):
 
 def test_worker_round_adaptive_cycle(guarded, world, monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_STATS_EVERY", "2")
-    env = {"SGLANG_DDTREE_BUDGETS": "3,7,15", "SGLANG_DDTREE_NO_SPEC": "1"}
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,7,15"}
     wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, True, cycle=(15, 3, 0, 7))
     assert widths == [16, 4, 1, 8] * 2 and calls == widths
     lab = dict(algo="DDTREE-GPU", budget="15", tp_rank="0")
@@ -376,7 +376,7 @@ def test_worker_round_metrics_off_does_nothing(guarded, world, monkeypatch):
 
     monkeypatch.setattr(AcceptanceStats, "__init__", boom)
     monkeypatch.setattr(round_stats._Prometheus, "__init__", boom)
-    env = {"SGLANG_DDTREE_BUDGETS": "3,15"}
+    env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, False, n=4, cycle=(15, 3))
     assert wd.w._stats is None and not wd.w._prof.enabled and calls == []
     assert FakeEvent.made == 0 and round_stats._Prometheus._made is None

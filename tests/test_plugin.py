@@ -121,10 +121,11 @@ def test_settings_defaults_and_sources():
     assert (s.budget, s.topk) == (60, 32)  # top-k bounded by the vocabulary
     s = C.resolve_settings(algo="X", num_draft_tokens=33, block_size=16, env={})
     assert (s.budget, s.topk) == (32, 32)
-    s = C.resolve_settings(algo="X", num_draft_tokens=None, block_size=16,
-                           env={C.ENV_BUDGET: "12", C.ENV_TOPK: "4"})
+    s = C.resolve_settings(algo="X", num_draft_tokens=13, block_size=16, env={C.ENV_TOPK: "4"})
     assert (s.budget, s.topk) == (12, 4)
-    s = C.resolve_settings(algo="X", num_draft_tokens=13, block_size=16, env={C.ENV_BUDGET: "12"})
+    # the budget has one source, the flag: the removed variable is not read here (env_vars.check
+    # refuses it in the launcher, naming the flag)
+    s = C.resolve_settings(algo="X", num_draft_tokens=13, block_size=16, env={"SGLANG_DDTREE_BUDGET": "20"})
     assert s.budget == 12
 
 
@@ -133,8 +134,7 @@ def test_settings_defaults_and_sources():
     (dict(num_draft_tokens=258, block_size=8), "must be in [1, 256]"),
     (dict(num_draft_tokens=17, block_size=None), "block size is unknown"),
     (dict(num_draft_tokens=17, block_size=1), "block size must be >= 2"),
-    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_BUDGET: "20"}), "disagrees"),
-    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_BUDGET: "abc"}), "must be an integer"),
+    (dict(num_draft_tokens=17, block_size=8, env={C.ENV_TOPK: "abc"}), "must be an integer"),
     (dict(num_draft_tokens=17, block_size=8, env={C.ENV_TOPK: "0"}), "must be in [1, 256]"),
     (dict(num_draft_tokens=17, block_size=8, env={C.ENV_TOPK: "300"}), "must be in [1, 256]"),
     (dict(num_draft_tokens=17, block_size=8, vocab_size=10, env={C.ENV_TOPK: "11"}), "exceeds the vocabulary"),
@@ -178,23 +178,23 @@ print("RESULT" + json.dumps(out))
 CASES = [
     ("DDTREE-GPU", [], {}),
     ("ddtree-cpu", ["--speculative-num-draft-tokens", "65"], {}),
-    ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUDGET": "8"}),
+    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "9"], {}),
     ("DDTREE-GPU", ["--speculative-num-draft-tokens", "1"], {}),
     ("DDTREE-GPU", ["--speculative-num-draft-tokens", "400"], {}),
     ("DDTREE-GPU", ["--attention-backend", "flashmla"], {}),
     ("DDTREE-GPU", ["--page-size", "16"], {}),
     ("DDTREE-GPU", ["--speculative-draft-window-size", "64"], {}),
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_TOPK": "nope"}),
-    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "17"], {"SGLANG_DDTREE_BUDGET": "32"}),
+    ("DDTREE-GPU", ["--speculative-num-draft-tokens", "17"], {"SGLANG_DDTREE_BUDGET": "32"}),   # removed
     # the running-request cap: lifted for the adaptive default only (plain decoding's floor)
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_ADAPTIVE": "0"}),
-    ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "0"}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUDGETS": "7,15,28"}),   # no 0: no round skips speculation
     ("DDTREE-GPU", ["--max-running-requests", "32"], {}),
     ("DDTREE-GPU", ["--disable-cuda-graph"], {}),
     ("DFLASH", [], {}),
-    ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "maybe"}),
-    ("DDTREE-GPU", ["--max-running-requests", "32"], {"SGLANG_DDTREE_PROBE_EVERY": "0"}),
-    ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUGDET": "8"}),          # a typo: refused, not ignored
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_NO_SPEC": "1"}),         # removed: refused, saying where it went
+    ("DDTREE-GPU", ["--max-running-requests", "32"], {"SGLANG_DDTREE_BUDGETS": "0,28,300"}),
+    ("DDTREE-GPU", [], {"SGLANG_DDTREE_BUGDETS": "8"}),         # a typo: refused, not ignored
     ("DDTREE-GPU", [], {"SGLANG_DDTREE_KV_COMMIT": "move"}),    # a switch now (switches.py): refused, with where it went
 ]
 
@@ -215,17 +215,17 @@ def test_server_args_resolution_and_rejections(tiny_models):
         assert res["ok"] and res["mrr"] == 48 and res["plain_bs"] is None, res
     assert dflash["graph_max_bs"] == max(ok["plain_bs"])   # DFLASH's own graphs untouched
     assert given["ok"] and given["mrr"] == 32 and given["plain_bs"] is None
-    assert not bad["ok"] and bad["type"] == "ValueError" and "SGLANG_DDTREE_NO_SPEC must be 0 or 1" in bad["msg"]
+    assert not bad["ok"] and bad["type"] == "ValueError" and "budget 0 in SGLANG_DDTREE_BUDGETS" in bad["msg"]
     # checked at argument resolution whether or not the running requests are given
-    assert not bad_given["ok"] and "SGLANG_DDTREE_PROBE_EVERY must be an integer >= 1" in bad_given["msg"]
-    assert not typo["ok"] and "did you mean SGLANG_DDTREE_BUDGET?" in typo["msg"]
+    assert not bad_given["ok"] and "must be 0 (no speculation) or in [1, 256], got 300" in bad_given["msg"]
+    assert not typo["ok"] and "did you mean SGLANG_DDTREE_BUDGETS?" in typo["msg"]
     assert not bad_commit["ok"] and "SGLANG_DDTREE_KV_COMMIT is now an A/B / test-bed switch" in bad_commit["msg"]
     assert out[1]["ok"] and out[1]["n"] == 65 and out[1]["algo"] == "DDTREE-CPU"
     assert out[2]["ok"] and out[2]["n"] == 9
     expect = ["must be >= 2", "must be in [1, 256]",
               "'flashmla' is not one whose TARGET_VERIFY", "--page-size 1 only",
               "--speculative-draft-window-size", "SGLANG_DDTREE_TOPK must be an integer",
-              "disagrees"]
+              "SGLANG_DDTREE_BUDGET is no longer read: the tree budget is --speculative-num-draft-tokens"]
     for res, msg in zip(out[3:10], expect):
         assert not res["ok"] and res["type"] == "ValueError", res
         assert msg in res["msg"], (msg, res["msg"])
@@ -498,7 +498,7 @@ def test_tp2_server_args_settings_travel_to_every_rank(tiny_models, tmp_path):
     cfg["vocab_size"] = 24
     (small / "config.json").write_text(json.dumps(cfg))
     r = _py(TP_SETTINGS.replace("sys.argv[1], sys.argv[2]", f"{tiny_models!r}, {str(small)!r}"),
-            env={C.ENV_TOPK: "", C.ENV_BUDGET: ""})
+            env={C.ENV_TOPK: ""})
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.split("RESULT", 1)[1])
     assert out["tp"] == 2 and out["n"] == 29 and out["attn"] == "triton"

@@ -161,7 +161,7 @@ def test_past_the_tree_widths_graphs_only_plain_decoding_is_a_choice():
     assert t.draft_cost(100) is None and t.draft_cost(64) == pytest.approx(2.0)
     strict = BudgetPolicy(t, allow_no_spec=False)       # no plain option: the widths stay (eager)
     assert strict.candidates(100) == [8, 16]
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU")
     ctl = A.WidthController(cfg, policy=BudgetPolicy(t), device="cpu")
     assert ctl._first_width(100) == 1 and ctl._first_width(8) == 16
     ctl.probe_credit = ctl.draft_credit = 1e9

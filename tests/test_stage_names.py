@@ -8,7 +8,7 @@ from helpers import load_bench
 from sglang_ddtree import switches
 
 ST = load_bench("device/stage")
-KEYS = ("SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_NO_SPEC", switches.ENV,
+KEYS = ("SGLANG_DDTREE_BUDGETS", switches.ENV,
         "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED")
 SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
@@ -35,7 +35,7 @@ def test_plain_name_sets_no_switch():
 
 def test_cycle_and_vattn_suffixes():
     ST.parse_name("gqa_ddtree_graph_b31_cycle_vattn")
-    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,31" and os.environ["SGLANG_DDTREE_NO_SPEC"] == "1"
+    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "0,3,7,31"            # 0: no speculation
     cyc = _switches()["budget_cycle"]
     assert cyc[0] == 31 and 0 in cyc and set(cyc) <= {0, 3, 7, 31}
     assert switches.CURRENT.budget_cycle == tuple(cyc)     # applied in the stage's own process too
@@ -44,7 +44,7 @@ def test_cycle_and_vattn_suffixes():
 
 def test_auto_has_no_forced_cycle():
     ST.parse_name("mla_ddtree_graph_b16_auto")
-    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "3,7,16" and switches.ENV not in os.environ
+    assert os.environ["SGLANG_DDTREE_BUDGETS"] == "0,3,7,16" and switches.ENV not in os.environ
 
 
 def test_test_switch_suffixes():

@@ -34,6 +34,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E40
 from conftest import DEVICE  # noqa: E402
 from helpers import drafter_logits, logprobs_from_logits  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
+from sglang_ddtree import switches  # noqa: E402
 from sglang_ddtree import verify_attn_hook as VA  # noqa: E402
 from sglang_ddtree.kernels.tree_verify_attention import (  # noqa: E402
     tree_verify_attention_mla_torch, tree_verify_attention_torch)
@@ -342,18 +343,19 @@ def test_drafter_backend_and_other_modes_are_untouched(hooked, rng, monkeypatch)
     assert torch.equal(got, want)
 
 
-def test_mode_switch_values():
+def test_mode_switch_values(monkeypatch):
     assert VA.mode({}) == "auto" and VA.enabled({}) and not VA.required({})      # the default
     assert VA.mode({VA.ENV: ""}) == "auto" and VA.mode({VA.ENV: " AUTO "}) == "auto"
     assert VA.mode({VA.ENV: "sglang"}) == "sglang" and not VA.enabled({VA.ENV: "sglang"})
     assert VA.enabled({VA.ENV: " DDTree "}) and VA.required({VA.ENV: "ddtree"})
     with pytest.raises(ValueError, match="SGLANG_DDTREE_VERIFY_ATTN must be one of"):
         VA.mode({VA.ENV: "flashinfer"}, "DDTREE-GPU")
-    with pytest.raises(ValueError, match="VERIFY_ATTN_SPLITS"):
-        VA.default_splits(types.SimpleNamespace(max_kv_splits=8, max_context_len=100), {VA.ENV_SPLITS: "0"})
     be = types.SimpleNamespace(max_kv_splits=8, max_context_len=100_000)
-    assert VA.default_splits(be, {}) == 7 and VA.default_splits(be, {VA.ENV_SPLITS: "20"}) == 20
-    assert VA.default_splits(types.SimpleNamespace(max_kv_splits=64, max_context_len=300), {}) == 2
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches())
+    assert VA.default_splits(be) == 7 and VA.splits_override() is None
+    assert VA.default_splits(types.SimpleNamespace(max_kv_splits=64, max_context_len=300)) == 2
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(verify_attn_splits=20))   # the A/B switch
+    assert VA.default_splits(be) == 20
 
 
 def test_refusals_at_startup(hooked, rng):
@@ -413,7 +415,7 @@ def test_per_call_refusals(hooked, rng):
 @pytest.mark.parametrize("arch,G", CASES)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_drafter_block_equals_sglangs_unmasked_path(hooked, rng, arch, G, graphs):
-    """SGLANG_DDTREE_DRAFT_ATTN: the drafter's block forward (TARGET_VERIFY on its own backend, every
+    """The switch draft_attn: the drafter's block forward (TARGET_VERIFY on its own backend, every
     layer ENCODER_ONLY, no custom mask: each block query sees the whole context and the whole block,
     SGLang's extend kernel with causal off) through our kernel with the all-set bitmask gives
     SGLang's output, the torch reference's over an all-ones mask, and the same KV cache."""
@@ -451,22 +453,19 @@ def test_drafter_block_equals_sglangs_unmasked_path(hooked, rng, arch, G, graphs
 
 
 def test_drafter_block_refusals_and_switch(hooked, rng):
-    """The layer kinds each state accepts, the switch's values (off by default), and the hook
-    installed when only the drafter's block asks for it."""
+    """The layer kinds each state accepts and the switch's values (off by default)."""
     from sglang.srt.layers.radix_attention import AttentionType
 
     causal = World(rng, arch="gqa", bs=1, N=4)
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_DRAFT_ATTN=ddtree cannot serve the drafter's block.*"
+    with pytest.raises(ValueError, match="switch draft_attn=ddtree cannot serve the drafter's block.*"
                                          "attention type"):
         VA.enable(causal.backend(), causal.model, "DDTREE-GPU", env={}, all_visible=True)
     enc = World(rng, arch="gqa", bs=1, N=4, attn_type=AttentionType.ENCODER_ONLY)
     with pytest.raises(ValueError, match="SGLANG_DDTREE_VERIFY_ATTN=ddtree cannot serve this target's verify"):
         VA.enable(enc.backend(), enc.model, "DDTREE-GPU", env={})
-    assert VA.draft_mode({}) == "sglang" and VA.draft_mode({VA.DRAFT_ENV: " Auto "}) == "auto"
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_DRAFT_ATTN must be one of"):
-        VA.draft_mode({VA.DRAFT_ENV: "on"})
-    assert VA.hook_wanted({}) and VA.hook_wanted({VA.ENV: "sglang", VA.DRAFT_ENV: "ddtree"})
-    assert not VA.hook_wanted({VA.ENV: "sglang"}) and not VA.hook_wanted({VA.ENV: "sglang", VA.DRAFT_ENV: "sglang"})
+    assert switches.Switches().draft_attn == "sglang"
+    with pytest.raises(ValueError, match="draft_attn must be"):
+        switches.Switches(draft_attn="on")
 
 
 def test_worker_enables_the_drafter_block(hooked, rng, monkeypatch, caplog):
@@ -481,9 +480,9 @@ def test_worker_enables_the_drafter_block(hooked, rng, monkeypatch, caplog):
     from sglang_ddtree.ab.runner import DRAFT_ATTN_LINE
 
     world = World(rng, arch="gqa", bs=1, N=5, attn_type=AttentionType.ENCODER_ONLY)
-    monkeypatch.delenv(VA.DRAFT_ENV, raising=False)
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches())
     assert W.enable_draft_block_attention(world.backend(), world.model, 5, world.r2t, "DDTREE-GPU") is None
-    monkeypatch.setenv(VA.DRAFT_ENV, "auto")
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(draft_attn="auto"))
     caplog.set_level(logging.INFO, logger=W.logger.name)
     other = world.r2t.clone()
     assert W.enable_draft_block_attention(world.backend(), world.model, 5, other, "DDTREE-GPU") is None
@@ -491,7 +490,7 @@ def test_worker_enables_the_drafter_block(hooked, rng, monkeypatch, caplog):
     be = world.backend()
     assert W.enable_draft_block_attention(be, world.model, 5, world.r2t, "DDTREE-GPU", target_backend=be) is None
     assert "the target's" in caplog.text and VA.state_of(be) is None
-    monkeypatch.setenv(VA.DRAFT_ENV, "ddtree")
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(draft_attn="ddtree"))
     with pytest.raises(ValueError, match="another req_to_token"):
         W.enable_draft_block_attention(world.backend(), world.model, 5, other, "DDTREE-GPU")
     caplog.clear()

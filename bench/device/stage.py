@@ -101,7 +101,7 @@ def parse_name(name):
         elif p == "sglattn":  # the target verify through SGLang's masked extend kernel (the default
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "sglang"   # is auto: ours where covered)
         elif p == "dattn":  # the drafter's block forward through our kernel too (all-set bitmask)
-            os.environ["SGLANG_DDTREE_DRAFT_ATTN"] = "ddtree"
+            _switch(draft_attn="ddtree")
         elif p == "uncapped":  # with default: no --max-running-requests and decode graphs up to bs 96, so
             os.environ["DDTREE_STAGE_UNCAPPED"] = "1"   # tree graphs stop at 64, the plain state's at 96
         else:
@@ -124,8 +124,7 @@ def parse_name(name):
     elif adaptive:
         if algo != "ddtree" or budget <= 7:
             raise ValueError(f"bad stage name {name!r}: cycle / auto need ddtree and a budget > 7")
-        os.environ["SGLANG_DDTREE_BUDGETS"] = f"3,7,{budget}"
-        os.environ["SGLANG_DDTREE_NO_SPEC"] = "1"
+        os.environ["SGLANG_DDTREE_BUDGETS"] = f"0,3,7,{budget}"   # 0: no speculation
         if "cycle" in adaptive:  # forced widths round by round, no speculation (0) included: must stay lossless
             _switch(budget_cycle=[budget, 0, 3, budget, 7, 0, 7, 3])
     return pair, algo, mode, budget, backend

@@ -59,7 +59,7 @@ def verify_attention_of(log_path: str, marker: str = VERIFY_ATTN_LINE) -> Option
     """What the DDTREE worker logged at start-up as its target verify attention (ours, or SGLang's
     masked kernel and why: ``SGLANG_DDTREE_VERIFY_ATTN=auto`` decides per server), else None;
     ``marker=DRAFT_ATTN_LINE``: its drafter block attention (logged only when
-    ``SGLANG_DDTREE_DRAFT_ATTN`` is set)."""
+    switch ``draft_attn`` is on)."""
     try:
         with open(log_path, errors="replace") as f:
             for line in f:

@@ -25,7 +25,7 @@ AUTO_BUDGETS = (7, 15, 31)
 # applied in the server's processes by the switches plugin PopenServer puts on its PYTHONPATH.
 ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang", False),
-                ("_dattn", "SGLANG_DDTREE_DRAFT_ATTN", "ddtree", False),
+                ("_dattn", "switch:draft_attn", "ddtree", False),
                 ("_torchcommit", "switch:commit_ops", "torch", False),
                 ("_nospec", "switch:budget_cycle", [0], True),
                 ("_nooverhead", "switch:round_overhead", False, True))
@@ -60,7 +60,7 @@ def parse_arm(name: str) -> dict:
     (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``; the server refuses to start where it does not cover), or
     in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
     default (``auto``: ours where it covers the verify).  ``_dattn``: the drafter's block forward
-    also through our kernel (``SGLANG_DDTREE_DRAFT_ATTN=ddtree``, all-set bitmask; off by default).
+    also through our kernel (switch ``draft_attn=ddtree``, all-set bitmask; off by default).
     ``_torchcommit`` (e.g.
     ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
     (switch ``commit_ops=torch``), to measure the fused commit kernel in the same run.
@@ -90,8 +90,6 @@ def parse_arm(name: str) -> dict:
             raise ValueError(f"arm {name!r}: {PIN_SUFFIX}<B> needs an arm that names its budgets "
                              f"(ddtree_auto_b7-15-31{PIN_SUFFIX}15)")
         allowed = [int(b) for b in arm["env"]["SGLANG_DDTREE_BUDGETS"].split(",")]
-        if arm["env"].get("SGLANG_DDTREE_NO_SPEC") == "1":
-            allowed = [0] + allowed
         if int(pin) not in allowed:
             raise ValueError(f"arm {name!r}: {PIN_SUFFIX}{pin} is not one of the arm's budgets {allowed}")
         return dict(arm, name=name, pin=int(pin), server=head)
@@ -127,8 +125,7 @@ def parse_arm(name: str) -> dict:
             raise ValueError(f"arm {name!r}: write the budgets as ddtree_auto_b<B1>-<B2>-..., e.g. ddtree_auto_b7-15-31")
         budgets = sorted({int(x) for x in spec[1:].split("-")}) if spec else list(AUTO_BUDGETS)
         return dict(name=name, kind=kind, algo=ALGO[kind], budget=budgets[-1], num_draft_tokens=budgets[-1] + 1,
-                    auto=True, env={"SGLANG_DDTREE_BUDGETS": ",".join(map(str, budgets)),
-                                    "SGLANG_DDTREE_NO_SPEC": "1"})
+                    auto=True, env={"SGLANG_DDTREE_BUDGETS": ",".join(map(str, [0] + budgets))})
     budget = None
     if kind.startswith("ddtree"):
         if not (rest.startswith("b") and rest[1:].isdigit()):
