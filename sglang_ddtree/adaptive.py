@@ -247,7 +247,10 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str,
 # the no-speculation state on flashinfer with graphs up to bs 256: 1.316 GB on the H100,
 # ``raw/serving_h100_qwen3-8bchain_random_s29_b_ddtree_server_log.txt.gz``; on triton ~0.12 GB with
 # graphs up to bs 64, ``raw/scalechain_ab_qwen3-8b_h200_s16_run2_logs.tgz``): logits x 1.2 plus a
-# fixed part, which a new flashinfer workspace makes ~1.15 GB.
+# fixed part, ~1.15 GB for the flashinfer state measured when each state allocated a flashinfer
+# workspace of its own (512 MB for Qwen targets); the states share the server's since session 30,
+# which is not yet re-measured (the estimate errs high by up to that workspace, lowering the KV pool
+# a little more than needed).
 STATE_LOGITS_FACTOR = 1.2
 STATE_FIXED_GB = 0.1
 PLAIN_FIXED_GB = {"flashinfer": 1.15}
@@ -310,7 +313,8 @@ def build_verify_state(model_runner, width: int, *, use_graphs: bool, runner_cls
     with num_draft_tokens_override(model_runner.server_args, width):
         saved = getattr(model_runner, "init_new_workspace", None)
         try:
-            backend = model_runner._get_attention_backend(init_new_workspace=True)
+            # the server's flashinfer workspace, shared (see plain_decode._build_backend)
+            backend = model_runner._get_attention_backend(init_new_workspace=False)
         finally:
             if hasattr(model_runner, "init_new_workspace"):
                 model_runner.init_new_workspace = saved

@@ -78,15 +78,20 @@ def plain_runner_view(model_runner):
 
 
 def _build_backend(model_runner, name: Optional[str]):
+    """The backend ``name`` (None: the server's) on the server's flashinfer workspace, as plain
+    decoding's own backends (and SGLang's two-batch-overlap backends) share it: the states run one at
+    a time on one stream, so a plan never lands between another backend's plan and its kernels.  A
+    workspace of its own would cost 384-512 MB per state (512 for Qwen targets), and every tree width's
+    hybrid backend would carry an unused flashinfer prefill workspace."""
     from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
         _build_backend_from_str)
 
     saved = getattr(model_runner, "init_new_workspace", None)
     try:
         if name is None:
-            return model_runner._get_attention_backend(init_new_workspace=True)
+            return model_runner._get_attention_backend(init_new_workspace=False)
         return _build_backend_from_str(model_runner=model_runner, backend_str=name,
-                                       init_new_workspace=True)
+                                       init_new_workspace=False)
     finally:
         if hasattr(model_runner, "init_new_workspace"):
             model_runner.init_new_workspace = saved

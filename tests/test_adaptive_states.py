@@ -64,9 +64,9 @@ class FakeModelRunner:
         self.fail_at = fail_at
         self.req_to_token_pool = types.SimpleNamespace(size=6)
 
-    def _get_attention_backend(self, init_new_workspace=False):
-        assert init_new_workspace
-        self.init_new_workspace = True          # SGLang flips it; the build restores it
+    def _get_attention_backend(self, init_new_workspace=True):
+        assert not init_new_workspace           # the server's flashinfer workspace, shared
+        self.init_new_workspace = "set by SGLang"   # SGLang sets it; the build restores it
         if self.server_args.speculative_num_draft_tokens == self.fail_at:
             raise RuntimeError("backend build failed")
         b = FakeBackend(self.server_args.speculative_num_draft_tokens)

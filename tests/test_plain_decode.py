@@ -220,6 +220,26 @@ def test_build_plain_state_falls_back_to_the_servers_backend():
     assert st.backend_name == "flashinfer" and st.graph_runner is None
 
 
+def test_the_plain_backend_shares_the_servers_flashinfer_workspace(monkeypatch):
+    """SGLang 0.5.16's builders (``_build_backend_from_str``, ``ModelRunner._get_attention_backend``)
+    are asked for the server's workspace (``init_new_workspace=False``: no second 384-512 MB
+    buffer), and the runner's ``init_new_workspace``, which SGLang's builder overwrites, is restored."""
+    setup = pytest.importorskip("sglang.srt.model_executor.model_runner_components.attention_backend_setup")
+    asked = []
+
+    def from_str(*, model_runner, backend_str, init_new_workspace):
+        model_runner.init_new_workspace = init_new_workspace          # what SGLang's builder does
+        asked.append((backend_str, init_new_workspace))
+        return backend_str
+
+    monkeypatch.setattr(setup, "_build_backend_from_str", from_str)
+    mr = types.SimpleNamespace(init_new_workspace="before")
+    mr._get_attention_backend = lambda init_new_workspace: from_str(
+        model_runner=mr, backend_str="server's", init_new_workspace=init_new_workspace)
+    assert P._build_backend(mr, "flashinfer") == "flashinfer" and P._build_backend(mr, None) == "server's"
+    assert asked == [("flashinfer", False), ("server's", False)] and mr.init_new_workspace == "before"
+
+
 def test_plain_forward_batch_restores_the_batch_on_error(monkeypatch):
     FBI = pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
 
