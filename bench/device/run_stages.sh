@@ -437,6 +437,12 @@ fi
            find tmp/fi -name '*.so' ! -path '*batch_prefill*' 2>/dev/null; } > /tmp/cachelist
  tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
 echo "== end at $(el)s; cache $(du -h $OUT/cache.tar.xz | cut -f1)" | tee -a $S
+# the flashinfer prefill modules left out above are also what every flashinfer server at a
+# production shape JIT-builds (its prefill, and its tensor-core decode): their sizes decide whether
+# the carry can hold them (s29: the first flashinfer 8B server of a call spent ~100 s building)
+(cd / && find tmp/fi -name '*.so' -path '*batch_prefill*' 2>/dev/null | while read -r f; do
+   echo "flashinfer module left out of the cache: $(du -k "$f" | cut -f1) KB $(basename "$f" .so | cut -c1-160)"
+ done) | tee -a $S
 # at most 8 files come back from $OUT: bundle the rest (A/B reports, prompts, sweep) into one tar
 if [ $(find $OUT -maxdepth 1 -type f | wc -l) -gt 8 ]; then
   (cd $OUT && find . -maxdepth 1 -type f ! -name summary.txt ! -name cache.tar.xz ! -name logs.tar.gz ! -name results.jsonl \
