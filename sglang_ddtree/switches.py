@@ -34,7 +34,7 @@ class Switches:
     """budget_cycle: forced tree budgets round by round (0 = no speculation; each must be in the
     adaptive set: ``adaptive.parse_config`` checks), the GPU lossless check of every width and the
     A/B's forced no-speculation arm; kv_commit: ``remap`` (default) or ``move`` (SGLang's per-layer
-    copy, ``worker.kv_commit_mode``); commit_ops: ``fused`` (the one Triton launch) or ``torch``
+    copy; ``DDTreeWorker.__init__``); commit_ops: ``fused`` (the one Triton launch) or ``torch``
     (the ops it replaced, ``worker.commit_ops_backend``); round_overhead: False leaves the policy's
     measured per-round overhead out; graph_mask_cap: pretend the target's CUDA-graph mask buffer
     holds this many elements (the eager-verify fallback at test-bed sizes); graph_mask_patch: False
@@ -61,8 +61,7 @@ class Switches:
     def __post_init__(self):
         if self.budget_cycle is not None:
             cyc = self.budget_cycle
-            if (not isinstance(cyc, (tuple, list)) or not cyc
-                    or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in cyc)):
+            if not isinstance(cyc, (tuple, list)) or not cyc or not all(_is_int(b) and b >= 0 for b in cyc):
                 raise ValueError(f"budget_cycle must be a non-empty list of integers >= 0, got {cyc!r}")
             object.__setattr__(self, "budget_cycle", tuple(cyc))
         for name, allowed in (("kv_commit", ("remap", "move")), ("commit_ops", ("fused", "torch")),
@@ -118,6 +117,16 @@ def to_env(**fields) -> str:
     """The ``DDTREE_SWITCHES`` value that sets these fields (checked here, as the plugin will)."""
     Switches(**fields)
     return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in sorted(fields.items())})
+
+
+def fields_of(raw: Optional[str]) -> dict:
+    """The fields a ``DDTREE_SWITCHES`` value sets ({} for unset / empty)."""
+    return dict(json.loads(raw)) if raw else {}
+
+
+def merged(raw: Optional[str], **fields) -> str:
+    """``raw`` (a ``DDTREE_SWITCHES`` value or None) with ``fields`` set too, checked."""
+    return to_env(**dict(fields_of(raw), **fields))
 
 
 def register_from_environment(env: Optional[Mapping[str, str]] = None) -> None:

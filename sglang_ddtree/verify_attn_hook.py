@@ -232,8 +232,8 @@ def all_set_words(max_bs: int, N: int, device) -> torch.Tensor:
     return word.view(1, 1, -1).expand(max_bs, N, -1).contiguous().to(device)
 
 
-def enable(backend, model, algo: str = "DDTREE", env: Optional[Mapping[str, str]] = None, *,
-           num_verify: Optional[int] = None, all_visible: bool = False) -> VerifyAttnState:
+def enable(backend, model, algo: str = "DDTREE", *, num_verify: Optional[int] = None,
+           all_visible: bool = False) -> VerifyAttnState:
     """Attach a :class:`VerifyAttnState` to ``backend`` (start-up; ValueError when not covered).
     ``model``: the target's nn.Module (its RadixAttention layers are checked).  ``all_visible``: the
     drafter's backend and model instead: its block forward of ``num_verify`` tokens, every query

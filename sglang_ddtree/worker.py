@@ -79,16 +79,6 @@ def commit_ops_backend(sw: "switches.Switches", tree_backend: str) -> str:
     return tree_backend if sw.commit_ops == "fused" else "reference"
 
 
-def kv_commit_mode(sw: "switches.Switches") -> str:
-    """How a round commits the accepted path's target K/V (switch ``kv_commit``): ``remap``
-    (default) permutes the request's ``req_to_token`` row over the verify slots (in
-    ``ddtree.commit_round``, the round's one commit launch, whatever the layer count); ``move``
-    copies each layer's K/V rows into place with SGLang's ``move_accept_tokens_to_target_kvcache``
-    (two indexing ops per layer: 122 launches on a 61-layer target).  Both need page size 1, which
-    the plugin requires (``spec_algo``)."""
-    return sw.kv_commit
-
-
 def _find_graph_mask_buffer(attn_backend) -> Optional[torch.Tensor]:
     """The CUDA-graph custom-mask buffer (triton: ``cuda_graph_custom_mask``) of the backend the
     target's verify runs on: behind a prefill / decode split, the side speculative_attention_mode
@@ -383,7 +373,11 @@ class DDTreeWorker(DFlashWorkerV2):
         self.topk = self.settings.topk
         if switches.ERROR:
             raise ValueError(f"{self.algo_name}: {switches.ERROR}")
-        self._kv_commit = kv_commit_mode(switches.CURRENT)
+        # how a round commits the accepted path's target K/V (switch kv_commit): remap (default)
+        # permutes the request's req_to_token row over the verify slots (in ddtree.commit_round, one
+        # launch whatever the layer count); move copies each layer's K/V rows with SGLang's
+        # move_accept_tokens_to_target_kvcache (122 launches on a 61-layer target); both need page size 1
+        self._kv_commit = switches.CURRENT.kv_commit
         self._commit_backend = commit_ops_backend(switches.CURRENT, self.tree_backend)
         if switches.describe() and getattr(ps, "tp_rank", 0) == 0:
             logger.info("%s %s", switches.LOG_TAG, switches.describe())

@@ -231,7 +231,7 @@ def run_hooked(world, layer, *, graphs, monkeypatch=None):
     """The hooked verify; with ``monkeypatch``: through ``RadixAttention.forward`` (SGLang's call
     chain: layer -> backend.forward -> forward_extend(..., save_kv_cache=True))."""
     be = world.backend(graphs=graphs)
-    state = VA.enable(be, world.model, "DDTREE-GPU", env={})
+    state = VA.enable(be, world.model, "DDTREE-GPU")
     state.write_mask(world.tree.mask_words)
     fb = world.forward_batch(full_mask=False)
     if graphs:
@@ -326,7 +326,7 @@ def test_drafter_backend_and_other_modes_are_untouched(hooked, rng, monkeypatch)
     assert P.tree_verify_forward_extend(fake_original, drafter, world.q, world.k, world.v, layer, fb,
                                         save_kv_cache=True) == "sglang"
     target = world.backend()
-    VA.enable(target, world.model, "DDTREE-GPU", env={})
+    VA.enable(target, world.model, "DDTREE-GPU")
     for mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.DECODE):
         fbm = world.forward_batch(full_mask=False, mode=mode)
         assert P.tree_verify_forward_extend(fake_original, target, world.q, world.k, world.v, layer,
@@ -363,7 +363,7 @@ def test_refusals_at_startup(hooked, rng):
 
     world = World(rng, arch="gqa", bs=1, N=3, G=2)
     with pytest.raises(ValueError, match="TorchNativeAttnBackend; only SGLang's TritonAttnBackend"):
-        VA.enable(object.__new__(TorchNativeAttnBackend), world.model, "DDTREE-GPU", env={})
+        VA.enable(object.__new__(TorchNativeAttnBackend), world.model, "DDTREE-GPU")
     for attr, value, msg in (("dcp_size", 2, "context parallelism"), ("page_size", 16, "page size 16"),
                              ("enable_deterministic", True, "deterministic"),
                              ("sliding_window_size", 128, "sliding-window"),
@@ -371,12 +371,12 @@ def test_refusals_at_startup(hooked, rng):
         be = world.backend()
         setattr(be, attr, value)
         with pytest.raises(ValueError, match=msg):
-            VA.enable(be, world.model, "DDTREE-GPU", env={})
+            VA.enable(be, world.model, "DDTREE-GPU")
         assert VA.state_of(be) is None
     be = world.backend()
     be.token_to_kv_pool = types.SimpleNamespace(dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="KV cache dtype"):
-        VA.enable(be, world.model, "DDTREE-GPU", env={})
+        VA.enable(be, world.model, "DDTREE-GPU")
     for attr, value, msg in (("logit_cap", 30.0, "logit cap"), ("sliding_window_size", 64, "sliding window"),
                              ("k_scale", torch.ones(1), "KV scales"), ("is_cross_attention", True, "cross")):
         layer = world.layers[1]
@@ -384,23 +384,23 @@ def test_refusals_at_startup(hooked, rng):
         setattr(layer, attr, value)
         try:
             with pytest.raises(ValueError, match=f"layers.1: .*{msg}"):
-                VA.enable(world.backend(), world.model, "DDTREE-GPU", env={})
+                VA.enable(world.backend(), world.model, "DDTREE-GPU")
         finally:
             setattr(layer, attr, old)
-    state = VA.enable(world.backend(), world.model, "DDTREE-GPU", env={})
+    state = VA.enable(world.backend(), world.model, "DDTREE-GPU")
     assert state.mask_words.shape == (MAX_BS, 3, 1) and state.mask_words.dtype == torch.int32
 
 
 def test_refused_without_the_hook_installed(unhooked, rng):
     world = World(rng, arch="gqa", bs=1, N=3)
     with pytest.raises(ValueError, match="hook is not installed"):
-        VA.enable(world.backend(), world.model, "DDTREE-GPU", env={})
+        VA.enable(world.backend(), world.model, "DDTREE-GPU")
 
 
 def test_per_call_refusals(hooked, rng):
     world = World(rng, arch="gqa", bs=2, N=3)
     be = world.backend()
-    state = VA.enable(be, world.model, "DDTREE-GPU", env={})
+    state = VA.enable(be, world.model, "DDTREE-GPU")
     fb = world.forward_batch(full_mask=False)
     be.init_forward_metadata(fb)
     with pytest.raises(RuntimeError, match="sinks"):
@@ -435,7 +435,7 @@ def test_drafter_block_equals_sglangs_unmasked_path(hooked, rng, arch, G, graphs
     ref = world.reference(layer)
     world.restore_cache()
     drafter = world.backend(graphs=graphs)
-    state = VA.enable(drafter, world.model, "DDTREE-GPU", env={}, num_verify=N, all_visible=True)
+    state = VA.enable(drafter, world.model, "DDTREE-GPU", num_verify=N, all_visible=True)
     assert state.all_visible and state.mask_words.shape == (MAX_BS, N, (N + 31) // 32)
     fb = world.forward_batch(full_mask=False)
     if graphs:
@@ -459,10 +459,10 @@ def test_drafter_block_refusals_and_switch(hooked, rng):
     causal = World(rng, arch="gqa", bs=1, N=4)
     with pytest.raises(ValueError, match="switch draft_attn=ddtree cannot serve the drafter's block.*"
                                          "attention type"):
-        VA.enable(causal.backend(), causal.model, "DDTREE-GPU", env={}, all_visible=True)
+        VA.enable(causal.backend(), causal.model, "DDTREE-GPU", all_visible=True)
     enc = World(rng, arch="gqa", bs=1, N=4, attn_type=AttentionType.ENCODER_ONLY)
     with pytest.raises(ValueError, match="SGLANG_DDTREE_VERIFY_ATTN=ddtree cannot serve this target's verify"):
-        VA.enable(enc.backend(), enc.model, "DDTREE-GPU", env={})
+        VA.enable(enc.backend(), enc.model, "DDTREE-GPU")
     assert switches.Switches().draft_attn == "sglang"
     with pytest.raises(ValueError, match="draft_attn must be"):
         switches.Switches(draft_attn="on")
@@ -518,7 +518,7 @@ def test_save_kv_cache_false_still_verifies_from_the_tree_kv(hooked, rng, arch, 
         for b in world.kv_buffers(layer.layer_id):
             b[world.loc] = float("nan")                                  # the tree's slots: stale
     be = world.backend()
-    state = VA.enable(be, world.model, "DDTREE-GPU", env={})
+    state = VA.enable(be, world.model, "DDTREE-GPU")
     state.write_mask(world.tree.mask_words)
     fb = world.forward_batch(full_mask=False)
     be.init_forward_metadata(fb)
@@ -536,7 +536,7 @@ def test_padded_graph_batch(hooked, rng):
     bs, N, pad = world.bs, world.N, MAX_BS - world.bs
     layer = world.layers[0]
     be = world.backend(graphs=True)
-    state = VA.enable(be, world.model, "DDTREE-GPU", env={})
+    state = VA.enable(be, world.model, "DDTREE-GPU")
     state.write_mask(world.tree.mask_words)
     dev = world.device
     seq = torch.cat([world.seq, torch.ones(pad, dtype=torch.int64, device=dev)])
@@ -566,7 +566,7 @@ def test_real_cuda_graph_capture_then_replay_with_new_bits(hooked, rng, arch):
     world = World(rng, arch=arch, bs=2, N=5, G=2, H=2)
     layer = world.layers[1]
     be = world.backend(graphs=True)
-    state = VA.enable(be, world.model, "DDTREE-GPU", env={})
+    state = VA.enable(be, world.model, "DDTREE-GPU")
     fb = world.forward_batch(full_mask=False)
     be.init_forward_metadata_out_graph(fb, in_capture=True)
     side = torch.cuda.Stream()

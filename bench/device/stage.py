@@ -67,10 +67,7 @@ def _switch(**fields):
     one included, before the Engine starts: SGLang loads plugins then)."""
     from sglang_ddtree import switches
 
-    raw = os.environ.get(switches.ENV)
-    sw = dict(json.loads(raw)) if raw else {}
-    sw.update(fields)
-    os.environ[switches.ENV] = switches.to_env(**sw)
+    os.environ[switches.ENV] = switches.merged(os.environ.get(switches.ENV), **fields)
     switches.register_from_environment()   # this process too (SGLang may have loaded plugins already)
 
 

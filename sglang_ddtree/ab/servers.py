@@ -2,7 +2,6 @@
 its health wait."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -33,14 +32,7 @@ ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
 
 def arm_switches(arm: dict) -> dict:
     """The switches an arm's server runs with ({} = the defaults), from its ``DDTREE_SWITCHES``."""
-    raw = (arm.get("env") or {}).get(switches.ENV)
-    return json.loads(raw) if raw else {}
-
-
-def _with_switch(env: dict, field: str, value) -> dict:
-    sw = dict(json.loads(env[switches.ENV])) if env.get(switches.ENV) else {}
-    sw[field] = value
-    return dict(env, **{switches.ENV: switches.to_env(**sw)})
+    return switches.fields_of((arm.get("env") or {}).get(switches.ENV))
 
 
 # any arm (base too) + this: SGLang's /freeze_gc after the arm's warm-up (sglang_ddtree.ab.runner)
@@ -110,7 +102,8 @@ def parse_arm(name: str) -> dict:
         if auto_only and not arm.get("auto"):
             raise ValueError(f"arm {name!r}: only adaptive arms take {suffix} (ddtree_auto{suffix})")
         arm["name"] = name
-        arm["env"] = dict(env, **{var: value}) if field is None else _with_switch(env, field, value)
+        arm["env"] = dict(env, **({var: value} if field is None else
+                                  {switches.ENV: switches.merged(env.get(switches.ENV), **{field: value})}))
         return arm
     if name == "ddtree":   # the product default: no DDTree setting at all (adaptive over the default set)
         return dict(name=name, kind="ddtree", algo=ALGO["ddtree"], budget=None, num_draft_tokens=None,
