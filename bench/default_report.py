@@ -20,6 +20,15 @@ three arms at c gives an INCOMPLETE cell naming the missing ones.  The GPU colum
 PASS needs all of them.  The markdown also lists what the issue's matrix still lacks: pairs (the
 text pair and the chain pair at the Qwen3-8B shape, one MoE shape), workloads random / natural / long
 / mix, concurrency 1 / 4 / 16 / 64.
+
+The floor (the issue's item 2), from the reports that hold a forced no-speculation arm
+(``ddtree_nospec``: the default server with every round plain) beside ``base``, one cell per (pair,
+workload, c), the same measured rule and the same choice among reports:
+
+* ``ddtree_nospec >= 0.98 x base`` output tok/s;
+* its median ITL <= 1.03 x base's: with one token per round and a batch of c, the ITL is the
+  round time the client sees, against base's decode step measured the same way (bs 1-64 = c 1-64);
+* its outputs token-identical to base's (no near-tie allowance: its rounds are SGLang's decode step).
 """
 from __future__ import annotations
 
@@ -33,10 +42,12 @@ sys.path.insert(0, HERE)
 from rawio import open_maybe_gz  # noqa: E402
 
 ARMS = ("base", "dflash", "ddtree")
+FLOOR_ARMS = ("base", "ddtree_nospec")
 WORKLOADS = ("random", "natural", "long", "mix")
 CONCURRENCY = (1, 4, 16, 64)
 MIN_REPEATS, MIN_SECONDS = 3, 20.0
 BAR_MAX, BAR_DFLASH = 0.97, 1.05
+FLOOR_TPUT, FLOOR_ITL = 0.98, 1.03
 
 
 def pair_label(doc: dict) -> str:
@@ -70,32 +81,43 @@ def card(doc: dict) -> str:
     return name.split()[0] if name.strip() else "?"
 
 
-def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
-    """One (pair, workload, c) cell from one report (INCOMPLETE, naming them, when arms are missing at
-    c), or None when the report has no arm at c."""
+def _levels_at(doc: dict, c: int, arms) -> Tuple[Dict[str, dict], List[str]]:
+    """({arm: its level at c, {} when absent}, why the levels are not a measurement: absent, partial,
+    fewer than MIN_REPEATS repeats, a level under MIN_SECONDS)."""
     by = {a.get("name"): a for a in doc.get("arms") or []}
-    lv = {name: _level(by.get(name), c) for name in ARMS}
-    if all(v is None for v in lv.values()):
-        return None
+    got = {name: _level(by.get(name), c) for name in arms}
     s = doc.get("settings") or {}
-    absent = [k for k, v in lv.items() if v is None]
-    lv = {k: (v or {}) for k, v in lv.items()}
-    tput = {k: v.get("output_throughput") for k, v in lv.items()}
-    why = [f"{k} not measured" for k in absent]
-    for k, v in lv.items():
-        if k in absent:
+    why = [f"{k} not measured" for k, v in got.items() if v is None]
+    for k, v in got.items():
+        if v is None:
             continue
-        if v.get("partial") or not tput[k]:
+        if v.get("partial") or not v.get("output_throughput"):
             why.append(f"{k} partial")
         if int(v.get("repeats") or 0) < MIN_REPEATS:
             why.append(f"{k} {v.get('repeats')} repeats")
         if v.get("short") or float(s.get("min_level_seconds") or 0) < MIN_SECONDS:
             why.append(f"{k} level < {MIN_SECONDS:.0f} s")
-    cell = dict(pair=pair_label(doc), workload=(s.get("workload") or {}).get("name"), concurrency=c,
-                source=source, date=(doc.get("meta") or {}).get("date"), card=card(doc), tok_s=tput,
+    return {k: (v or {}) for k, v in got.items()}, why
+
+
+def _cell_head(doc: dict, c: int, source: str, lv: Dict[str, dict]) -> dict:
+    s = doc.get("settings") or {}
+    return dict(pair=pair_label(doc), workload=(s.get("workload") or {}).get("name"), concurrency=c,
+                source=source, date=(doc.get("meta") or {}).get("date"), card=card(doc),
+                tok_s={k: v.get("output_throughput") for k, v in lv.items()},
                 repeats={k: v.get("repeats") for k, v in lv.items()},
-                median_ttft_ms={k: v.get("median_ttft_ms") for k, v in lv.items()},
-                accept_length={k: v.get("accept_length") for k, v in lv.items()})
+                median_ttft_ms={k: v.get("median_ttft_ms") for k, v in lv.items()})
+
+
+def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
+    """One (pair, workload, c) cell from one report (INCOMPLETE, naming them, when arms are missing at
+    c), or None when the report has no arm at c."""
+    lv, why = _levels_at(doc, c, ARMS)
+    if not (lv["dflash"] or lv["ddtree"]):    # base alone (or beside the floor's arm) is no cell here
+        return None
+    cell = _cell_head(doc, c, source, lv)
+    cell["accept_length"] = {k: v.get("accept_length") for k, v in lv.items()}
+    tput = cell["tok_s"]
     ok_out, out_txt = outputs_verdict(doc, "ddtree")
     cell["outputs"] = out_txt
     if any(not tput[k] for k in ARMS):
@@ -120,15 +142,51 @@ def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
     return cell
 
 
-def assemble(docs: List[Tuple[str, dict]]) -> Dict[tuple, dict]:
-    """{(pair, workload, c): cell}: per key the cell of the report with the most arms measured, then
-    the most repeats, then the latest date, then the later argument."""
+def floor_cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
+    """One floor cell (forced no-speculation vs base) from one report, or None when the report has no
+    ``ddtree_nospec`` level at c."""
+    lv, why = _levels_at(doc, c, FLOOR_ARMS)
+    nospec = FLOOR_ARMS[1]
+    if not lv[nospec]:
+        return None
+    cell = _cell_head(doc, c, source, lv)
+    cell["median_itl_ms"] = itl = {k: v.get("median_itl_ms") for k, v in lv.items()}
+    round_ms = (lv[nospec].get("stage_profile") or {}).get("round_ms")
+    cell["nospec_gpu_round_ms"] = round_ms
+    tput = cell["tok_s"]
+    idn = ((doc.get("identity") or {}).get("arms") or {}).get(nospec) or {}
+    identical = bool(idn.get("compared")) and not idn.get("mismatched")
+    cell["outputs"] = (f"identical ({idn['compared']})" if identical else
+                       "not compared" if not idn.get("compared") else
+                       f"{idn.get('mismatched')} of {idn['compared']} differ")
+    if not all(tput.values()) or not all(itl.values()):
+        cell.update(status="INCOMPLETE", why=why or ["no ITL"])
+        return cell
+    cell["x_base"] = tput[nospec] / tput["base"]
+    cell["itl_x_base"] = itl[nospec] / itl["base"]
+    fails = []
+    if cell["x_base"] < FLOOR_TPUT:
+        fails.append(f"{cell['x_base']:.2f}x base tok/s < {FLOOR_TPUT}")
+    if cell["itl_x_base"] > FLOOR_ITL:
+        fails.append(f"ITL {cell['itl_x_base']:.2f}x base's > {FLOOR_ITL}")
+    if not identical:
+        fails.append(f"outputs: {cell['outputs']}")
+    cell.update(status="INCOMPLETE" if why else ("FAIL" if fails else "PASS"), fails=fails)
+    if why:
+        cell["why"] = why
+    return cell
+
+
+def assemble(docs: List[Tuple[str, dict]], make=cell_from) -> Dict[tuple, dict]:
+    """{(pair, workload, c): cell} (``make``: :func:`cell_from`, or :func:`floor_cell_from`): per key
+    the cell of the report with the most arms measured, then the most repeats, then the latest date,
+    then the later argument."""
     cells: Dict[tuple, dict] = {}
     for i, (src, doc) in enumerate(docs):
         if doc.get("kind") != "ab_serving":
             raise ValueError(f"{src}: not a bench_serving A/B report (kind {doc.get('kind')!r})")
         for c in (doc.get("settings") or {}).get("concurrency") or []:
-            cell = cell_from(doc, int(c), src)
+            cell = make(doc, int(c), src)
             if cell is None:
                 continue
             key = (cell["pair"], cell["workload"], int(c))
@@ -158,7 +216,43 @@ def missing(cells: Dict[tuple, dict]) -> List[str]:
     return out
 
 
-def render(cells: Dict[tuple, dict], gaps: List[str]) -> str:
+def floor_missing(floor: Dict[tuple, dict]) -> List[str]:
+    """The floor's gaps: per (pair, workload) with a floor cell, the concurrencies not measured."""
+    out = []
+    for p, w in sorted({k[:2] for k in floor}):
+        lack = [c for c in CONCURRENCY if (p, w, c) not in floor]
+        if lack:
+            out.append(f"floor, {p} / {w}: c = {', '.join(map(str, lack))} not measured")
+    return out or ([] if floor else ["floor: no report with a ddtree_nospec arm yet"])
+
+
+def render_floor(floor: Dict[tuple, dict]) -> List[str]:
+    keys = sorted(floor, key=lambda k: (k[0], WORKLOADS.index(k[1]) if k[1] in WORKLOADS else 99, k[2]))
+    n_pass = sum(1 for k in keys if floor[k]["status"] == "PASS")
+    L = ["", "## The floor: a forced no-speculation server against base (item 2)", "",
+         f"`ddtree_nospec` is the default server with every round plain. Bars per cell: >= {FLOOR_TPUT} x "
+         f"base's output tok/s; median ITL (one token per round: the round time the client sees) <= "
+         f"{FLOOR_ITL} x base's decode step measured the same way; outputs token-identical; >= "
+         f"{MIN_REPEATS} repeats of >= {MIN_SECONDS:.0f} s. GPU round: the no-spec arm's own profile, "
+         "where recorded.", "", f"**{n_pass} of {len(keys)} cells pass.**", ""]
+    if not keys:
+        return L[:-2] + ["No report with a `ddtree_nospec` arm yet."]
+    L += ["| pair | workload | c | base tok/s | nospec tok/s | x base | base ITL | nospec ITL | ITL x base | "
+          "GPU round | outputs | status | GPU | report |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for k in keys:
+        x = floor[k]
+        t, i = x["tok_s"], x["median_itl_ms"]
+        f = lambda v, nd=0: "-" if not v else f"{v:.{nd}f}"
+        st = x["status"] + ("" if x["status"] == "PASS" else ": " + "; ".join(x.get("why", []) + x.get("fails", [])))
+        L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['ddtree_nospec'])} | {f(x.get('x_base'), 2)} | "
+                 f"{f(i['base'], 2)} | {f(i['ddtree_nospec'], 2)} | {f(x.get('itl_x_base'), 2)} | "
+                 f"{f(x.get('nospec_gpu_round_ms'), 2)} | {x['outputs']} | {st} | {x.get('card', '?')} | "
+                 f"`{os.path.basename(x['source'])}` |")
+    return L
+
+
+def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple, dict]] = None) -> str:
     keys = sorted(cells, key=lambda k: (k[0], WORKLOADS.index(k[1]) if k[1] in WORKLOADS else 99, k[2]))
     n_pass = sum(1 for k in keys if cells[k]["status"] == "PASS")
     L = ["# DDTREE-GPU default vs base and DFLASH under sglang.bench_serving (issue 39)", "",
@@ -178,6 +272,7 @@ def render(cells: Dict[tuple, dict], gaps: List[str]) -> str:
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['dflash'])} | {f(t['ddtree'])} | "
                  f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {x['outputs']} | {st} | {x.get('card', '?')} | "
                  f"`{os.path.basename(x['source'])}` |")
+    L += render_floor(floor or {})
     L += ["", "## Not measured yet", ""] + ([f"- {g}" for g in gaps] or ["- nothing: the matrix is complete"])
     return "\n".join(L) + "\n"
 
@@ -192,17 +287,22 @@ def main(argv: List[str]) -> int:
         with open_maybe_gz(p) as fh:
             docs.append((p, json.load(fh)))
     cells = assemble(docs)
-    gaps = missing(cells)
+    floor = assemble(docs, make=floor_cell_from)
+    gaps = missing(cells) + floor_missing(floor)
     doc = dict(kind="default_report", bars=dict(x_max=BAR_MAX, x_dflash=BAR_DFLASH, repeats=MIN_REPEATS,
-                                                level_seconds=MIN_SECONDS),
+                                                level_seconds=MIN_SECONDS, floor_tok_s=FLOOR_TPUT,
+                                                floor_itl=FLOOR_ITL),
                sources=[os.path.relpath(p) for p in paths],
                cells=[cells[k] for k in sorted(cells)], missing=gaps,
-               passed=sum(1 for c in cells.values() if c["status"] == "PASS"), total=len(cells))
+               passed=sum(1 for c in cells.values() if c["status"] == "PASS"), total=len(cells),
+               floor_cells=[floor[k] for k in sorted(floor)],
+               floor_passed=sum(1 for c in floor.values() if c["status"] == "PASS"), floor_total=len(floor))
     with open(out + ".json", "w") as fh:
         json.dump(doc, fh, indent=1)
     with open(out + ".md", "w") as fh:
-        fh.write(render(cells, gaps))
-    print(f"{doc['passed']} of {doc['total']} cells pass; wrote {out}.json / .md")
+        fh.write(render(cells, gaps, floor))
+    print(f"{doc['passed']} of {doc['total']} cells pass, floor {doc['floor_passed']} of {doc['floor_total']}; "
+          f"wrote {out}.json / .md")
     return 0
 
 

@@ -15,14 +15,16 @@ import default_report as R  # noqa: E402
 
 
 def report(levels, *, workload="random", pair="text", repeats=3, min_s=20.0, short=(), mismatched=None,
-           classified=None, date="2026-12-05"):
-    """levels: {c: {arm: tok/s}} (an arm missing at c is absent from that level)."""
+           classified=None, date="2026-12-05", itl=None):
+    """levels: {c: {arm: tok/s}} (an arm missing at c is absent from that level); itl: {(arm, c): median
+    ITL ms} (default 10)."""
     arms = {}
     for c, by in levels.items():
         for name, t in by.items():
             arms.setdefault(name, []).append(dict(concurrency=c, output_throughput=t, repeats=repeats,
                                                   partial=False, short=(name, c) in short,
-                                                  median_ttft_ms=10.0, accept_length=1.0))
+                                                  median_ttft_ms=10.0, accept_length=1.0,
+                                                  median_itl_ms=(itl or {}).get((name, c), 10.0)))
     idn = dict(reference="base", arms={a: dict(compared=8, mismatched=(mismatched or {}).get(a, 0))
                                        for a in arms if a != "base"})
     if classified:
@@ -103,3 +105,53 @@ def test_the_command_writes_json_and_markdown(tmp_path):
     md = (tmp_path / "default_h200.md").read_text()
     assert "**1 of 1 cells pass.**" in md and "| text | random | 1 | 100 | 120 | 130 | 1.08 | 1.08 |" in md
     assert "| PASS | ? | `serving.json` |" in md
+
+
+# ------------------------------------------------------------------------------------- the floor
+
+def floors_of(*docs):
+    return R.assemble([(f"r{i}.json", d) for i, d in enumerate(docs)], make=R.floor_cell_from)
+
+
+def test_the_floor_bars_as_the_issue_states_them():
+    """>= 0.98x base tok/s and median ITL <= 1.03x base's, worked out by hand per cell."""
+    doc = report({1: dict(base=100.0, ddtree_nospec=99.0),       # 0.99x, ITL 1.02x: pass
+                  4: dict(base=100.0, ddtree_nospec=97.0),       # 0.97x tok/s: fail
+                  16: dict(base=100.0, ddtree_nospec=100.0),     # ITL 10.4 / 10 = 1.04x: fail
+                  64: dict(base=100.0, ddtree_nospec=98.0)},     # 0.98x, ITL 1.03x: pass (at the bar)
+                 itl={("ddtree_nospec", 1): 10.2, ("ddtree_nospec", 16): 10.4, ("ddtree_nospec", 64): 10.3})
+    floor = floors_of(doc)
+    st = {c: floor[("text", "random", c)]["status"] for c in (1, 4, 16, 64)}
+    assert st == {1: "PASS", 4: "FAIL", 16: "FAIL", 64: "PASS"}, st
+    assert "tok/s" in floor[("text", "random", 4)]["fails"][0]
+    assert floor[("text", "random", 16)]["fails"] == ["ITL 1.04x base's > 1.03"]
+    assert floor[("text", "random", 1)]["itl_x_base"] == pytest.approx(1.02)
+    # a floor-only report makes no cell of the default's table, and a report without the no-spec arm
+    # no floor cell
+    assert cells_of(doc) == {}
+    assert floors_of(report({1: dict(base=1.0, dflash=1.0, ddtree=1.0)})) == {}
+
+
+def test_the_floor_wants_identical_outputs_and_a_full_measurement():
+    lv = {16: dict(base=100.0, ddtree_nospec=100.0)}
+    assert floors_of(report(lv))[("text", "random", 16)]["outputs"] == "identical (8)"
+    ties = report(lv, mismatched={"ddtree_nospec": 1}, classified={"ddtree_nospec": dict(near_tie=1, error=0)})
+    cell = floors_of(ties)[("text", "random", 16)]
+    assert cell["status"] == "FAIL" and cell["fails"] == ["outputs: 1 of 8 differ"]    # no near-tie allowance
+    assert floors_of(report(lv, repeats=2))[("text", "random", 16)]["status"] == "INCOMPLETE"
+    half = floors_of(report({16: dict(ddtree_nospec=100.0)}))[("text", "random", 16)]
+    assert half["status"] == "INCOMPLETE" and half["why"] == ["base not measured"]
+
+
+def test_the_command_renders_the_floor_and_its_gaps(tmp_path):
+    src = tmp_path / "floor.json"
+    src.write_text(json.dumps(report({16: dict(base=2000.0, ddtree_nospec=1990.0)},
+                                     itl={("base", 16): 7.5, ("ddtree_nospec", 16): 7.6})))
+    out = tmp_path / "default_h200"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "default_report.py"), str(out), str(src)],
+                   check=True, capture_output=True)
+    doc = json.loads((tmp_path / "default_h200.json").read_text())
+    assert (doc["total"], doc["floor_passed"], doc["floor_total"]) == (0, 1, 1)
+    assert "floor, text / random: c = 1, 4, 64 not measured" in doc["missing"]
+    md = (tmp_path / "default_h200.md").read_text()
+    assert "| text | random | 16 | 2000 | 1990 | 0.99 | 7.50 | 7.60 | 1.01 | - | identical (8) | PASS |" in md
