@@ -106,6 +106,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export TVM_FFI_CACHE_DIR=/tmp/tvmcache TRITON_CACHE_DIR=/tmp/tritoncache FLASHINFER_WORKSPACE_BASE=/tmp/fi
 mkdir -p $TVM_FFI_CACHE_DIR $TRITON_CACHE_DIR
 [ -f $KIT/cache.tar.xz ] && tar -xJf $KIT/cache.tar.xz -C / && echo "restored JIT caches from .kit/cache.tar.xz" | tee -a $S
+# flashinfer rebuilds a carried module whose objects are missing (its ninja target needs them): link
+# the carried .so files into its AOT directory, which it loads as they are (bench/device/fi_aot.py)
+[ -d /tmp/fi ] && { PYTHONPATH=/tmp/site python3 $DEV/fi_aot.py 2>&1 | tail -1 | cut -c1-400 | tee -a $S; }
 # SGLang's Marlin MoE module (380 s to build: bench/device/marlin_prebuild.sh), when carried as .kit_marlin
 [ -f $REPO/.kit_marlin/marlin_moe.tar.xz ] && tar -xJf $REPO/.kit_marlin/marlin_moe.tar.xz -C / \
   && echo "restored the Marlin MoE module from .kit_marlin/marlin_moe.tar.xz" | tee -a $S
@@ -436,13 +439,23 @@ fi
            find tmp/tritoncache -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \)
            find tmp/fi -name '*.so' ! -path '*batch_prefill*' 2>/dev/null; } > /tmp/cachelist
  tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
+# flashinfer's batch_prefill modules (every flashinfer server at a production shape builds them: its
+# prefill, and its tensor-core decode), smallest first, while the packed cache stays within
+# CACHE_BUDGET bytes (default: the 60 MB a call may carry - the kit - the tracked tree, as the carried
+# .git lists it, - 1 MB); `bash bench/device/carry.sh cache` then recompresses it smaller and drops
+# the largest of them if the call would still not fit
+KITB=$(stat -c %s $KIT/site.tar.xz 2>/dev/null || echo 32000000)
+TREEB=$( (cd $REPO && git ls-files -z 2>/dev/null | xargs -0 -r du -cb 2>/dev/null) | awk '$2 == "total" {s += $1} END {print s + 0}')
+BUDGET=${CACHE_BUDGET:-$(( 60000000 - KITB - TREEB - 1000000 ))}
+CUR=$(stat -c %s $OUT/cache.tar.xz); ADDED=0
+for f in $(cd / && find tmp/fi -name '*.so' -path '*batch_prefill*' -printf '%s %p\n' 2>/dev/null | sort -n | cut -d' ' -f2-); do
+  EST=$(xz -T8 -3 -c /$f | wc -c)
+  if [ $((CUR + EST)) -le $BUDGET ]; then echo $f >> /tmp/cachelist; CUR=$((CUR + EST)); ADDED=$((ADDED + 1))
+  else echo "flashinfer module left out of the cache (budget $BUDGET B): $(du -k /$f | cut -f1) KB, ~$((EST / 1024)) KB packed: $(basename $f .so | cut -c1-160)" | tee -a $S; fi
+done
+[ $ADDED -gt 0 ] && (cd / && tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz) \
+  && echo "flashinfer batch_prefill modules in the cache: $ADDED (budget $BUDGET B)" | tee -a $S
 echo "== end at $(el)s; cache $(du -h $OUT/cache.tar.xz | cut -f1)" | tee -a $S
-# the flashinfer prefill modules left out above are also what every flashinfer server at a
-# production shape JIT-builds (its prefill, and its tensor-core decode): their sizes decide whether
-# the carry can hold them (s29: the first flashinfer 8B server of a call spent ~100 s building)
-(cd / && find tmp/fi -name '*.so' -path '*batch_prefill*' 2>/dev/null | while read -r f; do
-   echo "flashinfer module left out of the cache: $(du -k "$f" | cut -f1) KB $(basename "$f" .so | cut -c1-160)"
- done) | tee -a $S
 # at most 8 files come back from $OUT: bundle the rest (A/B reports, prompts, sweep) into one tar
 if [ $(find $OUT -maxdepth 1 -type f | wc -l) -gt 8 ]; then
   (cd $OUT && find . -maxdepth 1 -type f ! -name summary.txt ! -name cache.tar.xz ! -name logs.tar.gz ! -name results.jsonl \
