@@ -423,7 +423,7 @@ tar -czf $OUT/logs.tar.gz -C /tmp tblogs 2>/dev/null
 # on the CPU machine into .kit/cache.tar.xz (4.2 -> 2.9 MB in session 27): a call carries <= 60 MB.
 # Triton needs only the cubin, the metadata json and the launcher .so of a cached kernel
 # (triton 3.6 CompiledKernel reads whatever group files exist; the IR dumps are 75 % of the cache);
-# flashinfer's custom-mask prefill is the verify_attn baseline only and is 4 MB: left out.
+# flashinfer: every module but batch_prefill here; batch_prefill below, as far as the carry allows.
 # the Marlin MoE module (bench/device/marlin_prebuild.sh) travels on its own: it may be large
 if [ -f /tmp/marlin_build.log ]; then
   # MARLIN_WAIT=1: a build started by marlin_prebuild.sh is waited for (until the deadline), so its
