@@ -59,14 +59,17 @@ def _level(arm: Optional[dict], c: int) -> Optional[dict]:
     return next((lv for lv in (arm or {}).get("levels") or [] if lv.get("concurrency") == c), None)
 
 
-def outputs_verdict(doc: dict, arm: str) -> Tuple[bool, str]:
-    """(ok, text) of an arm's identity requests against the reference arm."""
+def outputs_verdict(doc: dict, arm: str, near_ties: bool = True) -> Tuple[bool, str]:
+    """(ok, text) of an arm's identity requests against the reference arm; ``near_ties``: a difference
+    that is a classified bf16 near tie is allowed (False: token-identical only)."""
     idn = doc.get("identity") or {}
     d = (idn.get("arms") or {}).get(arm)
     if not d or not d.get("compared"):
         return False, "not compared"
     if not d.get("mismatched"):
         return True, f"identical ({d['compared']})"
+    if not near_ties:
+        return False, f"{d['mismatched']} of {d['compared']} differ"
     cls = ((idn.get("classification") or {}).get("arms") or {}).get(arm)
     if cls and not cls.get("error") and cls.get("near_tie", 0) >= d["mismatched"]:
         return True, f"{d['mismatched']} of {d['compared']} differ, all bf16 near ties"
@@ -154,11 +157,7 @@ def floor_cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
     round_ms = (lv[nospec].get("stage_profile") or {}).get("round_ms")
     cell["nospec_gpu_round_ms"] = round_ms
     tput = cell["tok_s"]
-    idn = ((doc.get("identity") or {}).get("arms") or {}).get(nospec) or {}
-    identical = bool(idn.get("compared")) and not idn.get("mismatched")
-    cell["outputs"] = (f"identical ({idn['compared']})" if identical else
-                       "not compared" if not idn.get("compared") else
-                       f"{idn.get('mismatched')} of {idn['compared']} differ")
+    identical, cell["outputs"] = outputs_verdict(doc, nospec, near_ties=False)
     if not all(tput.values()) or not all(itl.values()):
         cell.update(status="INCOMPLETE", why=why or ["no ITL"])
         return cell
@@ -216,6 +215,16 @@ def missing(cells: Dict[tuple, dict]) -> List[str]:
     return out
 
 
+def _table_keys(cells: Dict[tuple, dict]) -> List[tuple]:
+    """Cells in table order: pair, then the issue's workload order, then c."""
+    return sorted(cells, key=lambda k: (k[0], WORKLOADS.index(k[1]) if k[1] in WORKLOADS else 99, k[2]))
+
+
+def _status_text(cell: dict) -> str:
+    return cell["status"] + ("" if cell["status"] == "PASS" else
+                             ": " + "; ".join(cell.get("why", []) + cell.get("fails", [])))
+
+
 def floor_missing(floor: Dict[tuple, dict]) -> List[str]:
     """The floor's gaps: per (pair, workload) with a floor cell, the concurrencies not measured."""
     out = []
@@ -227,7 +236,7 @@ def floor_missing(floor: Dict[tuple, dict]) -> List[str]:
 
 
 def render_floor(floor: Dict[tuple, dict]) -> List[str]:
-    keys = sorted(floor, key=lambda k: (k[0], WORKLOADS.index(k[1]) if k[1] in WORKLOADS else 99, k[2]))
+    keys = _table_keys(floor)
     n_pass = sum(1 for k in keys if floor[k]["status"] == "PASS")
     L = ["", "## The floor: a forced no-speculation server against base (item 2)", "",
          f"`ddtree_nospec` is the default server with every round plain. Bars per cell: >= {FLOOR_TPUT} x "
@@ -244,7 +253,7 @@ def render_floor(floor: Dict[tuple, dict]) -> List[str]:
         x = floor[k]
         t, i = x["tok_s"], x["median_itl_ms"]
         f = lambda v, nd=0: "-" if not v else f"{v:.{nd}f}"
-        st = x["status"] + ("" if x["status"] == "PASS" else ": " + "; ".join(x.get("why", []) + x.get("fails", [])))
+        st = _status_text(x)
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['ddtree_nospec'])} | {f(x.get('x_base'), 2)} | "
                  f"{f(i['base'], 2)} | {f(i['ddtree_nospec'], 2)} | {f(x.get('itl_x_base'), 2)} | "
                  f"{f(x.get('nospec_gpu_round_ms'), 2)} | {x['outputs']} | {st} | {x.get('card', '?')} | "
@@ -253,7 +262,7 @@ def render_floor(floor: Dict[tuple, dict]) -> List[str]:
 
 
 def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple, dict]] = None) -> str:
-    keys = sorted(cells, key=lambda k: (k[0], WORKLOADS.index(k[1]) if k[1] in WORKLOADS else 99, k[2]))
+    keys = _table_keys(cells)
     n_pass = sum(1 for k in keys if cells[k]["status"] == "PASS")
     L = ["# DDTREE-GPU default vs base and DFLASH under sglang.bench_serving (issue 39)", "",
          f"Produced by `bench/default_report.py` from the serving reports named per row. Bars per cell: "
@@ -268,7 +277,7 @@ def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple
         t = x["tok_s"]
         f = lambda v: "-" if not v else f"{v:.0f}"
         r = lambda v: "-" if v is None else f"{v:.2f}"
-        st = x["status"] + ("" if x["status"] == "PASS" else ": " + "; ".join(x.get("why", []) + x.get("fails", [])))
+        st = _status_text(x)
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['dflash'])} | {f(t['ddtree'])} | "
                  f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {x['outputs']} | {st} | {x.get('card', '?')} | "
                  f"`{os.path.basename(x['source'])}` |")

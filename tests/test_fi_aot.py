@@ -1,6 +1,7 @@
 """bench/device/fi_aot.py: a carried flashinfer module (its ``.so`` alone, as the device cache holds
 it) is loaded by flashinfer's own ``JitSpec.build_and_load`` without a build once linked, and is
 rebuilt without the link (the control: ninja would rebuild a ``.so`` whose objects are missing)."""
+import contextlib
 import os
 import sys
 
@@ -26,7 +27,7 @@ def dirs(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(core.JitSpec, "build", lambda self, verbose, need_lock=True: calls.append(("build", self.name)))
     monkeypatch.setattr(core.JitSpec, "load", lambda self, so_path: calls.append(("load", str(so_path))) or "module")
-    monkeypatch.setattr(core, "FileLock", lambda *a, **k: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(core, "FileLock", lambda *a, **k: contextlib.nullcontext())
     return jit, aot, calls
 
 

@@ -10,8 +10,10 @@
 #                                            # fast xz -3: ~4.2 -> ~2.9 MB), then the sizes; while the
 #                                            # call would pass the bound, the largest flashinfer
 #                                            # batch_prefill module is dropped from it
+#   bash bench/device/carry.sh cache-budget  # bytes a JIT cache may take so that the call stays
+#                                            # within the bound (run_stages.sh packs to it)
 set -euo pipefail
-cd "$(git rev-parse --show-toplevel)"
+cd "$(dirname "$0")/../.."   # the checkout this script is in, whatever the caller's directory
 LIMIT=67108864
 BOUND=60000000
 
@@ -36,6 +38,7 @@ sizes() {
 
 case "${1:-size}" in
   size) sizes ;;
+  cache-budget) echo $(( BOUND - $(call_bytes) + $(stat -c %s .kit/cache.tar.xz 2>/dev/null || echo 0) )) ;;
   cache)
     src=${2:?usage: carry.sh cache RETURNED_CACHE.tar.xz}
     mkdir -p .kit
@@ -51,5 +54,5 @@ case "${1:-size}" in
       rm -f "$tmp/$big"; pack
     done
     sizes ;;
-  *) echo "usage: $0 [size | cache FILE]" >&2; exit 2 ;;
+  *) echo "usage: $0 [size | cache FILE | cache-budget]" >&2; exit 2 ;;
 esac

@@ -441,12 +441,10 @@ fi
  tar -cf - -T /tmp/cachelist | xz -T8 -3 > $OUT/cache.tar.xz)
 # flashinfer's batch_prefill modules (every flashinfer server at a production shape builds them: its
 # prefill, and its tensor-core decode), smallest first, while the packed cache stays within
-# CACHE_BUDGET bytes (default: the 60 MB a call may carry - the kit - the tracked tree, as the carried
-# .git lists it, - 1 MB); `bash bench/device/carry.sh cache` then recompresses it smaller and drops
-# the largest of them if the call would still not fit
-KITB=$(stat -c %s $KIT/site.tar.xz 2>/dev/null || echo 32000000)
-TREEB=$( (cd $REPO && git ls-files -z 2>/dev/null | xargs -0 -r du -cb 2>/dev/null) | awk '$2 == "total" {s += $1} END {print s + 0}')
-BUDGET=${CACHE_BUDGET:-$(( 60000000 - KITB - TREEB - 1000000 ))}
+# CACHE_BUDGET bytes (default: `carry.sh cache-budget`, what the 60 MB bound leaves next to the
+# carried tree and kit, as the carried .git lists the tree, - 1 MB); `bash bench/device/carry.sh
+# cache` then recompresses it smaller and drops the largest of them if the call would still not fit
+BUDGET=${CACHE_BUDGET:-$(( $(bash $DEV/carry.sh cache-budget 2>/dev/null || echo 1000000) - 1000000 ))}
 CUR=$(stat -c %s $OUT/cache.tar.xz); ADDED=0
 for f in $(cd / && find tmp/fi -name '*.so' -path '*batch_prefill*' -printf '%s %p\n' 2>/dev/null | sort -n | cut -d' ' -f2-); do
   EST=$(xz -T8 -3 -c /$f | wc -c)
