@@ -244,16 +244,15 @@ def parse_config(env: Mapping[str, str], *, budget: int, algo: str,
 # row at its largest batch ([max_bs * w, vocab] fp32): most of its memory.  Fitted to the states the
 # worker logged (Qwen3-8B shape, vocab 151,936, tree graphs up to bs 64: widths 8 / 16 / 32 took
 # 0.47 / 0.86 / 1.66 GB on the H200, ``bench/results/raw/scalechain_ab_qwen3-8b_h200_s23_logs.tgz``;
-# the no-speculation state on flashinfer with graphs up to bs 256: 1.316 GB on the H100,
-# ``raw/serving_h100_qwen3-8bchain_random_s29_b_ddtree_server_log.txt.gz``; on triton ~0.12 GB with
-# graphs up to bs 64, ``raw/scalechain_ab_qwen3-8b_h200_s16_run2_logs.tgz``): logits x 1.2 plus a
-# fixed part, ~1.15 GB for the flashinfer state measured when each state allocated a flashinfer
-# workspace of its own (512 MB for Qwen targets); the states share the server's since session 30,
-# which is not yet re-measured (the estimate errs high by up to that workspace, lowering the KV pool
-# a little more than needed).
+# the no-speculation state on flashinfer with graphs up to bs 256: 0.816 GB on the H100 since the
+# states share the server's flashinfer workspace (session 30; 1.316 GB before, each with a 512 MB
+# workspace of its own), ``raw/serving_h100_qwen3-8bchain_random_s32_ddtree_server_log.txt.gz``, which
+# also logs widths 8 / 16 / 32 at 0.51 / 0.90 / 1.70 GB; on triton ~0.12 GB with graphs up to bs 64,
+# ``raw/scalechain_ab_qwen3-8b_h200_s16_run2_logs.tgz``): logits x 1.2 plus a fixed part, ~0.63 GB for
+# the flashinfer no-speculation state.
 STATE_LOGITS_FACTOR = 1.2
 STATE_FIXED_GB = 0.1
-PLAIN_FIXED_GB = {"flashinfer": 1.15}
+PLAIN_FIXED_GB = {"flashinfer": 0.63}
 
 
 def state_memory_gb(widths: Sequence[int], *, vocab: int, tree_max_bs: int, plain_max_bs: int,
@@ -743,13 +742,13 @@ class WidthController:
         width-61 probes cost 26 ms at bs 16 and 99 ms at bs 63 where width 8 or plain decoding won by
         far."""
         pol = self.policy
-        here = pol.tokens_per_ms(bs, self._choice(w))
+        here = pol.score(bs, self._choice(w))
         out = None
         for x in self.spec_widths:
             if x <= w or x not in pol.candidates(bs):
                 continue
             a = pol.tokens_per_request(x) - 1.0
-            if bs * (1.0 + self.PROBE_OPTIMISM * a) / pol.round_ms(bs, x) > here:
+            if pol.score(bs, x, bs * (1.0 + self.PROBE_OPTIMISM * a) / pol.round_ms(bs, x)) > here:
                 out = x
         return out
 

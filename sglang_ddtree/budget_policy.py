@@ -22,9 +22,10 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   they read 1.31 / 2.15 / 0.73 at widths 8 / 16 / 32 against true means ~2.2 / 2.7 / 3.0.  A round
   yields accepted + 1 tokens (the bonus).
 * the **choice** for a batch of ``bs`` requests: the width maximising tokens per millisecond,
-  ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation; a new
-  choice must beat the current one by ``hysteresis`` (a fraction) to switch, so noise in the EMA
-  does not flap between graphs.
+  ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation, a tree
+  width's score divided by ``1 + spec_margin`` where no speculation is a choice (speculation must
+  win by that margin: :meth:`score`); a new choice must beat the current one by ``hysteresis`` (a
+  fraction) to switch, so noise in the EMA does not flap between graphs.
 * the **round overhead**: what a round costs outside the measured GPU graph (scheduler, output
   processing, the worker's host work where it is not hidden): one value for every batch size, the
   median of the last ``overhead_window`` signed samples "host-clock interval of a round minus the
@@ -164,6 +165,7 @@ class BudgetPolicy:
     costs: CostTable
     ema: float = 0.9            # decay of the acceptance sums per update (weight of the past)
     hysteresis: float = 0.03    # a new choice must be this much better (tokens / ms) to switch
+    spec_margin: float = 0.10   # a tree width must beat no speculation by this much (see :meth:`score`)
     allow_no_spec: bool = True  # include "no speculation" (plain decode) among the choices
     prior_accept: float = 0.0   # acceptance assumed before any round was seen
     accept: Dict[int, float] = field(default_factory=dict)
@@ -217,6 +219,8 @@ class BudgetPolicy:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.hysteresis < 0:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
+        if not self.spec_margin >= 0:
+            raise ValueError(f"spec_margin must be >= 0, got {self.spec_margin}")
         if int(self.overhead_window) < 1:
             raise ValueError(f"overhead_window must be >= 1, got {self.overhead_window}")
         self.age_edges = check_age_edges(self.age_edges)
@@ -699,6 +703,34 @@ class BudgetPolicy:
         """Expected output tokens per millisecond of a round of ``bs`` requests at ``width``."""
         return bs * self.tokens_per_request(width) / self.round_ms(bs, width)
 
+    def score(self, bs: int, width: int, tokens_per_ms: Optional[float] = None) -> float:
+        """What :meth:`choose` compares: :meth:`tokens_per_ms` (or the given value), for a tree width
+        divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices.
+
+        Why a margin: the estimate a tree is chosen on is the one that happened to read high, and
+        speculation has a cost the per-round model does not price: requests of equal length that
+        plain decoding finishes in one round (a benchmark's fixed output length, admitted together)
+        finish in different rounds once their trees accept different lengths, so the server pays
+        up to ``bs`` admission prefills per wave instead of one batched prefill; ``1 - 1/bs`` is the
+        share of admissions that lose their batch (none at bs 1).  Measured on
+        the H100 (Qwen3-8B-shaped chain pair, random ids 512 in / 256 out, c = 16,
+        ``bench/results/raw/serving_h100_qwen3-8bchain_random_s32.md`` and its profile records):
+        without a margin the policy ran trees in 20-26 % of the rounds of two repeats at estimated
+        gains of 3-20 % (10 of 101 records with trees above 13 %), and those repeats served 1721 and
+        1743 tok/s (TPOT 8.8 ms) where the repeat that stayed plain served 1853 and the forced
+        no-speculation server 1874-1893 (TPOT 7.9).  The split: the rounds' own GPU time per repeat
+        rose by ~2 % (28.8 s against 28.2: the tree rounds about broke even), the wall clock outside
+        the rounds from 3.3 s to 5.2-5.3 s (the admissions, no longer batched: TTFT median 47-60 ms
+        against 160-175).  What it gives up at bs 16: from no speculation, a tree width whose
+        estimated gain is below ~12.6 % (9.4 % and ``hysteresis``); a running tree width stays while
+        its estimated gain is above ~6 %.  In ``tests/test_policy_simulation.py``'s long-context
+        server one of three seeds at 8k tokens and bs 4 then serves 0.92x the best fixed choice
+        (width 16, 1.16x plain decoding) where it served 0.98x or more without the margin."""
+        tpm = self.tokens_per_ms(bs, width) if tokens_per_ms is None else float(tokens_per_ms)
+        if width != NO_SPEC and self.allow_no_spec:
+            return tpm / (1.0 + self.spec_margin * (1.0 - 1.0 / max(int(bs), 1)))
+        return tpm
+
     def candidates(self, bs: Optional[int] = None) -> List[int]:
         """The choices for a batch of ``bs`` requests: no speculation (if allowed) and every tree
         width whose graphs cover ``bs``; when no-speculation is allowed, a batch past every tree
@@ -716,7 +748,7 @@ class BudgetPolicy:
         if bs < 1:
             raise ValueError(f"batch size must be >= 1, got {bs}")
         self.batch_accept = None if not ages or self.buckets == 1 else self.mix_accept(ages)
-        scores = {w: self.tokens_per_ms(bs, w) for w in self.candidates(bs)}
+        scores = {w: self.score(bs, w) for w in self.candidates(bs)}
         best = max(scores, key=lambda w: (scores[w], -w))   # ties: the narrower (cheaper) width
         if self.current in scores and scores[best] <= scores[self.current] * (1 + self.hysteresis):
             return self.current

@@ -49,23 +49,57 @@ def test_choice_follows_load_on_the_measured_8b_costs():
 
 def test_choice_serves_at_least_every_other_candidate_on_random_curves():
     """A property, not the scoring restated: at a timed batch size, the chosen width's tokens per ms
-    (from the table's own entry and the acceptance fed in) is at least every other choice's; past
-    every timed batch size plain decoding is the only choice."""
+    (from the table's own entry and the acceptance fed in) is at least every other tree width's; a
+    tree is chosen only if it serves at least ``1 + spec_margin (1 - 1 / bs)`` x plain decoding, and
+    plain decoding only if no tree does (with a margin of 0: the best of all); past every timed batch
+    size plain decoding is the only choice."""
     rng = random.Random()
-    for _ in range(200):
+    for i in range(400):
+        margin = 0.0 if i % 2 else rng.uniform(0.0, 0.3)
         widths = sorted(rng.sample(range(2, 66), rng.randint(1, 4)))
         bss = sorted(rng.sample(range(1, 129), rng.randint(1, 4)))
         verify = {w: {b: rng.uniform(2, 60) for b in bss} for w in widths}
         base = {b: rng.uniform(2, 20) for b in bss}
-        p = BudgetPolicy(CostTable(verify, base), hysteresis=0.0, ema=0.0)
+        p = BudgetPolicy(CostTable(verify, base), hysteresis=0.0, ema=0.0, spec_margin=margin)
         acc = sorted(rng.uniform(0, 6) for _ in widths)   # more nodes never accept less
         p.update([acc], widths=widths)
         bs = rng.choice(bss)
-        served = {NO_SPEC: bs / base[bs]}
-        served.update({w: bs * (1 + acc[i]) / verify[w][bs] for i, w in enumerate(widths)})
+        plain = bs / base[bs]
+        trees = {w: bs * (1 + acc[i]) / verify[w][bs] for i, w in enumerate(widths)}
+        bar = plain * (1 + margin * (1 - 1 / bs))
         got = p.choose(bs)
-        assert all(served[got] >= v * (1 - 1e-12) for v in served.values()), (got, served)
+        if got == NO_SPEC:
+            assert all(v <= bar * (1 + 1e-12) for v in trees.values()), (bar, trees)
+        else:
+            assert trees[got] >= bar * (1 - 1e-12), (got, bar, trees)
+            assert all(trees[got] >= v * (1 - 1e-12) for v in trees.values()), (got, trees)
         assert p.choose(max(bss) + rng.randint(1, 50)) == NO_SPEC
+
+
+def test_a_tree_must_beat_plain_decoding_by_the_margin_at_load():
+    """Hand-worked on a one-width table (base 5 ms, width 9 8 ms at bs 1 and 16): a tree accepting
+    0.7 serves 16 x 1.7 / 8 = 3.4 tokens/ms at bs 16 against plain decoding's 3.2 (+6.25 %), under
+    the default margin of 10 % x (1 - 1/16) = 9.375 %: plain decoding; at 0.9 accepted (4.0, +25 %):
+    the tree.  At bs 1 (no batch whose admissions speculation could spread) 1.7 / 8 = 0.2125 beats
+    1 / 5 = 0.2 by the same 6.25 % and the tree is chosen; without a no-speculation choice there is
+    no margin."""
+    table = CostTable({9: {1: 8.0, 16: 8.0}}, {1: 5.0, 16: 5.0})
+    p = BudgetPolicy(table, hysteresis=0.0, ema=0.0)
+    assert p.spec_margin == pytest.approx(0.10)
+    p.update([[0.7]], widths=[9])
+    assert p.tokens_per_ms(16, 9) == pytest.approx(3.4) and p.tokens_per_ms(16, NO_SPEC) == pytest.approx(3.2)
+    assert p.choose(16) == NO_SPEC
+    assert p.choose(1) == 9
+    p.update([[0.9]], widths=[9])
+    assert p.choose(16) == 9
+    p0 = BudgetPolicy(table, hysteresis=0.0, ema=0.0, spec_margin=0.0)
+    p0.update([[0.7]], widths=[9])
+    assert p0.choose(16) == 9
+    no_plain = BudgetPolicy(table, hysteresis=0.0, ema=0.0, allow_no_spec=False)
+    no_plain.update([[0.7]], widths=[9])
+    assert no_plain.score(16, 9) == pytest.approx(3.4)
+    with pytest.raises(ValueError):
+        BudgetPolicy(table, spec_margin=-0.1)
 
 
 def test_an_exact_tie_goes_to_the_narrower_width():

@@ -79,7 +79,7 @@ def parse_name(name):
     for p in parts[3:]:
         if p.startswith("b") and p[1:].isdigit():
             budget = int(p[1:])
-        elif p == "nomaskpatch":  # leave the graph-mask hook out (must then FAIL on a real model)
+        elif p == "nomaskpatch":  # leave the graph-mask hook out (with sglattn: must FAIL on the text pair)
             _switch(graph_mask_patch=False)
         elif p.startswith("tp") and p[2:].isdigit():  # tensor parallel (needs that many GPUs)
             os.environ["DDTREE_STAGE_TP"] = p[2:]

@@ -74,14 +74,16 @@ def test_report_verify_attention_grid(tmp_path):
 
 
 DEFAULT_SOURCES = (f"{RES}/raw/serving_h100_qwen3-8bchain_random_s29_a.json.gz",
-                   f"{RES}/raw/serving_h100_qwen3-8bchain_random_s29_b.json.gz")
+                   f"{RES}/raw/serving_h100_qwen3-8bchain_random_s29_b.json.gz",
+                   f"{RES}/raw/serving_h100_qwen3-8bchain_random_s32.json.gz")
 
 
 @reads(f"{RES}/default_h200.json", f"{RES}/default_h200.md", *DEFAULT_SOURCES)
 def check_default_report(root, tmp):
     """default_h200.{json,md} (issue 39's proof table, in progress) is what ``bench/default_report.py``
     makes of the serving reports it names, byte for byte; it names exactly those, and no cell passes
-    yet (the 8B chain pair's random-ids c=16 cell lacks DFLASH in the report with the DDTree arm)."""
+    yet (the 8B chain pair's random-ids c=16 cell lacks DFLASH in the report with the DDTree arm),
+    taken from s32's report (both arms complete there); the floor's one cell (s32) passes."""
     import subprocess
     import sys
     doc = json.load(open(resolve(root, f"{RES}/default_h200.json")))
@@ -95,6 +97,8 @@ def check_default_report(root, tmp):
     assert open(out + ".md").read() == open(resolve(root, f"{RES}/default_h200.md")).read(), "default_h200.md differs"
     assert json.load(open(out + ".json"))["cells"] == doc["cells"], "default_h200.json's cells differ"
     assert doc["passed"] == 0 and [c["status"] for c in doc["cells"]] == ["INCOMPLETE"]
+    assert [c["source"] for c in doc["cells"]] == [DEFAULT_SOURCES[2]], doc["cells"]
+    assert doc["floor_passed"] == doc["floor_total"] == 1
 
 
 def test_report_default_h200(tmp_path):
@@ -127,7 +131,7 @@ def _ddtree_faster(root):
     def fn(doc):
         arm = next(a for a in doc["arms"] if a["name"] == "ddtree")
         arm["levels"][0]["output_throughput"] *= 1.3
-    edit_json(root, DEFAULT_SOURCES[1], fn)
+    edit_json(root, DEFAULT_SOURCES[2], fn)
 
 
 CONTROLS = {
