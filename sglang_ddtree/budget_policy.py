@@ -166,6 +166,9 @@ class BudgetPolicy:
     ema: float = 0.9            # decay of the acceptance sums per update (weight of the past)
     hysteresis: float = 0.03    # a new choice must be this much better (tokens / ms) to switch
     spec_margin: float = 0.10   # a tree width must beat no speculation by this much (see :meth:`score`)
+    sync_margin: float = 0.30   # ... by this much when the batch's requests would finish together
+    synced: bool = False        # the next choice's batch finishes together under plain decoding (the
+                                # controller sets it per round: ``adaptive.batch_synced``)
     allow_no_spec: bool = True  # include "no speculation" (plain decode) among the choices
     prior_accept: float = 0.0   # acceptance assumed before any round was seen
     accept: Dict[int, float] = field(default_factory=dict)
@@ -219,8 +222,9 @@ class BudgetPolicy:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.hysteresis < 0:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
-        if not self.spec_margin >= 0:
-            raise ValueError(f"spec_margin must be >= 0, got {self.spec_margin}")
+        if not self.spec_margin >= 0 or not self.sync_margin >= 0:
+            raise ValueError(f"spec_margin and sync_margin must be >= 0, got {self.spec_margin}, "
+                             f"{self.sync_margin}")
         if int(self.overhead_window) < 1:
             raise ValueError(f"overhead_window must be >= 1, got {self.overhead_window}")
         self.age_edges = check_age_edges(self.age_edges)
@@ -705,7 +709,18 @@ class BudgetPolicy:
 
     def score(self, bs: int, width: int, tokens_per_ms: Optional[float] = None) -> float:
         """What :meth:`choose` compares: :meth:`tokens_per_ms` (or the given value), for a tree width
-        divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices.
+        divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices, by
+        ``1 + sync_margin`` instead when :attr:`synced` (bs >= 2).
+
+        Synced (``adaptive.batch_synced``): the batch's requests have a few distinct numbers of tokens
+        left (a benchmark's fixed output length, admitted together in one to three prefill batches),
+        so plain decoding finishes them in a few rounds and the server admits their successors in as
+        many prefill batches.  A tree round spreads their finishes for good (with fixed lengths they
+        never line up again), a one-time cost that only a sustained gain pays back: on
+        ``tests/test_policy_simulation.py``'s lock-step server (``run_waves``: bs 16, 256 tokens out)
+        a marginal workload served less than 0.99x plain decoding on some seed without the margins,
+        and with ``spec_margin`` alone a short excursion into trees (where width 8 broke even) cost
+        3 % for the rest of the level.
 
         Why a margin: the estimate a tree is chosen on is the one that happened to read high, and
         speculation has a cost the per-round model does not price: requests of equal length that
@@ -728,6 +743,8 @@ class BudgetPolicy:
         (width 16, 1.16x plain decoding) where it served 0.98x or more without the margin."""
         tpm = self.tokens_per_ms(bs, width) if tokens_per_ms is None else float(tokens_per_ms)
         if width != NO_SPEC and self.allow_no_spec:
+            if self.synced and bs >= 2:
+                return tpm / (1.0 + self.sync_margin)
             return tpm / (1.0 + self.spec_margin * (1.0 - 1.0 / max(int(bs), 1)))
         return tpm
 

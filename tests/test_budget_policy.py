@@ -221,3 +221,37 @@ def test_width_overhead_prices_each_choice_at_the_batch_context():
     assert p.choose(1) == NO_SPEC
     p.kv_k = None
     assert p.overhead(1, 33) == 1.5 and p.draft_overhead() == 0.0 and p.choose(1) == 17
+
+
+def test_a_synced_batch_needs_the_larger_margin():
+    """``synced`` (the batch would finish in a few waves under plain decoding): a tree must serve
+    1 + sync_margin (30 %) x plain decoding.  Hand-worked on the one-width table above: at 0.9
+    accepted width 9 serves 4.0 tokens/ms at bs 16 against 3.2 (+25 %): chosen unsynced, not synced;
+    at 1.2 accepted (4.4, +37.5 %) chosen either way; at bs 1 a batch is never synced."""
+    table = CostTable({9: {1: 8.0, 16: 8.0}}, {1: 5.0, 16: 5.0})
+    p = BudgetPolicy(table, hysteresis=0.0, ema=0.0)
+    p.update([[0.9]], widths=[9])
+    assert p.choose(16) == 9
+    p.synced = True
+    assert p.choose(16) == NO_SPEC
+    assert p.choose(1) == 9
+    p.update([[1.2]], widths=[9])
+    assert p.choose(16) == 9
+
+
+def test_batch_synced_counts_the_waves_plain_decoding_would_finish_in():
+    """At most max(1, bs // 4) distinct numbers of tokens left, every request with a limit."""
+    from types import SimpleNamespace as NS
+    from sglang_ddtree.adaptive import batch_synced
+
+    def reqs(lefts, limit=256):
+        return [NS(sampling_params=NS(max_new_tokens=limit), output_ids=[0] * (limit - x)) for x in lefts]
+
+    assert not batch_synced(None) and not batch_synced(reqs([10]))
+    assert batch_synced(reqs([10, 10]))
+    assert batch_synced(reqs([200] * 15 + [198]))              # a burst admitted 15 + 1
+    assert batch_synced(reqs([200] * 12 + [197] * 4))
+    assert batch_synced(reqs([200] * 4 + [190] * 4 + [180] * 4 + [170] * 4))   # 4 waves of 16: bs // 4
+    assert not batch_synced(reqs(list(range(100, 116))))       # every request on its own
+    assert not batch_synced(reqs([200] * 10 + [1, 2, 3, 4, 5, 6]))
+    assert not batch_synced(reqs([5, 5]) + [NS(sampling_params=NS(max_new_tokens=None), output_ids=[])])
