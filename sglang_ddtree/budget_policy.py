@@ -23,9 +23,10 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   yields accepted + 1 tokens (the bonus).
 * the **choice** for a batch of ``bs`` requests: the width maximising tokens per millisecond,
   ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation, a tree
-  width's score divided by ``1 + spec_margin`` where no speculation is a choice (speculation must
-  win by that margin: :meth:`score`); a new choice must beat the current one by ``hysteresis`` (a
-  fraction) to switch, so noise in the EMA does not flap between graphs.
+  width's score divided by ``1 + spec_margin (1 - 1/bs)`` where no speculation is a choice, by
+  ``1 + sync_margin`` on a batch whose requests would finish together (speculation must win by that
+  margin: :meth:`score`); a new choice must beat the current one by ``hysteresis`` (a fraction) to
+  switch, so noise in the EMA does not flap between graphs.
 * the **round overhead**: what a round costs outside the measured GPU graph (scheduler, output
   processing, the worker's host work where it is not hidden): one value for every batch size, the
   median of the last ``overhead_window`` signed samples "host-clock interval of a round minus the
@@ -712,23 +713,13 @@ class BudgetPolicy:
         divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices, by
         ``1 + sync_margin`` instead when :attr:`synced` (bs >= 2).
 
-        Synced (``adaptive.batch_synced``): the batch's requests have a few distinct numbers of tokens
-        left (a benchmark's fixed output length, admitted together in one to three prefill batches),
-        so plain decoding finishes them in a few rounds and the server admits their successors in as
-        many prefill batches.  A tree round spreads their finishes for good (with fixed lengths they
-        never line up again), a one-time cost that only a sustained gain pays back: on
-        ``tests/test_policy_simulation.py``'s lock-step server (``run_waves``: bs 16, 256 tokens out)
-        a marginal workload served less than 0.99x plain decoding on some seed without the margins,
-        and with ``spec_margin`` alone a short excursion into trees (where width 8 broke even) cost
-        3 % for the rest of the level.
-
         Why a margin: the estimate a tree is chosen on is the one that happened to read high, and
-        speculation has a cost the per-round model does not price: requests of equal length that
-        plain decoding finishes in one round (a benchmark's fixed output length, admitted together)
-        finish in different rounds once their trees accept different lengths, so the server pays
-        up to ``bs`` admission prefills per wave instead of one batched prefill; ``1 - 1/bs`` is the
-        share of admissions that lose their batch (none at bs 1).  Measured on
-        the H100 (Qwen3-8B-shaped chain pair, random ids 512 in / 256 out, c = 16,
+        speculation has a cost the per-round model does not price.  Requests that plain decoding
+        finishes in the same round (a benchmark's fixed output length, admitted together) finish in
+        different rounds once their trees accept different lengths, and the server then pays up to
+        ``bs`` admission prefills per wave instead of one batched prefill (``1 - 1/bs``: the share of
+        admissions that lose their batch; none at bs 1).  Measured on the H100 (Qwen3-8B-shaped chain
+        pair, random ids 512 in / 256 out, c = 16,
         ``bench/results/raw/serving_h100_qwen3-8bchain_random_s32.md`` and its profile records):
         without a margin the policy ran trees in 20-26 % of the rounds of two repeats at estimated
         gains of 3-20 % (10 of 101 records with trees above 13 %), and those repeats served 1721 and
@@ -736,11 +727,21 @@ class BudgetPolicy:
         no-speculation server 1874-1893 (TPOT 7.9).  The split: the rounds' own GPU time per repeat
         rose by ~2 % (28.8 s against 28.2: the tree rounds about broke even), the wall clock outside
         the rounds from 3.3 s to 5.2-5.3 s (the admissions, no longer batched: TTFT median 47-60 ms
-        against 160-175).  What it gives up at bs 16: from no speculation, a tree width whose
-        estimated gain is below ~12.6 % (9.4 % and ``hysteresis``); a running tree width stays while
-        its estimated gain is above ~6 %.  In ``tests/test_policy_simulation.py``'s long-context
-        server one of three seeds at 8k tokens and bs 4 then serves 0.92x the best fixed choice
-        (width 16, 1.16x plain decoding) where it served 0.98x or more without the margin."""
+        against 160-175).
+
+        Synced (``adaptive.batch_synced``: a few distinct numbers of tokens left, as such requests
+        admitted in one to three prefill batches have): the spread is for good (with fixed lengths the
+        finishes never line up again), a one-time cost only a sustained gain pays back, so the bar is
+        higher.  On ``tests/test_policy_simulation.py``'s lock-step server (``run_waves``: bs 16, 256
+        tokens out) a marginal workload served less than 0.99x plain decoding on some seed without the
+        margins, and with ``spec_margin`` alone a short excursion into trees where width 8 broke even
+        cost 3 % for the rest of the level.
+
+        What they give up at bs 16: from no speculation, a tree width whose estimated gain is below
+        ~12.6 % (9.4 % and ``hysteresis``; ~34 % synced); a running tree width stays while its
+        estimated gain is above ~6 %.  In the long-context simulation (not synced) one of three seeds
+        at 8k tokens and bs 4 then serves 0.92x the best fixed choice (width 16, 1.16x plain
+        decoding) where it served 0.98x or more without ``spec_margin``."""
         tpm = self.tokens_per_ms(bs, width) if tokens_per_ms is None else float(tokens_per_ms)
         if width != NO_SPEC and self.allow_no_spec:
             if self.synced and bs >= 2:
