@@ -183,15 +183,19 @@ def run_waves(rounds, bs, P, out_len=256, prefill=(6.5, 6.0), seed=0, warm=100, 
     srv = Server(seed)
     F, u = prefill
 
-    def step(reqs, emit):
-        """Emit tokens (capped at each request's limit); finished requests restart: prefill ms."""
-        done = 0
+    def step(reqs, counts, w):
+        """One round at width ``w`` on the draws ``counts``: each request emits its tokens (capped at
+        its limit), finished ones restart.  -> (tokens emitted, ms of the admission prefill after it)."""
+        emit = [1] * bs if w == 1 else (counts[:, BUDGETS.index(w - 1)] + 1).tolist()
+        toks = done = 0
         for r, e in zip(reqs, emit):
-            r.output_ids.extend([0] * min(int(e), out_len - len(r.output_ids)))
+            n = min(int(e), out_len - len(r.output_ids))
+            r.output_ids.extend([0] * n)
+            toks += n
             if len(r.output_ids) == out_len:
                 r.output_ids = []
                 done += 1
-        return (F + u * done) if done else 0.0
+        return toks, (F + u * done) if done else 0.0
 
     def fresh():
         out = [_Req(out_len) for _ in range(bs)]
@@ -211,23 +215,18 @@ def run_waves(rounds, bs, P, out_len=256, prefill=(6.5, 6.0), seed=0, warm=100, 
         draws.append(counts)
         ctl.record(path, w, predicted=pred if ctl.predict else None)
         now[0] += COST.cost(bs, 0 if w == 1 else w) + (COST.draft_cost(bs) if w == 1 and ctl.predict else 0.0)
-        emit = [1] * bs if w == 1 else (counts[:, BUDGETS.index(w - 1)] + 1).tolist()
-        before = sum(len(q.output_ids) for q in reqs)
-        cap = [min(e, out_len - len(q.output_ids)) for e, q in zip(emit, reqs)]
-        toks += sum(cap)
-        extra = step(reqs, emit)
-        assert sum(len(q.output_ids) for q in reqs) <= before + sum(cap)
-        if extra:
+        got, prefill_ms = step(reqs, counts, w)
+        toks += got
+        if prefill_ms:
             ctl.interrupt()
-            now[0] += extra
+            now[0] += prefill_ms
     fixed = {}
     for fw in [1] + [b + 1 for b in BUDGETS]:
         fr, t, ms = fresh(), 0.0, F + u * bs
         for counts in draws:
-            ms += COST.cost(bs, 0 if fw == 1 else fw)
-            emit = [1] * bs if fw == 1 else (counts[:, BUDGETS.index(fw - 1)] + 1).tolist()
-            t += sum(min(e, out_len - len(q.output_ids)) for e, q in zip(emit, fr))
-            ms += step(fr, emit)
+            got, prefill_ms = step(fr, counts, fw)
+            t += got
+            ms += COST.cost(bs, 0 if fw == 1 else fw) + prefill_ms
         fixed[fw] = t / ms
     return toks / (now[0] - t0), fixed, ctl
 

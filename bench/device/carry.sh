@@ -20,7 +20,8 @@ BOUND=60000000
 tree_bytes() { (git ls-files -z | xargs -0 -r du -cb 2>/dev/null || true) | awk '$2 == "total" {s += $1} END {print s + 0}'; }
 other_bytes() { (git ls-files -z --others --exclude-standard | xargs -0 -r du -cb 2>/dev/null || true) \
                 | awk '$2 == "total" {s += $1} END {print s + 0}'; }
-call_bytes() { echo $(( $(tree_bytes) + $(other_bytes) + $( (du -cb .kit/* 2>/dev/null || true) | awk '$2 == "total" {s += $1} END {print s + 0}') )); }
+kit_dir_bytes() { (du -cb .kit/* 2>/dev/null || true) | awk '$2 == "total" {s += $1} END {print s + 0}'; }
+call_bytes() { echo $(( $(tree_bytes) + $(other_bytes) + $(kit_dir_bytes) )); }
 
 sizes() {
   local tree other kit cache total
@@ -28,7 +29,7 @@ sizes() {
   other=$(other_bytes)
   kit=$(stat -c %s .kit/site.tar.xz 2>/dev/null || echo 0)
   cache=$(stat -c %s .kit/cache.tar.xz 2>/dev/null || echo 0)
-  total=$(call_bytes)
+  total=$(( tree + other + $(kit_dir_bytes) ))
   printf 'tracked tree   %11d\nuntracked      %11d (not ignored: carried too)\n.kit kit       %11d\n.kit cache     %11d\n' \
     "$tree" "$other" "$kit" "$cache"
   printf 'a call with .kit: %d bytes = %d.%02d MB of the %d.0 MB bound (64 MiB limit %d)\n' \
