@@ -157,7 +157,7 @@ def requested_width(reqs) -> Optional[int]:
         if cp:
             b = cp.get(REQUEST_BUDGET_KEY)
             if b is not None:
-                w = 1 if b == 0 else int(b) + 1
+                w = int(b) + 1
                 if width is None or w < width:
                     width = w
     return width
@@ -262,8 +262,8 @@ def state_memory_gb(widths: Sequence[int], *, vocab: int, tree_max_bs: int, plai
     graphs up to ``tree_max_bs``)."""
     total = 0.0
     for w in widths:
-        rows = plain_max_bs if w == 1 else tree_max_bs * w
-        fixed = PLAIN_FIXED_GB.get(plain_backend or "", STATE_FIXED_GB) if w == 1 else STATE_FIXED_GB
+        rows = plain_max_bs if w == NO_SPEC else tree_max_bs * w
+        fixed = PLAIN_FIXED_GB.get(plain_backend or "", STATE_FIXED_GB) if w == NO_SPEC else STATE_FIXED_GB
         total += STATE_LOGITS_FACTOR * rows * vocab * 4 / 1e9 + fixed
     return total
 
@@ -369,7 +369,7 @@ def cost_table_from_timer(batch_sizes: Mapping[int, Sequence[int]],
     (never chosen: the policy then leaves no-spec out)."""
     rows: Dict[int, Dict[int, float]] = {}
     for w, bss in batch_sizes.items():
-        extra = (lambda bs: 0.0) if (w == 1 or not draft_ms) else (lambda bs: _interp(draft_ms, bs))
+        extra = (lambda bs: 0.0) if (w == NO_SPEC or not draft_ms) else (lambda bs: _interp(draft_ms, bs))
         rows[int(w)] = {int(bs): float(verify_ms(int(w), int(bs))) + extra(int(bs)) for bs in bss}
     base = rows.pop(1, None)
     if no_spec and base is None:
@@ -510,13 +510,8 @@ class WidthController:
         self._acc = dict.fromkeys(self._ACC_KEYS, 0.0)
         self._adm = dict.fromkeys(("excess", "prefills", "flagged", "rounds", "tokens"), 0.0)
 
-    @staticmethod
-    def _choice(w: int) -> int:
-        """A verify width as the policy names it (width 1 = NO_SPEC)."""
-        return NO_SPEC if w == 1 else w
-
     def _cost(self, bs: int, w: int) -> float:
-        return self.policy.costs.cost(bs, self._choice(w))
+        return self.policy.costs.cost(bs, w)
 
     def _launch(self, batch: Optional[Tuple[int, int, Optional[float]]]) -> None:
         """A batch is being launched now (``(bs, width, K)`` of a round, K its thousand KV tokens or
@@ -536,8 +531,8 @@ class WidthController:
                 self.intervals["other_batch"] += 1
             else:
                 bs, w, K = measured
-                c, cost = self._choice(w), self._cost(bs, w)
-                ring = self._local_overhead_plain if w == 1 else self._local_overhead
+                c, cost = w, self._cost(bs, w)
+                ring = self._local_overhead_plain if w == NO_SPEC else self._local_overhead
                 ok = self.policy.observe_interval(bs, c, ms, into=ring)
                 self.intervals["observed" if ok else "ignored"] += 1
                 if K is not None:
@@ -553,7 +548,7 @@ class WidthController:
                     acc["table"] += cost + max(0.0, est)
                 else:
                     acc["table"] += cost
-                    acc["measured_plain" if w == 1 else "measured_rounds"] += 1
+                    acc["measured_plain" if w == NO_SPEC else "measured_rounds"] += 1
         if measuring:
             if batch is None:
                 if self._launched and self._launched[-1] is not None:
@@ -561,7 +556,7 @@ class WidthController:
             else:
                 bs, w = batch[:2]
                 self._acc["rounds"] += 1
-                self._acc["tokens"] += bs * self.policy.tokens_per_request(self._choice(w))
+                self._acc["tokens"] += bs * self.policy.tokens_per_request(w)
         self._launched = (self._launched + [batch])[-(self.lag + 1):]
         self._t_launch = now
 
@@ -701,7 +696,7 @@ class WidthController:
         probe's ``cost`` (no burst of probes after a long stretch).  True, the credit paid and the gap
         restarted, when ``probe_every`` rounds have passed since the last probe and it covers ``cost``."""
         self._since_probe += 1
-        earned = min(getattr(self, credit) + share * self.policy.round_ms(bs, self._choice(w)), cost)
+        earned = min(getattr(self, credit) + share * self.policy.round_ms(bs, w), cost)
         setattr(self, credit, earned)
         if self._since_probe < self.cfg.probe_every or earned < cost - 1e-9:
             return False
@@ -714,7 +709,7 @@ class WidthController:
         (:meth:`_probe_target`; its counts give every narrower width's too), once the credit covers
         its extra cost over ``w``.  A no-speculation choice with a drafter cost row probes with the
         drafter alone (:meth:`_draft_probe`)."""
-        if w == 1 and self.policy.costs.draft_cost(bs) is not None:
+        if w == NO_SPEC and self.policy.costs.draft_cost(bs) is not None:
             self.predict = self._draft_probe(bs)
             return w
         target = self._probe_target(bs, w)
@@ -722,7 +717,7 @@ class WidthController:
             self._since_probe, self.probe_credit = 0, 0.0
             return w
         pol = self.policy     # with their overheads: at a long context the table alone misses most of it
-        extra = max(pol.round_cost(bs, self._choice(target)) - pol.round_cost(bs, self._choice(w)), 0.0)
+        extra = max(pol.round_cost(bs, target) - pol.round_cost(bs, w), 0.0)
         if not self._paid("probe_credit", self.probe_share, bs, w, extra):
             return w
         self.probes += 1
@@ -742,7 +737,7 @@ class WidthController:
         width-61 probes cost 26 ms at bs 16 and 99 ms at bs 63 where width 8 or plain decoding won by
         far."""
         pol = self.policy
-        here = pol.score(bs, self._choice(w))
+        here = pol.score(bs, w)
         out = None
         for x in self.spec_widths:
             if x <= w or x not in pol.candidates(bs):
@@ -782,7 +777,7 @@ class WidthController:
         self.predict = False
         if cfg.cycle is not None:
             b = cfg.cycle[r % len(cfg.cycle)]
-            w = 1 if b == 0 else b + 1
+            w = b + 1
         elif requested is not None:
             # checked at admission; a value that got past it runs the nearest narrower width
             w = max((x for x in self.cfg.widths if x <= requested), default=self.cfg.widths[0])
@@ -794,12 +789,12 @@ class WidthController:
                 ages = [len(r.output_ids) for r in reqs]
             self.policy.synced = batch_synced(reqs)
             c = self.policy.choose(bs, ages)
-            w = self._probe_or(bs, 1 if c == NO_SPEC else c)
+            w = self._probe_or(bs, c)
         if w > 1 and r % PREDICT_EVERY == 0:
             self.predict = True
         self.chosen[w] = self.chosen.get(w, 0) + 1
         # a draft-only probe's interval holds the drafter block: not a plain round's context sample
-        self._launch((int(bs), w, None if (w == 1 and self.predict) else self._kv_k))
+        self._launch((int(bs), w, None if (w == NO_SPEC and self.predict) else self._kv_k))
         return w
 
     def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None,

@@ -3,7 +3,8 @@
 The decision, separate from the worker so it is testable on the CPU and cheap to call:
 
 * ``widths``: the verify widths the server can run (one captured target-verify graph each;
-  ``N = budget + 1``), plus the choice 0 = no speculation this round (a plain decode step).
+  ``N = budget + 1``), plus ``NO_SPEC`` = width 1 = budget 0: no speculation this round (a plain
+  decode step).
 * the **cost table**: milliseconds per round for (batch size, width), measured at start-up (graph
   replays) or online; ``base_ms[bs]`` is the plain decode step.  Batch sizes between measured ones
   are interpolated linearly, beyond them clamped (a cost table is at most a few dozen numbers).
@@ -81,7 +82,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-NO_SPEC = 0   # the choice "no speculation this round": a plain decode step
+NO_SPEC = 1   # the verify width of "no speculation this round" (budget 0): a plain decode step; the
+              # one encoding of it inside the plugin (the worker's plain state, the policy's choice)
 
 
 def check_age_edges(edges: Sequence[int]) -> Tuple[int, ...]:

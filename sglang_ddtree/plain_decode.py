@@ -33,9 +33,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .budget_policy import NO_SPEC
 
-PLAIN_WIDTH = 1   # the verify width that names "no speculation" in the adaptive set
+logger = logging.getLogger(__name__)
 
 
 def user_decode_backend(server_args) -> Optional[str]:
@@ -124,7 +124,7 @@ def build_plain_decode_state(model_runner, *, use_graphs: bool, backend_name: Op
         if use_graphs:
             runner = (runner_cls or graph_runner_cls())(model_runner, attn_backend=backend)
     after = free_gb() if free_gb else 0.0
-    return VerifyState(width=PLAIN_WIDTH, attn_backend=backend, graph_runner=runner,
+    return VerifyState(width=NO_SPEC, attn_backend=backend, graph_runner=runner,
                        build_s=time.perf_counter() - tic, mem_gb=before - after, backend_name=used)
 
 

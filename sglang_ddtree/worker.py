@@ -62,7 +62,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 
 from . import (accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampling, switches,
                tree_ops, verify_attn_hook)
-from .budget_policy import BudgetPolicy
+from .budget_policy import NO_SPEC, BudgetPolicy
 from .draft_head import DDTreeDraftHead
 from .round_stats import make_round_observers
 from .spec_algo import settings_for_worker
@@ -492,7 +492,7 @@ class DDTreeWorker(DFlashWorkerV2):
         states = adaptive.TargetStates(mr, cfg.widest)
         biggest_gb = 0.0
         for w in cfg.extra_widths:
-            if w != plain_decode.PLAIN_WIDTH and cfg.implicit and free_gb is not None:
+            if w != NO_SPEC and cfg.implicit and free_gb is not None:
                 # the default set fits the memory left after SGLang sized its KV pool: a width is
                 # built only with room for twice the largest state so far (at least MIN_FREE_GB);
                 # every TP rank decides on the smallest free memory of all of them
@@ -509,7 +509,7 @@ class DDTreeWorker(DFlashWorkerV2):
                     self._adaptive_cfg = cfg
                     adaptive.register_served(algo, self.budget, cfg)
                     break
-            if w == plain_decode.PLAIN_WIDTH:
+            if w == NO_SPEC:
                 # no speculation: SGLang's own decode step (DECODE graphs, the user's backend); the
                 # drafter's K/V for its tokens is written later, batched (plain_decode.DraftCatchUp)
                 st = plain_decode.build_plain_decode_state(
@@ -850,7 +850,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
         # 3) verify inputs, 4) target verify, on the width's target state (no speculation: SGLang's
         # plain decode step) -------------------------------------------------------------------------
-        plain = N == plain_decode.PLAIN_WIDTH   # width 1 exists only with the plain state (_init_adaptive)
+        plain = N == NO_SPEC   # width 1 exists only with the plain state (_init_adaptive)
         with (contextlib.nullcontext() if ctl is None else self._verify_states.installed(N)):
             if plain:
                 target_out = self._plain_decode(batch, draft_input, block_loc, prefix, host_bound,

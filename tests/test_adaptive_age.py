@@ -164,7 +164,7 @@ def _level(ctl, clock, c, n_req, rng, pin=None):
             r.output_ids += [0] * n
             toks += n
         ctl.record(path, w, live, seq)
-        cost = COSTS.cost(bs, NO_SPEC if w == 1 else w) + OVERHEAD_MS
+        cost = COSTS.cost(bs, w) + OVERHEAD_MS
         ms += cost
         clock.ms += cost
         live = [r for r in live if len(r.output_ids) < r.L]

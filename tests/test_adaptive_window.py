@@ -365,7 +365,7 @@ def test_probe_credit_is_a_share_of_the_round_wall_time_not_its_gpu_time():
         c.PROBE_OPTIMISM = 1e9                   # the credit alone decides (see the test above)
         path = torch.tensor([[0, 1, 2, -1, -1, -1, -1]], dtype=torch.int32)
         ws = _drive(c, 1100, path, clock=clock,
-                    round_ms=lambda w: t.cost(1, NO_SPEC if w == 1 else w) + extra_ms)
+                    round_ms=lambda w: t.cost(1, w) + extra_ms)
         firsts.append(next(r for r, w in enumerate(ws) if r >= 2 and w != 1))
     assert 960 <= firsts[0] <= 1000 and 470 <= firsts[1] <= 510, firsts
 
@@ -391,8 +391,8 @@ def test_controller_recovers_from_a_warm_up_burst_at_c1():
             p[:, 1 + i] = slot
         return p
 
-    _drive(c, 11, path_for(49, []), clock, lambda w: t.cost(49, NO_SPEC if w == 1 else w) + 2.0, bs=49)
-    ws = _drive(c, 600, path_for(1, [1, 2, 9, 17]), clock, lambda w: t.cost(1, NO_SPEC if w == 1 else w) + 2.0)
+    _drive(c, 11, path_for(49, []), clock, lambda w: t.cost(49, w) + 2.0, bs=49)
+    ws = _drive(c, 600, path_for(1, [1, 2, 9, 17]), clock, lambda w: t.cost(1, w) + 2.0)
     settled = next((i for i in range(len(ws)) if 1 not in ws[i:]), None)
     assert settled is not None and settled <= 200 and ws.count(1) <= 200, (settled, ws.count(1), c.probes)
 
@@ -639,11 +639,10 @@ def test_controller_record_drops_wider_widths():
     path = torch.tensor([[0, 2, 5, 9, -1, -1, -1]], dtype=torch.int32)     # slots 2, 5 <= 7; 9 > 7
     c.record(path, 8)                               # a width-8 round: widths 4 and 8 known, 16 not
     assert c.window.due() == [([[1, 2, 0]], [[1, 1, 0]], [[0, 1, 0]], None)]
-    c.record(path, 1)                               # no-spec: nothing known
+    c.record(path, NO_SPEC)                         # no-spec (width 1): nothing known
     assert c.window.due() == [([[0, 0, 0]], [[0, 0, 0]], [[0, 0, 0]], None)]
     c.record(path, 16)
     assert c.window.due() == [([[1, 2, 3]], [[1, 1, 1]], [[0, 1, 2]], None)]
-    assert NO_SPEC == 0
 
 
 def test_profile_records_carry_the_policy_state(tmp_path, monkeypatch):
@@ -716,7 +715,7 @@ def test_controller_measures_prefill_batches_and_the_finish_rate():
         for i in range(40):
             clock.ms = tms
             w = c.next_width(1)
-            tms += t.cost(1, w if w != 1 else NO_SPEC) + 1.0
+            tms += t.cost(1, w) + 1.0
             if i == 20:
                 tms += 400.0                                   # idle: the interval is dropped
             if i % 2 == 1:

@@ -87,7 +87,7 @@ def run(phases, seed=0, host=(0.0, 0.0)):
         for _ in range(rounds):
             w = ctl.next_width(bs, kv_tokens=None if kv_k is None else int(kv_k * 1000))
             path, pred, counts = srv.round(bs, P)
-            cost = COST.cost(bs, 0 if w == 1 else w) + context_ms(w, kv_k) + host[w == 1]
+            cost = COST.cost(bs, w) + context_ms(w, kv_k) + host[w == 1]
             if w == 1 and ctl.predict:
                 cost += COST.draft_cost(bs) + 0.3 * (kv_k or 0.0)   # a draft-only probe: the drafter block
             per_budget = (counts + 1).sum(0).tolist()      # tokens each tree budget would have served
@@ -98,7 +98,7 @@ def run(phases, seed=0, host=(0.0, 0.0)):
             ms += cost
             for fw in widths:                          # every fixed choice on the same draws
                 fixed[fw][0] += bs if fw == 1 else per_budget[BUDGETS.index(fw - 1)]
-                fixed[fw][1] += COST.cost(bs, 0 if fw == 1 else fw) + context_ms(fw, kv_k) + host[fw == 1]
+                fixed[fw][1] += COST.cost(bs, fw) + context_ms(fw, kv_k) + host[fw == 1]
         out.append((toks / ms, {fw: t / m for fw, (t, m) in fixed.items()}))
     return out, ctl
 
@@ -214,7 +214,7 @@ def run_waves(rounds, bs, P, out_len=256, prefill=(6.5, 6.0), seed=0, warm=100, 
         path, pred, counts = srv.round(bs, P)
         draws.append(counts)
         ctl.record(path, w, predicted=pred if ctl.predict else None)
-        now[0] += COST.cost(bs, 0 if w == 1 else w) + (COST.draft_cost(bs) if w == 1 and ctl.predict else 0.0)
+        now[0] += COST.cost(bs, w) + (COST.draft_cost(bs) if w == 1 and ctl.predict else 0.0)
         got, prefill_ms = step(reqs, counts, w)
         toks += got
         if prefill_ms:
@@ -226,7 +226,7 @@ def run_waves(rounds, bs, P, out_len=256, prefill=(6.5, 6.0), seed=0, warm=100, 
         for counts in draws:
             got, prefill_ms = step(fr, counts, fw)
             t += got
-            ms += COST.cost(bs, 0 if fw == 1 else fw) + prefill_ms
+            ms += COST.cost(bs, fw) + prefill_ms
         fixed[fw] = t / ms
     return toks / (now[0] - t0), fixed, ctl
 
