@@ -798,19 +798,21 @@ class WidthController:
         return w
 
     def record(self, path: torch.Tensor, width: int, reqs=None, seq_lens: Optional[torch.Tensor] = None,
-               predicted: Optional[torch.Tensor] = None) -> None:
+               predicted: Optional[torch.Tensor] = None, cf: Optional[torch.Tensor] = None) -> None:
         """path [bs, D + 1] (root first, -1 padded): the round's accepted slots at ``width``; with the
         batch's SGLang requests and its committed lengths ``seq_lens`` [bs] (device), request-rounds
         past a request's max_new_tokens are not counted (:meth:`remaining_and_age`; see
         ``round_stats.CounterfactualWindow``) and each counts in its request's age bucket.
         ``predicted`` [bs, len(spec_widths)] (a round with :attr:`predict`): every width's expected
-        acceptance from the widest tree (``accept_estimate.expected_accept``)."""
+        acceptance from the widest tree (``accept_estimate.expected_accept``).  ``cf``: the round's
+        counterfactual counts at the budgets its tree holds (``round_stats.RoundCounterfactual``;
+        None: the window counts them)."""
         n_valid = sum(1 for w in self.spec_widths if w <= width)
         left = age = None
         # a no-speculation round without a prediction counts nothing: no device work for it
         if reqs is not None and seq_lens is not None and (n_valid or predicted is not None):
             left, age = self.remaining_and_age(reqs, seq_lens)
-        self.window.record(path, n_valid, left, age, predicted=predicted)
+        self.window.record(path, n_valid, left, age, predicted=predicted, cf=cf)
 
     def remaining_and_age(self, reqs, seq_lens: torch.Tensor):
         """(:func:`remaining_tokens`, :func:`output_tokens`) for a batch of SGLang requests, [bs] each

@@ -225,12 +225,14 @@ class AcceptanceStats:
 
     def record(self, path: torch.Tensor, accept_len: torch.Tensor, *,
                tree_depth: Optional[torch.Tensor] = None, width: Optional[int] = None,
-               predicted: Optional[torch.Tensor] = None) -> None:
+               predicted: Optional[torch.Tensor] = None, cf: Optional[torch.Tensor] = None) -> None:
         """path [bs, W] int (root first, -1 padded): this round's accepted slots; accept_len [bs]:
         their count (the accept's own output, not recomputed here); tree_depth [bs, N] int: the built
         tree's slot depths (None: not counted); width: the round's verify width N, a host int (None:
         the tree's budget + 1); predicted [bs, n] float (optional): the expected acceptance of the
-        first n reported budgets (:meth:`predicted_widths`), summed in thousandths."""
+        first n reported budgets (:meth:`predicted_widths`), summed in thousandths; cf [bs, n_valid]
+        (optional): the round's counterfactual accept lengths at the reported budgets the tree holds,
+        as :class:`RoundCounterfactual` hands them (None: computed here)."""
         bs = path.shape[0]
         if bs == 0:
             return
@@ -245,7 +247,7 @@ class AcceptanceStats:
         ones = self._ones[:bs]
         a[2:3 + d].index_add_(0, accept_len.clamp(max=d), ones)
         if n_valid:
-            cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid])   # [bs, n_valid]
+            cf = _own_counterfactual(cf, path, self._budgets_dev, n_valid)                 # [bs, n_valid]
             a[self._o_cf:self._o_cf + n_valid] += cf.to(torch.int64).sum(0)
         if predicted is not None and n_valid:
             if predicted.shape != (bs, n_valid):
@@ -326,6 +328,52 @@ def make_round_observers(server_args, *, algo: str, budget: int, block_size: int
     return stats, prof
 
 
+def _own_counterfactual(cf: Optional[torch.Tensor], path: torch.Tensor, budgets_dev: torch.Tensor,
+                        n_valid: int) -> torch.Tensor:
+    """``cf`` as handed ([bs, n_valid] checked), else the round's counts at ``budgets_dev[:n_valid]``."""
+    if cf is None:
+        return tree_ops.counterfactual_accept_len(path, budgets_dev[:n_valid])
+    if tuple(cf.shape) != (path.shape[0], n_valid):
+        raise ValueError(f"cf must be [{path.shape[0]}, {n_valid}], got {tuple(cf.shape)}")
+    return cf
+
+
+class RoundCounterfactual:
+    """A round's counterfactual accept lengths (``tree_ops.counterfactual_accept_len``), computed
+    once for every consumer: the acceptance stats (``AcceptanceStats.budgets``) and the adaptive
+    controller's window (its budgets) count them over different, overlapping budget lists.
+
+    ``budget_lists``: each consumer's ascending budgets (None: that consumer is absent).  Calling it
+    with a round's path [bs, W] and verify width gives one [bs, n_valid] tensor per consumer (its
+    budgets the width-``width`` tree holds; None where there are none or the consumer is absent),
+    all read off one count over the union of the lists."""
+
+    def __init__(self, budget_lists: Sequence[Optional[Sequence[int]]], device):
+        lists = [None if bl is None else [int(b) for b in bl] for bl in budget_lists]
+        for bl in lists:
+            if bl is not None and bl != sorted(set(bl)):
+                raise ValueError(f"budgets must be distinct and ascending, got {bl}")
+        self.lists = lists
+        self.budgets = sorted(set().union(*[bl for bl in lists if bl is not None]))
+        device = torch.device(device)
+        self._budgets_dev = torch.tensor(self.budgets, dtype=torch.int64, device=device)
+        # per consumer: None when its budgets are the union's leading ones (a slice), else the
+        # union's columns of its budgets (index_select)
+        self._cols = [None if bl is None or bl == self.budgets[:len(bl)] else
+                      torch.tensor([self.budgets.index(b) for b in bl], dtype=torch.int64, device=device)
+                      for bl in lists]
+
+    def __call__(self, path: torch.Tensor, width: int) -> List[Optional[torch.Tensor]]:
+        rb = int(width) - 1                                  # the round's tree budget
+        n = sum(1 for b in self.budgets if b <= rb)
+        cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n]) if n else None
+        out = []
+        for bl, cols in zip(self.lists, self._cols):
+            nv = 0 if bl is None or cf is None else sum(1 for b in bl if b <= rb)
+            out.append(None if nv == 0 else cf[:, :nv] if cols is None else cf.index_select(1, cols[:nv]))
+        return out
+
+
 class CounterfactualWindow:
     """Counterfactual accepted tokens per budget for the adaptive choice (``adaptive.WidthController``),
     summed over windows of ``every`` rounds on the device, no host sync in a round, per request-age
@@ -392,7 +440,11 @@ class CounterfactualWindow:
         return len(self.age_edges) + 1
 
     def record(self, path: torch.Tensor, n_valid: int, remaining: Optional[torch.Tensor] = None,
-               age: Optional[torch.Tensor] = None, predicted: Optional[torch.Tensor] = None) -> None:
+               age: Optional[torch.Tensor] = None, predicted: Optional[torch.Tensor] = None,
+               cf: Optional[torch.Tensor] = None) -> None:
+        """One round (the class docstring); ``cf`` [bs, n_valid]: its counterfactual accept lengths
+        at the ``n_valid`` smallest budgets as :class:`RoundCounterfactual` hands them (None: computed
+        here)."""
         bs = path.shape[0]
         nk = len(self.budgets)
         if predicted is not None and tuple(predicted.shape) != (bs, nk):
@@ -406,9 +458,9 @@ class CounterfactualWindow:
             if remaining is not None:
                 left = remaining.reshape(bs, 1).to(torch.int64)
                 live = left > 0
-            cf = None
+            handed, cf = cf, None
             if n_valid > 0:
-                cf = tree_ops.counterfactual_accept_len(path, self._budgets_dev[:n_valid]).to(torch.int64)
+                cf = _own_counterfactual(handed, path, self._budgets_dev, n_valid).to(torch.int64)
                 if live is None:
                     ones = torch.ones_like(cf)
                 else:

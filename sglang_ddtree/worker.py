@@ -64,7 +64,7 @@ from . import (accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampli
                tree_ops, verify_attn_hook)
 from .budget_policy import NO_SPEC, BudgetPolicy
 from .draft_head import DDTreeDraftHead
-from .round_stats import make_round_observers
+from .round_stats import RoundCounterfactual, make_round_observers
 from .spec_algo import settings_for_worker
 
 logger = logging.getLogger(__name__)
@@ -941,6 +941,16 @@ class DDTreeWorker(DFlashWorkerV2):
                 batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
         return target_out
 
+    def _round_counterfactual(self) -> "RoundCounterfactual":
+        """The counterfactual counter of the stats' and the controller's budgets (built at the first
+        round: SGLang may build the controller before or after the stats)."""
+        rc = vars(self).get("_cf_counter")
+        if rc is None:
+            rc = self._cf_counter = RoundCounterfactual(
+                [None if self._stats is None else self._stats.budgets,
+                 None if self._adaptive is None else self._adaptive.window.budgets], self.device)
+        return rc
+
     def _accept_commit(self, batch, on_publish, tree, logits_output, target_out, draft_out,
                        draft_input, block_loc, block_pos, prefix, bs, N,
                        defer_key=None, predicted=None, predicted_all=None) -> GenerationBatchResult:
@@ -965,13 +975,16 @@ class DDTreeWorker(DFlashWorkerV2):
             acc = (adaptive.root_only_accept(target_top1, tree.draft_depth) if N == 1 else
                    ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False))
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
-        if self._stats is not None:
-            self._stats.record(path, accept_len, tree_depth=tree.depth, width=N, predicted=predicted)
-        if self._adaptive is not None:
-            # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
-            # request one more round) are not counted in the acceptance estimate
-            self._adaptive.record(path, N, getattr(batch, "reqs", None), prefix.view(-1),
-                                  predicted=predicted_all)
+        if self._stats is not None or self._adaptive is not None:
+            cf_stats, cf_window = self._round_counterfactual()(path, N)   # one count for both
+            if self._stats is not None:
+                self._stats.record(path, accept_len, tree_depth=tree.depth, width=N, predicted=predicted,
+                                   cf=cf_stats)
+            if self._adaptive is not None:
+                # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
+                # request one more round) are not counted in the acceptance estimate
+                self._adaptive.record(path, N, getattr(batch, "reqs", None), prefix.view(-1),
+                                      predicted=predicted_all, cf=cf_window)
         prof.mark()
 
         # 6) commit: one launch (ddtree.commit_round): the emitted tokens (accepted path tokens, then the

@@ -11,7 +11,7 @@ import torch
 
 from helpers import drafter_logits, logprobs_from_logits
 from sglang_ddtree import ddtree
-from sglang_ddtree.round_stats import AcceptanceStats, default_budgets
+from sglang_ddtree.round_stats import AcceptanceStats, CounterfactualWindow, RoundCounterfactual, default_budgets
 
 
 def _round(bs, D, V, budget, rng):
@@ -68,6 +68,50 @@ def test_accumulators_match_a_brute_force_replay(tmp_path, rng):
     assert tot("length_hist") == want["hist"]
     assert tot("counterfactual") == want["cf"]
     assert want["cf"][-1] == want["accepted"]                 # the tree's own budget
+
+
+def _replayed(lp, ids, target, b):
+    """Per request: what a budget-b tree built by the reference accepts with the same targets."""
+    small = ddtree.build_tree(lp[..., :b].contiguous(), ids[..., :b].contiguous(), b, backend="reference")
+    return ddtree.accept_greedy(small, target[:, :b + 1], backend="reference").accept_len.to(torch.int64)
+
+
+@pytest.mark.parametrize("width", [25, 13, 4])
+def test_one_round_count_serves_both_consumers(rng, width):
+    """The stats' and the controller's budget lists overlap without one being a prefix of the other;
+    one RoundCounterfactual call hands each its columns, each equal per request to a smaller tree
+    rebuilt and walked (a round narrower than some budgets leaves those out, an absent consumer gets
+    None), and both consumers count the same with the handed counts as with their own."""
+    bs, D, V = 4, 7, 300
+    stats_b, window_b = [3, 8, 15, 24], [5, 8, 12, 24]
+    rc = RoundCounterfactual([stats_b, window_b, None], "cpu")
+    assert rc.budgets == [3, 5, 8, 12, 15, 24]
+    lp, ids, target, tree, acc = _round(bs, D, V, width - 1, rng)
+    got_s, got_w, got_none = rc(acc.path, width)
+    assert got_none is None
+    for got, bl in ((got_s, stats_b), (got_w, window_b)):
+        held = [b for b in bl if b <= width - 1]
+        if not held:
+            assert got is None
+            continue
+        want = torch.stack([_replayed(lp, ids, target, b) for b in held], 1)
+        assert torch.equal(got.to(torch.int64), want), (bl, got, want)
+    st_a, st_b = (AcceptanceStats(budget=24, draft_depth=D, device="cpu", algo="X", every=1000,
+                                  budgets=stats_b) for _ in range(2))
+    st_a.record(acc.path, acc.accept_len, width=width)
+    st_b.record(acc.path, acc.accept_len, width=width, cf=got_s)
+    assert torch.equal(st_a._acc, st_b._acc)
+    n_w = sum(1 for b in window_b if b <= width - 1)
+    w_a, w_b = (CounterfactualWindow(window_b, device="cpu", every=1000) for _ in range(2))
+    w_a.record(acc.path, n_w)
+    w_b.record(acc.path, n_w, cf=got_w)
+    assert torch.equal(w_a._acc, w_b._acc)
+    if got_w is not None:                         # the handed counts are the ones counted
+        w_c = CounterfactualWindow(window_b, device="cpu", every=1000)
+        w_c.record(acc.path, n_w, cf=got_w + 1)
+        assert not torch.equal(w_c._acc, w_a._acc)
+        with pytest.raises(ValueError, match="cf must be"):
+            w_b.record(acc.path, n_w, cf=got_w[:, :0])
 
 
 def test_prometheus_counters(rng):
