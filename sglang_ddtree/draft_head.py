@@ -91,3 +91,22 @@ class DDTreeDraftHead:
         self.tp_group.all_gather_into_tensor(gs, s)
         self.tp_group.all_gather_into_tensor(gk, keys.reshape(-1))
         topk_merge_triton(gm.view(P, n), gs.view(P, n), gk.view(P, n, KP), self.topk, out=(lp, ids))
+
+
+def check_target_lm_head(model, algo: str):
+    """The target's lm_head module, or ValueError: the drafter's top-k head multiplies the
+    drafter's hidden states with ``lm_head.weight`` (the target's head, as DFLASH shares it), so
+    it must be a plain floating-point weight.  A quantized head (an INT4 / FP8 ``lm_head`` stores
+    ``weight_packed`` / scales, or an integer ``weight``) is refused at start-up with this message;
+    Kimi K2 / K2.6 keep ``lm_head`` in bf16 (their quantization configs list it in ``ignore``)."""
+    lm_head = getattr(model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    if lm_head is None or not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{algo} needs the target's lm_head weight (a floating-point "
+                         f"[vocab, hidden] tensor); the target model has "
+                         f"{'no lm_head' if lm_head is None else type(lm_head).__name__ + ' without one'}: "
+                         "a quantized lm_head is not supported (keep lm_head unquantized)")
+    if not torch.is_floating_point(weight):
+        raise ValueError(f"{algo}: the target's lm_head weight is {weight.dtype}: a quantized "
+                         "lm_head is not supported (keep lm_head unquantized)")
+    return lm_head

@@ -35,7 +35,7 @@ class Switches:
     adaptive set: ``adaptive.parse_config`` checks), the GPU lossless check of every width and the
     A/B's forced no-speculation arm; kv_commit: ``remap`` (default) or ``move`` (SGLang's per-layer
     copy; ``DDTreeWorker.__init__``); commit_ops: ``fused`` (the one Triton launch) or ``torch``
-    (the ops it replaced, ``worker.commit_ops_backend``); round_overhead: False leaves the policy's
+    (the ops it replaced, :func:`commit_ops_backend`); round_overhead: False leaves the policy's
     measured per-round overhead out; graph_mask_cap: pretend the target's CUDA-graph mask buffer
     holds this many elements (the eager-verify fallback at test-bed sizes); graph_mask_patch: False
     leaves the tree mask out of captured verify graphs (``patches/decode_graph_spec_info.py``: the
@@ -163,3 +163,11 @@ def write_plugin(folder: str) -> str:
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
         f.write(f"[sglang.srt.plugins]\n{PLUGIN_NAME} = sglang_ddtree.switches:register_from_environment\n")
     return folder
+
+
+def commit_ops_backend(sw: Switches, tree_backend: str) -> str:
+    """The backend of a round's ``ddtree.commit_round``: switch ``commit_ops`` ``fused`` (default) =
+    the one Triton launch (``tree_backend``), ``torch`` = the torch-op composition it replaced
+    (``backend="reference"``, on the same device; same outputs): kept so an A/B can measure the
+    fused kernel in the same run (arm suffix ``_torchcommit``)."""
+    return tree_backend if sw.commit_ops == "fused" else "reference"

@@ -8,7 +8,7 @@ thread (the causal variant DFLASH runs: 255) and costs 310 us a call at bs 16 ag
 ours, 50 us; the DDTREE-GPU width-8 verify went from 1.16x DFLASH's per round to 0.96x.
 
 With the hook on, the worker calls :func:`enable` at start-up on the backend object the target's
-TARGET_VERIFY runs on (``worker.verify_attention_backend``; one per verify width with the adaptive
+TARGET_VERIFY runs on (``verify_backend.verify_attention_backend``; one per verify width with the adaptive
 budget).  :func:`enable` refuses (ValueError) what the hook does not cover and attaches a
 :class:`VerifyAttnState` to that backend instance.  ``patches/triton_verify_attention.py`` hooks
 ``TritonAttnBackend.forward_extend``: on a backend carrying a state and a TARGET_VERIFY batch it runs

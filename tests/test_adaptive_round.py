@@ -21,6 +21,7 @@ from sglang_ddtree import adaptive as A  # noqa: E402
 from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
+from sglang_ddtree import warmup as WU  # noqa: E402
 from sglang_ddtree import plain_decode as P  # noqa: E402
 from sglang_ddtree import switches as S  # noqa: E402
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable  # noqa: E402
@@ -493,14 +494,14 @@ def test_rounds_commit_through_the_triton_kernel_losslessly(world, monkeypatch):
 
 
 def test_warm_batch_sizes_reach_every_bucket_and_specialisation():
-    assert W.warm_batch_sizes(1) == [1]
-    assert W.warm_batch_sizes(64) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64]
-    s = W.warm_batch_sizes(48)
+    assert WU.warm_batch_sizes(1) == [1]
+    assert WU.warm_batch_sizes(64) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64]
+    s = WU.warm_batch_sizes(48)
     assert max(s) == 48 and 33 in s and 32 in s and 64 not in s
     def key(b):   # what a Triton specialisation can see of a batch size
         return (1 << (b - 1).bit_length(), b == 1, b % 16 == 0)
     for top in (1, 7, 48, 64, 100):
-        warm = W.warm_batch_sizes(top)
+        warm = WU.warm_batch_sizes(top)
         assert max(warm) == top and min(warm) == 1
         for bs in range(1, top + 1):
             assert any(key(b) == key(bs) for b in warm), (top, bs)
@@ -532,10 +533,10 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
     def assign(**kw):
         calls["assign"].append((kw["batch_size"], kw["req_to_token"].shape, kw["req_to_token"].dtype))
         return torch.zeros(kw["batch_size"], dtype=torch.int64)
-    info = W.warm_round_kernels(widths=(1, 8, 16), block_size=6, topk=5, vocab_size=50, max_bs=8,
+    info = WU.warm_round_kernels(widths=(1, 8, 16), block_size=6, topk=5, vocab_size=50, max_bs=8,
                                 tree_backend="reference", full_mask=True, device="cpu",
                                 req_to_token=r2t, assign_locs=assign)
-    sizes = W.warm_batch_sizes(8)
+    sizes = WU.warm_batch_sizes(8)
     assert info["widths"] == [1, 8, 16] and info["batch_sizes"] == sizes
     assert len(calls["build"]) == len(calls["mask"]) == 2 * len(sizes)
     # tree widths only: a no-speculation round has no accept kernel (adaptive.root_only_accept)
@@ -546,25 +547,25 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
     assert [c[0] for c in calls["assign"]] == sizes
     assert all(c[1] == (1, 40) and c[2] == torch.int32 for c in calls["assign"])   # the real row length
     calls["commit"].clear()
-    W.warm_round_kernels(widths=(8,), block_size=6, topk=5, vocab_size=50, max_bs=2, tree_backend="reference",
+    WU.warm_round_kernels(widths=(8,), block_size=6, topk=5, vocab_size=50, max_bs=2, tree_backend="reference",
                          full_mask=False, device="cpu", kv_commit="move")
     assert len(calls["mask"]) == 2 * len(sizes)   # our verify attention: no FULL mask to warm
     assert {c[2:4] for c in calls["commit"]} == {(False, None)}   # move: no remap, no drafter slots
     # tree widths only up to their CUDA graphs' largest batch (tree_max_bs), no speculation up to max_bs
     for k in calls:
         calls[k].clear()
-    info = W.warm_round_kernels(widths=(1, 8), block_size=6, topk=5, vocab_size=50, max_bs=40,
+    info = WU.warm_round_kernels(widths=(1, 8), block_size=6, topk=5, vocab_size=50, max_bs=40,
                                 tree_backend="reference", full_mask=True, device="cpu", req_to_token=r2t,
                                 assign_locs=assign, tree_max_bs=8)
-    assert info["batch_sizes"] == W.warm_batch_sizes(40) and info["tree_batch_sizes"] == sizes
+    assert info["batch_sizes"] == WU.warm_batch_sizes(40) and info["tree_batch_sizes"] == sizes
     assert sorted(calls["build"]) == sorted(sizes) and [c[0] for c in calls["assign"]] == sizes
-    assert sorted(b for N, b, *_ in calls["commit"] if N == 1) == W.warm_batch_sizes(40)
+    assert sorted(b for N, b, *_ in calls["commit"] if N == 1) == WU.warm_batch_sizes(40)
     assert max(b for N, b, *_ in calls["commit"] if N == 8) == 8
 
 
 def test_warm_round_kernels_launch_the_triton_kernels(device):
     """The warm-up's own inputs run through the Triton path (the interpreter on the CPU)."""
-    info = W.warm_round_kernels(widths=(1, 4), block_size=4, topk=3, vocab_size=20, max_bs=2,
+    info = WU.warm_round_kernels(widths=(1, 4), block_size=4, topk=3, vocab_size=20, max_bs=2,
                                 tree_backend="triton", full_mask=True, device=device,
                                 req_to_token=torch.zeros(2, 24, dtype=torch.int32, device=device))
     assert info["widths"] == [1, 4] and info["batch_sizes"] == [1, 2]

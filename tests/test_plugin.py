@@ -377,7 +377,7 @@ def test_worker_refuses_a_target_that_verifies_without_the_tree_mask():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-    from sglang_ddtree.worker import check_tree_verify_backend
+    from sglang_ddtree.verify_backend import check_tree_verify_backend
 
     triton_be, fa3_be = object.__new__(TritonAttnBackend), object.__new__(TorchNativeAttnBackend)
     check_tree_verify_backend(triton_be, "DDTREE-GPU")

@@ -469,14 +469,14 @@ def test_drafter_block_refusals_and_switch(hooked, rng):
 
 
 def test_worker_enables_the_drafter_block(hooked, rng, monkeypatch, caplog):
-    """``worker.enable_draft_block_attention``: off by default; ``auto`` logs why it falls back
+    """``verify_backend.enable_draft_block_attention``: off by default; ``auto`` logs why it falls back
     (another req_to_token, the target's backend); ``ddtree`` raises; covered: the state, logged with
     the line the A/B records."""
     import logging
 
     from sglang.srt.layers.radix_attention import AttentionType
 
-    from sglang_ddtree import worker as W
+    from sglang_ddtree import verify_backend as W
     from sglang_ddtree.ab.runner import DRAFT_ATTN_LINE
 
     world = World(rng, arch="gqa", bs=1, N=5, attn_type=AttentionType.ENCODER_ONLY)

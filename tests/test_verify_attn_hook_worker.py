@@ -20,6 +20,7 @@ from helpers import env_without_checkout  # noqa: E402
 from sglang_ddtree import adaptive as A  # noqa: E402
 from sglang_ddtree import switches  # noqa: E402
 from sglang_ddtree import verify_attn_hook as VA  # noqa: E402
+from sglang_ddtree import verify_backend as VB  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
 from test_verify_attn_hook import LAYERS, TOL, World, hooked, make_backend  # noqa: E402,F401
@@ -84,10 +85,10 @@ def test_verify_writes_only_the_bitmask_and_matches_the_default(hooked, rng, mon
         be = world.backend()
         if on:
             monkeypatch.setenv(VA.ENV, "ddtree")
-            state = W.enable_tree_verify_attention(be, types.SimpleNamespace(model=world.model), "DDTREE-GPU")
+            state = VB.enable_tree_verify_attention(be, types.SimpleNamespace(model=world.model), "DDTREE-GPU")
         else:
             monkeypatch.setenv(VA.ENV, "sglang")
-            assert W.enable_tree_verify_attention(be, None, "DDTREE-GPU") is None
+            assert VB.enable_tree_verify_attention(be, None, "DDTREE-GPU") is None
         w = make_worker(world, be)
         outs = w._verify(batch, world.tree, world.seq, world.seq.to(torch.int32), int(world.seq.sum()), bs, N)
         (vi,) = FakeVerifyInput.made

@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 
+from sglang_ddtree import verify_backend as VB  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def _play_round(w, bs, need, gen):
     written = torch.randint(0, 2, (need,), generator=gen, dtype=torch.uint8)
     mask.copy_(written)
     in_place = graph_buf is not None and need > 0 and mask.data_ptr() == graph_buf.data_ptr()
-    with W._eager_verify(mr, eager):
+    with VB._eager_verify(mr, eager):
         replayed = runner is not None and bs <= runner.max_bs and runner.can_run_graph(None)
         if replayed and graph_buf is not None:
             graph_buf[: mask.shape[0]] = mask     # raises when the mask is larger than the buffer
@@ -107,11 +108,11 @@ def test_eager_rounds_counted_and_the_own_buffer_reused():
 def test_plan_boundary_worked_by_hand():
     """Graph max batch 16, buffer 100: a bound of exactly 100 replays into it; 101 goes eager; at
     batch 17 the graph does not run, so no eager round is needed."""
-    assert W.plan_verify_mask_buffer(bs=16, need=100, graph_max_bs=16, graph_buf_numel=100) == "graph"
-    assert W.plan_verify_mask_buffer(bs=16, need=101, graph_max_bs=16, graph_buf_numel=100) == "eager"
-    assert W.plan_verify_mask_buffer(bs=17, need=101, graph_max_bs=16, graph_buf_numel=100) == "own"
-    assert W.plan_verify_mask_buffer(bs=1, need=1, graph_max_bs=None, graph_buf_numel=100) == "own"
-    assert W.plan_verify_mask_buffer(bs=1, need=1, graph_max_bs=16, graph_buf_numel=None) == "own"
+    assert VB.plan_verify_mask_buffer(bs=16, need=100, graph_max_bs=16, graph_buf_numel=100) == "graph"
+    assert VB.plan_verify_mask_buffer(bs=16, need=101, graph_max_bs=16, graph_buf_numel=100) == "eager"
+    assert VB.plan_verify_mask_buffer(bs=17, need=101, graph_max_bs=16, graph_buf_numel=100) == "own"
+    assert VB.plan_verify_mask_buffer(bs=1, need=1, graph_max_bs=None, graph_buf_numel=100) == "own"
+    assert VB.plan_verify_mask_buffer(bs=1, need=1, graph_max_bs=16, graph_buf_numel=None) == "own"
 
 
 class _Runner:
@@ -125,16 +126,16 @@ class _Runner:
 def test_eager_verify_declines_the_graph_only_inside_and_restores():
     runner = _Runner()
     mr = types.SimpleNamespace(decode_cuda_graph_runner=runner)
-    with W._eager_verify(mr, eager=True):
+    with VB._eager_verify(mr, eager=True):
         assert runner.can_run_graph(object()) is False
     assert runner.can_run_graph(object()) is True and "can_run_graph" not in vars(runner)
     with pytest.raises(RuntimeError):
-        with W._eager_verify(mr, eager=True):
+        with VB._eager_verify(mr, eager=True):
             raise RuntimeError("verify failed")
     assert runner.can_run_graph(object()) is True              # restored after an exception too
-    with W._eager_verify(mr, eager=False):
+    with VB._eager_verify(mr, eager=False):
         assert runner.can_run_graph(object()) is True
-    with W._eager_verify(types.SimpleNamespace(decode_cuda_graph_runner=None), eager=True):
+    with VB._eager_verify(types.SimpleNamespace(decode_cuda_graph_runner=None), eager=True):
         pass
 
 

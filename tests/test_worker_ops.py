@@ -189,7 +189,7 @@ def test_commit_ops_switch():
     """The A/B switch commit_ops picks the commit's backend: fused (default) = the tree backend's one
     launch, torch = the reference composition; anything else is refused when the switches are made."""
     from sglang_ddtree import switches
-    from sglang_ddtree.worker import commit_ops_backend
+    from sglang_ddtree.switches import commit_ops_backend
     assert commit_ops_backend(switches.Switches(), "triton") == "triton"
     assert commit_ops_backend(switches.Switches(commit_ops="torch"), "triton") == "reference"
     with pytest.raises(ValueError, match="commit_ops must be 'fused' or 'torch'"):
