@@ -12,7 +12,7 @@ over the predicted value, pooled over the same request-rounds.  This script meas
 behaves, on real pairs run by the repo's exact CPU machinery (plain-torch fp32 forwards of
 :mod:`sglang_ddtree.demo`'s pairs, ``backend="reference"`` top-K / tree / accept, greedy): per
 round and request, the predicted and the exact acceptance at the adaptive ladder's budgets
-(:func:`sglang_ddtree.adaptive.default_budgets` of the drafter's default widest,
+(:func:`sglang_ddtree.adaptive_config.default_budgets` of the drafter's default widest,
 :func:`sglang_ddtree.config.default_budget`: 28 -> 7/15/28 for the block-8 text pair,
 60 -> 7/15/31/60 for the block-16 toy chain pair), one widest tree per round.  It reports
 
@@ -49,7 +49,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sglang_ddtree import accept_estimate, adaptive, config, ddtree, demo, tree_ops  # noqa: E402
+from sglang_ddtree import accept_estimate, config, ddtree, demo, tree_ops  # noqa: E402
+from sglang_ddtree import adaptive_config  # noqa: E402
 from sglang_ddtree import textpair as TP  # noqa: E402
 
 AGE_EDGES = (16, 64, 256)                      # buckets 0-15, 16-63, 64-255, 256+
@@ -66,7 +67,7 @@ def age_bucket(age: int) -> int:
 def pair_budgets(block_size: int):
     """(widest, ladder): the drafter's default widest budget and the adaptive default set."""
     widest = config.default_budget(block_size)
-    return widest, adaptive.default_budgets(widest)
+    return widest, adaptive_config.default_budgets(widest)
 
 
 # ----------------------------------------------------------------------------------------- pairs

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from sglang_ddtree.adaptive import DEFAULT_AGE_EDGES
+from sglang_ddtree.adaptive_config import DEFAULT_AGE_EDGES
 from sglang_ddtree.budget_policy import BudgetPolicy, CostTable
 
 COSTS = CostTable(verify_ms={8: {1: 4.9, 16: 7.5, 64: 13.9}, 16: {1: 6.5, 16: 9.0, 64: 16.7},

@@ -2,7 +2,7 @@
 
 Why: the adaptive default builds, after SGLang sized its KV pool, a target state per extra verify
 width and one for no-speculation rounds, each with its own CUDA graphs (their logits buffers are
-most of it: ~4.3 GB for the Qwen3-8B shape on an H100, ``adaptive.state_memory_gb``).  SGLang's
+most of it: ~4.3 GB for the Qwen3-8B shape on an H100, ``verify_states.state_memory_gb``).  SGLang's
 ``--mem-fraction-static`` heuristic knows nothing of them, so on an 80 GB card the widths did not
 fit (2.25 GB free after the no-speculation state, s29: widths 8 / 16 / 32 not built).  When the user
 did not give ``--mem-fraction-static``, DDTree lowers SGLang's heuristic value by the states' estimate

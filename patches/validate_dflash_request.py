@@ -15,7 +15,7 @@ A request may pin its rounds' tree budget (``custom_params["ddtree_budget"]``,
 ``sglang_ddtree/adaptive.py``); a value the server does not run (not an integer, not its fixed budget,
 not in ``SGLANG_DDTREE_BUDGETS``) is refused here with a one-line reason, which the scheduler turns
 into an aborted request (status 400), before any round sees it.  The budgets come from this process's
-DDTREE worker (``adaptive.register_served``); without one (DFLASH servers) nothing is checked.
+DDTREE worker (``adaptive_config.register_served``); without one (DFLASH servers) nothing is checked.
 
 Checked against: SGLang 0.5.16 (``sglang/srt/managers/scheduler.py``: ``from
 sglang.srt.speculative.dflash_utils import validate_dflash_request``, called in
@@ -42,9 +42,9 @@ def _serves_logprobs() -> bool:
 
 
 def validate_with_logprobs(original, req, *args, **kwargs):
-    from sglang_ddtree import adaptive
+    from sglang_ddtree import adaptive_config
 
-    err = adaptive.request_budget_error(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+    err = adaptive_config.request_budget_error(getattr(getattr(req, "sampling_params", None), "custom_params", None))
     if err is not None:
         return err
     if not getattr(req, "return_logprob", False) or not _serves_logprobs():

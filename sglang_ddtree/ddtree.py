@@ -520,3 +520,49 @@ def tree_verify_attention_mla(q_nope_absorbed: torch.Tensor, q_rope: torch.Tenso
                                           req_pool_indices, prefix_lens, mask_words, sm_scale,
                                           kv_lora_rank=kv_lora_rank, out=out, num_splits=num_splits,
                                           max_prefix=max_prefix, workspace=workspace)
+
+
+_ROOT_ONLY_CONST: dict = {}
+
+
+def root_only_tree(root_tokens: torch.Tensor, draft_depth: int):
+    """The tree of a no-speculation round: the root alone (N = 1; what ``build_tree`` gives for
+    budget 0).  root_tokens [bs] int64 -> Tree with tokens [bs, 1], no drafter input needed.  The
+    constant parts (depth, parent, num_nodes, visibility, mask_words) are cached per (bs, device):
+    no-speculation rounds come at high load, where every launch of the round's host work counts;
+    nothing downstream writes into them."""
+    bs, dev = root_tokens.shape[0], root_tokens.device
+    key = (int(bs), str(dev))
+    const = _ROOT_ONLY_CONST.get(key)
+    if const is None:
+        const = (torch.zeros((bs, 1), dtype=torch.int32, device=dev),
+                 torch.full((bs, 1), -1, dtype=torch.int32, device=dev),
+                 torch.ones((bs,), dtype=torch.int32, device=dev),
+                 torch.ones((bs, 1, 1), dtype=torch.bool, device=dev),
+                 torch.ones((bs, 1, 1), dtype=torch.int32, device=dev))
+        _ROOT_ONLY_CONST[key] = const
+    depth, parent, num_nodes, visibility, mask_words = const
+    return Tree(tokens=root_tokens.reshape(bs, 1).to(torch.int64), depth=depth, parent=parent,
+                num_nodes=num_nodes, visibility=visibility, mask_words=mask_words,
+                budget=0, draft_depth=int(draft_depth))
+
+
+_ROOT_ONLY_ACCEPT: dict = {}
+
+
+def root_only_accept(target_top1: torch.Tensor, draft_depth: int):
+    """The greedy accept of a no-speculation round (N = 1): nothing accepted, the target's token at
+    the root is the bonus.  target_top1 [bs, 1] int64 -> ddtree.Accept (accept_len [bs] int32 zeros,
+    path [bs, D + 1] int32 ``[0, -1, ...]``, bonus [bs] int64: a view of target_top1), what
+    ``ddtree.accept_greedy`` returns on :func:`root_only_tree` without its launch: accept_len and
+    path are constants cached per (bs, D, device), read by the commit and the statistics, never
+    written (so a no-speculation round launches no more than plain decoding's argmax here)."""
+    bs, dev = target_top1.shape[0], target_top1.device
+    key = (int(bs), int(draft_depth), str(dev))
+    const = _ROOT_ONLY_ACCEPT.get(key)
+    if const is None:
+        path = torch.full((bs, int(draft_depth) + 1), -1, dtype=torch.int32, device=dev)
+        path[:, 0] = 0
+        const = (torch.zeros((bs,), dtype=torch.int32, device=dev), path)
+        _ROOT_ONLY_ACCEPT[key] = const
+    return Accept(accept_len=const[0], path=const[1], bonus=target_top1.reshape(bs).to(torch.int64))

@@ -126,10 +126,11 @@ def unknown(env: Mapping[str, str]) -> Optional[str]:
 
 def check(env: Mapping[str, str], *, algo: str, budget: int):
     """Every ``SGLANG_DDTREE_*`` value of ``env`` through its parser (see the module docstring);
-    returns the adaptive configuration (``adaptive.parse_config``: None for a fixed budget).
+    returns the adaptive configuration (``adaptive_config.parse_config``: None for a fixed budget).
     ``SGLANG_DDTREE_TOPK`` is resolved before (``config.resolve_settings``).  Raises
     ValueError, one line."""
-    from . import adaptive, logprobs, switches, verify_attn_hook
+    from . import logprobs, switches, verify_attn_hook
+    from . import adaptive_config
     from .profiling import ENV_EVERY as PROFILE_EVERY
     from .round_stats import ENV_EVERY as STATS_EVERY
 
@@ -138,7 +139,7 @@ def check(env: Mapping[str, str], *, algo: str, budget: int):
         raise ValueError(f"{algo}: {why}")
     if switches.ERROR:     # the A/B's / test bed's switches plugin refused its DDTREE_SWITCHES
         raise ValueError(f"{algo}: {switches.ERROR}")
-    cfg = adaptive.parse_config(env, budget=budget, algo=algo)
+    cfg = adaptive_config.parse_config(env, budget=budget, algo=algo)
     verify_attn_hook.mode(env, algo)
     logprobs.enabled(env, algo)
     positive_int(env, STATS_EVERY, 64, algo)

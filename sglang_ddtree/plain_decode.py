@@ -100,12 +100,12 @@ def _build_backend(model_runner, name: Optional[str]):
 def build_plain_decode_state(model_runner, *, use_graphs: bool, backend_name: Optional[str],
                              runner_cls=None, build_backend: Optional[Callable] = None,
                              free_gb: Optional[Callable[[], float]] = None, algo: str = "DDTREE"):
-    """The no-speculation state: ``adaptive.VerifyState(width=1, attn_backend, graph_runner)`` built as
+    """The no-speculation state: ``verify_states.VerifyState(width=1, attn_backend, graph_runner)`` built as
     plain decoding builds its own (see the module docstring).  ``backend_name``: the user's decode
     backend (:func:`user_decode_backend`); when it cannot be built here (e.g. not installed), the
     target's own decode backend type is used and the reason logged.  ``runner_cls``: default SGLang's
     ``DecodeCudaGraphRunner``; ``build_backend(model_runner, name)``: default SGLang's builder."""
-    from .adaptive import VerifyState, graph_runner_cls
+    from .verify_states import VerifyState, graph_runner_cls
 
     build_backend = build_backend or _build_backend
     tic = time.perf_counter()

@@ -150,7 +150,7 @@ PLAIN_GRAPH_BS_ATTR = "_ddtree_plain_graph_bs"
 
 def plain_floor_graphs(server_args, cfg, algo: str) -> Optional[list]:
     """At argument resolution, when ``--max-running-requests`` is not given and the adaptive set
-    ``cfg`` (:func:`adaptive.parse_config` of the environment; None: a fixed budget) has
+    ``cfg`` (:func:`adaptive_config.parse_config` of the environment; None: a fixed budget) has
     no-speculation rounds and the server CUDA graphs (the default): trim SGLang's decode CUDA-graph
     batch sizes to those <= :data:`SPEC_GRAPH_MAX_BS` (the tree widths' and the drafter's graphs),
     keep the whole list on ``server_args`` (``PLAIN_GRAPH_BS_ATTR``, for the no-speculation state's
@@ -176,14 +176,14 @@ def reserve_adaptive_state_memory(server_args, cfg, vocab: Optional[int], algo: 
     """The adaptive default's extra target states (``cfg.extra_widths``: the no-speculation state and
     the narrower tree widths, each with CUDA graphs) are built after SGLang sized its KV pool; when
     ``--mem-fraction-static`` was not given (``patches/mem_fraction_default.py`` recorded SGLang's
-    heuristic filling it), lower that heuristic by their estimate (``adaptive.state_memory_gb``) so
+    heuristic filling it), lower that heuristic by their estimate (``verify_states.state_memory_gb``) so
     the pool leaves them room.  Returns the GB taken off, or None (a fixed budget or an explicit
     set, the user's value, no CUDA graphs, unknown GPU memory or vocabulary)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     from sglang_ddtree.patches.mem_fraction_default import GIVEN_ATTR, GPU_MEM_ATTR
 
-    from . import adaptive
+    from . import verify_states
     from .plain_decode import user_decode_backend
 
     given = getattr(server_args, GIVEN_ATTR, None)
@@ -193,7 +193,7 @@ def reserve_adaptive_state_memory(server_args, cfg, vocab: Optional[int], algo: 
             or not vocab or dec.backend == Backend.DISABLED or not dec.bs or server_args.mem_fraction_static is None:
         return None
     plain_bs = getattr(server_args, PLAIN_GRAPH_BS_ATTR, None) or dec.bs
-    gb = adaptive.state_memory_gb(cfg.extra_widths, vocab=int(vocab), tree_max_bs=int(dec.max_bs),
+    gb = verify_states.state_memory_gb(cfg.extra_widths, vocab=int(vocab), tree_max_bs=int(dec.max_bs),
                                   plain_max_bs=int(max(plain_bs)), plain_backend=user_decode_backend(server_args))
     old = float(server_args.mem_fraction_static)
     new = round(old - gb * 1e9 / (float(gpu_mb) * (1 << 20)), 3)

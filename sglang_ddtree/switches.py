@@ -32,7 +32,7 @@ LOG_TAG = "DDTree switches (A/B / test bed):"
 @dataclasses.dataclass(frozen=True)
 class Switches:
     """budget_cycle: forced tree budgets round by round (0 = no speculation; each must be in the
-    adaptive set: ``adaptive.parse_config`` checks), the GPU lossless check of every width and the
+    adaptive set: ``adaptive_config.parse_config`` checks), the GPU lossless check of every width and the
     A/B's forced no-speculation arm; kv_commit: ``remap`` (default) or ``move`` (SGLang's per-layer
     copy; ``DDTreeWorker.__init__``); commit_ops: ``fused`` (the one Triton launch) or ``torch``
     (the ops it replaced, :func:`commit_ops_backend`); round_overhead: False leaves the policy's

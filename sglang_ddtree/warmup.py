@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from . import adaptive, ddtree
+from . import ddtree
 
 
 def warm_batch_sizes(max_bs: int):
@@ -70,9 +70,9 @@ def warm_round_kernels(*, widths, block_size: int, topk: int, vocab_size: int, m
                                        backend=tree_backend, validate=False)
                 acc = ddtree.accept_greedy(tree, torch.zeros(b, N, dtype=torch.int64, device=dev),
                                            backend=tree_backend, validate=False)
-            else:   # no speculation: no accept kernel (adaptive.root_only_accept)
-                tree = adaptive.root_only_tree(zeros, D)
-                acc = adaptive.root_only_accept(zeros.view(b, 1), D)
+            else:   # no speculation: no accept kernel (ddtree.root_only_accept)
+                tree = ddtree.root_only_tree(zeros, D)
+                acc = ddtree.root_only_accept(zeros.view(b, 1), D)
             # every request on the one zero row: the (throwaway) permutation moves zeros
             ddtree.commit_round(tree, acc, zeros, zeros, row, remap=remap,
                                 block_size=block_size if remap and N > 1 else None, backend=tree_backend)

@@ -62,6 +62,8 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 
 from . import (accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampling, switches,
                tree_ops, verify_attn_hook)
+from . import adaptive_config
+from . import verify_states
 from .budget_policy import NO_SPEC, BudgetPolicy
 from .draft_head import DDTreeDraftHead, check_target_lm_head
 from .round_stats import RoundCounterfactual, make_round_observers
@@ -125,11 +127,11 @@ class DDTreeWorker(DFlashWorkerV2):
             logger.info("%s %s", switches.LOG_TAG, switches.describe())
         # adaptive budget (issues 17, 39): the default set, SGLANG_DDTREE_BUDGETS', or None (fixed); the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
-        self._adaptive_cfg = adaptive.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
+        self._adaptive_cfg = adaptive_config.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
         # what a request may pin with custom_params["ddtree_budget"] (checked at admission)
-        adaptive.register_served(self.algo_name, self.budget, self._adaptive_cfg)
+        adaptive_config.register_served(self.algo_name, self.budget, self._adaptive_cfg)
         self._adaptive: Optional[adaptive.WidthController] = None
-        self._verify_states: Optional[adaptive.TargetStates] = None
+        self._verify_states: Optional[verify_states.TargetStates] = None
         # The drafter runs its own block width: give it (and its attention backend / graphs) a copy
         # of the server arguments with speculative_num_draft_tokens = block size; the target keeps
         # N = budget + 1.  DFlashWorkerV2 reads its block size from the same field.
@@ -208,7 +210,7 @@ class DDTreeWorker(DFlashWorkerV2):
                             "widths %s) in %.2f s", self.algo_name, info["widths"], info["batch_sizes"],
                             info["tree_batch_sizes"], info["s"])
 
-    def _init_adaptive(self, cfg: "adaptive.AdaptiveConfig") -> None:
+    def _init_adaptive(self, cfg: "adaptive_config.AdaptiveConfig") -> None:
         mr = self._target_worker.model_runner
         algo = self.algo_name
         use_graphs = mr.decode_cuda_graph_runner is not None
@@ -218,10 +220,10 @@ class DDTreeWorker(DFlashWorkerV2):
                                "cost table (it times graph replays): the fixed budget %d runs every "
                                "round", algo, self.budget)
             self._adaptive_cfg = None
-            adaptive.register_served(algo, self.budget, None)
+            adaptive_config.register_served(algo, self.budget, None)
             return
         if cfg.cycle is None and not use_graphs:
-            raise ValueError(f"{algo}: {adaptive.ENV_BUDGETS} needs the "
+            raise ValueError(f"{algo}: {adaptive_config.ENV_BUDGETS} needs the "
                              "target's CUDA graphs (the round cost table is measured from their "
                              "replays); drop --disable-cuda-graph")
         free_gb = self._free_gb_reader()
@@ -231,7 +233,7 @@ class DDTreeWorker(DFlashWorkerV2):
             disable_causal_verify_shortcut(backend, algo)
             enable_tree_verify_attention(backend, mr, algo)
 
-        states = adaptive.TargetStates(mr, cfg.widest)
+        states = verify_states.TargetStates(mr, cfg.widest)
         biggest_gb = 0.0
         for w in cfg.extra_widths:
             if w != NO_SPEC and cfg.implicit and free_gb is not None:
@@ -239,7 +241,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 # built only with room for twice the largest state so far (at least MIN_FREE_GB);
                 # every TP rank decides on the smallest free memory of all of them
                 free = self._tp_min(free_gb())
-                need = max(adaptive.MIN_FREE_GB, 2.0 * biggest_gb)
+                need = max(adaptive_config.MIN_FREE_GB, 2.0 * biggest_gb)
                 if free < need:
                     left = [x for x in cfg.extra_widths if x >= w]
                     if self.ps.tp_rank == 0:
@@ -249,7 +251,7 @@ class DDTreeWorker(DFlashWorkerV2):
                     cfg = dataclasses.replace(cfg, budgets=tuple(
                         b for b in cfg.budgets if b + 1 not in left))
                     self._adaptive_cfg = cfg
-                    adaptive.register_served(algo, self.budget, cfg)
+                    adaptive_config.register_served(algo, self.budget, cfg)
                     break
             if w == NO_SPEC:
                 # no speculation: SGLang's own decode step (DECODE graphs, the user's backend); the
@@ -262,7 +264,7 @@ class DDTreeWorker(DFlashWorkerV2):
                                                            capacity=8 * max_reqs)
                 what = f"plain decode state ({st.backend_name or 'server decode backend'})"
             else:
-                st = adaptive.build_verify_state(mr, w, use_graphs=use_graphs, prepare_backend=prepare,
+                st = verify_states.build_verify_state(mr, w, use_graphs=use_graphs, prepare_backend=prepare,
                                                  free_gb=free_gb)
                 what = f"verify state for width {w} (budget {w - 1})"
             states.add(st)
@@ -328,30 +330,30 @@ class DDTreeWorker(DFlashWorkerV2):
         dist.broadcast_object_list(box, src=dist.get_global_rank(tp.cpu_group, 0), group=tp.cpu_group)
         return box[0]
 
-    def _measure_cost_table(self, states: "adaptive.TargetStates", cfg):
+    def _measure_cost_table(self, states: "verify_states.TargetStates", cfg):
         """Cost table option (a): replays of every captured (width, bs) target graph, plus the
         drafter block's graph at bs for widths >= 2 (start-up only, synchronising)."""
         draft_ms = {}
         draft_runner = getattr(self.draft_model_runner, "decode_cuda_graph_runner", None)
         for bs in (getattr(draft_runner, "capture_bs", None) or []):
-            ms = adaptive.graph_replay_ms(draft_runner, bs)
+            ms = verify_states.graph_replay_ms(draft_runner, bs)
             if ms is not None:
                 draft_ms[int(bs)] = ms
         runners = {w: st.graph_runner for w, st in states.states.items()}
         vocab = int(getattr(getattr(self._target_worker.model_runner, "model_config", None), "vocab_size", 0) or 0)
         for r in runners.values():   # distinct ids, as real verify tokens are (MoE routing)
-            if not adaptive.randomize_graph_input_ids(r, vocab) and self.ps.tp_rank == 0:
+            if not verify_states.randomize_graph_input_ids(r, vocab) and self.ps.tp_rank == 0:
                 logger.warning("%s adaptive budget: the verify graph runner has no input-id buffer to "
                                "randomize; its cost table uses the ids left by capture", self.algo_name)
 
         def verify_ms(w, bs):
-            ms = adaptive.graph_replay_ms(runners[w], bs)
+            ms = verify_states.graph_replay_ms(runners[w], bs)
             if ms is None:
                 raise RuntimeError(f"{self.algo_name}: no plain CUDA graph of the width-{w} verify "
                                    f"at bs={bs} to time (a non-default --cuda-graph backend?)")
             return ms
 
-        return adaptive.cost_table_from_timer(
+        return verify_states.cost_table_from_timer(
             {w: list(r.capture_bs) for w, r in runners.items()}, verify_ms,
             draft_ms=draft_ms or None, no_spec=cfg.no_spec)
 
@@ -532,7 +534,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # the committed prefix on the host (one round behind at most): its sum prices the context
         self._ensure_draft_block_buffers(bs)
         host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
-        N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive.requested_width(batch.reqs),
+        N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive_config.requested_width(batch.reqs),
                                                                batch.reqs, kv_tokens=host_bound_sum)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
@@ -574,7 +576,7 @@ class DDTreeWorker(DFlashWorkerV2):
             tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=roots, backend=self.tree_backend,
                                      validate=False)
         else:
-            tree = adaptive.root_only_tree(roots, D)
+            tree = ddtree.root_only_tree(roots, D)
         if predict:
             # one estimate for the policy's widths and the stats file's (opt-in telemetry): the round's
             # tree is the widest one's first N - 1 nodes (prefix-closed), so its widths read the same
@@ -714,7 +716,7 @@ class DDTreeWorker(DFlashWorkerV2):
                                                            sampling_info, draft_input, bs)
         else:
             target_top1 = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, N)
-            acc = (adaptive.root_only_accept(target_top1, tree.draft_depth) if N == 1 else
+            acc = (ddtree.root_only_accept(target_top1, tree.draft_depth) if N == 1 else
                    ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False))
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
         if self._stats is not None or self._adaptive is not None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import adaptive_config as AC
 from sglang_ddtree import switches as S
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 
@@ -91,10 +92,10 @@ def test_update_window_argument_checks():
 def test_age_bucket_switch():
     """The switch age_buckets (switches.py): None the default edges, [] one pooled bucket, else
     ascending edges; anything else refused where the switches are made."""
-    cfg = lambda v: A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU",
+    cfg = lambda v: AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU",
                                    sw=S.Switches(age_buckets=v))
-    assert cfg(None).age_edges == A.DEFAULT_AGE_EDGES
-    assert list(A.DEFAULT_AGE_EDGES) == sorted(set(A.DEFAULT_AGE_EDGES))
+    assert cfg(None).age_edges == AC.DEFAULT_AGE_EDGES
+    assert list(AC.DEFAULT_AGE_EDGES) == sorted(set(AC.DEFAULT_AGE_EDGES))
     assert cfg([]).age_edges == () and cfg([16, 64, 256]).age_edges == (16, 64, 256)
     for bad in ([64, 16], [0, 8], [8, 8], ["x"]):
         with pytest.raises(ValueError, match="age_buckets"):
@@ -178,7 +179,7 @@ def _replay_ab(age_setting, seed):
     4, 16, 64 (24 / 64 / 128 / 256 requests, 3 repeats, median), then plain decoding and each fixed
     width pinned by the requests, same levels.  Returns {c: auto / best other arm}."""
     env = {"SGLANG_DDTREE_BUDGETS": "0,7,15,31,63"}
-    cfg = A.parse_config(env, budget=63, algo="DDTREE-GPU", sw=S.Switches(age_buckets=age_setting))
+    cfg = AC.parse_config(env, budget=63, algo="DDTREE-GPU", sw=S.Switches(age_buckets=age_setting))
     clock = _Clock()
     ctl = A.WidthController(cfg, policy=BudgetPolicy(COSTS, allow_no_spec=True, age_edges=cfg.age_edges),
                             device="cpu", clock=clock)
@@ -207,7 +208,7 @@ def test_snapshot_reports_the_batch_and_per_age_estimates():
     """The profile records (``WidthController.snapshot``) carry the estimate the last choice used for
     its batch (``accept_batch``) and each age bucket's estimate with any weight, keyed by its lower
     edge; the ages come from the requests' ``output_ids`` and the window's counts from ``seq_lens``."""
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU",
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU",
                          sw=S.Switches(age_buckets=[10]))
     pol = _two_bucket_policy()
     ctl = A.WidthController(cfg, policy=pol, device="cpu", window_every=1, window_lag=0, clock=lambda: 0.0)

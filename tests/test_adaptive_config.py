@@ -1,4 +1,4 @@
-"""sglang_ddtree.adaptive.parse_config: the adaptive budget is the default (a budget set derived from
+"""sglang_ddtree.adaptive_config.parse_config: the adaptive budget is the default (a budget set derived from
 the server's budget, and no speculation), SGLANG_DDTREE_ADAPTIVE=0 is the fixed budget, and every bad
 value is a one-line ValueError at start-up (issues 17 item 3, 39 item 1)."""
 import types
@@ -6,13 +6,14 @@ import types
 import pytest
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import adaptive_config as AC
 from sglang_ddtree import switches as S
 
 
 def _parse(budget=31, cycle=None, probe=16, **env):
     """parse_config of these variables; ``cycle`` / ``probe``: the test-bed switches budget_cycle /
     probe_every (switches.py)."""
-    return A.parse_config({k: v for k, v in env.items()}, budget=budget, algo="DDTREE-GPU",
+    return AC.parse_config({k: v for k, v in env.items()}, budget=budget, algo="DDTREE-GPU",
                           sw=S.Switches(budget_cycle=cycle, probe_every=probe))
 
 
@@ -45,7 +46,7 @@ def test_budgets_widths_and_options():
     c = _parse(SGLANG_DDTREE_BUDGETS="15, 7,31")
     assert c.budgets == (7, 15, 31) and not c.no_spec and c.cycle is None
     assert c.widths == (8, 16, 32) and c.widest == 32 and c.extra_widths == (8, 16)
-    assert c.probe_every == A.DEFAULT_PROBE_EVERY == 16
+    assert c.probe_every == AC.DEFAULT_PROBE_EVERY == 16
     c = _parse(SGLANG_DDTREE_BUDGETS="0,7,31", probe=3)
     assert c.widths == (1, 8, 32) and c.extra_widths == (1, 8) and c.probe_every == 3
     c = _parse(SGLANG_DDTREE_BUDGETS="0,7,15,31")                 # the default set, said explicitly
@@ -82,39 +83,39 @@ def test_bad_values_are_one_line_errors(env, words):
 
 
 def _cp(v):
-    return {A.REQUEST_BUDGET_KEY: v, "__req__": object()}
+    return {AC.REQUEST_BUDGET_KEY: v, "__req__": object()}
 
 
 def test_a_request_may_pin_a_budget_the_server_runs(monkeypatch):
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31, algo="DDTREE-GPU")
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31, algo="DDTREE-GPU")
     served = ("DDTREE-GPU", 31, cfg)
-    assert A.allowed_request_budgets(31, cfg) == [0, 7, 15, 31]
+    assert AC.allowed_request_budgets(31, cfg) == [0, 7, 15, 31]
     for v in (0, 7, 15, 31):
-        assert A.request_budget_error(_cp(v), served) is None
-    assert A.request_budget_error(None, served) is None
-    assert A.request_budget_error({"other": 3}, served) is None
+        assert AC.request_budget_error(_cp(v), served) is None
+    assert AC.request_budget_error(None, served) is None
+    assert AC.request_budget_error({"other": 3}, served) is None
     for bad, words in ((8, "allowed [0, 7, 15, 31]"), (-1, "not a budget"), (True, "integer"),
                        (15.0, "integer"), ("15", "integer"), (None, "integer")):
-        msg = A.request_budget_error(_cp(bad), served)
+        msg = AC.request_budget_error(_cp(bad), served)
         assert msg and words in msg and "\n" not in msg, (bad, msg)
     # no speculation only where the server allows it; a fixed budget only equals itself
-    no_ns = A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
-    assert "allowed [7, 15]" in A.request_budget_error(_cp(0), ("DDTREE-GPU", 15, no_ns))
-    assert A.request_budget_error(_cp(15), ("DDTREE-GPU", 15, None)) is None
-    assert "fixed budget" in A.request_budget_error(_cp(7), ("DDTREE-GPU", 15, None))
+    no_ns = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="DDTREE-GPU")
+    assert "allowed [7, 15]" in AC.request_budget_error(_cp(0), ("DDTREE-GPU", 15, no_ns))
+    assert AC.request_budget_error(_cp(15), ("DDTREE-GPU", 15, None)) is None
+    assert "fixed budget" in AC.request_budget_error(_cp(7), ("DDTREE-GPU", 15, None))
     # nothing registered in this process (not a DDTREE worker): no check; registered: the worker's
-    monkeypatch.setattr(A, "_SERVED", None)
-    assert A.request_budget_error(_cp(8)) is None
-    A.register_served("DDTREE-GPU", 31, cfg)
-    assert "allowed" in A.request_budget_error(_cp(8)) and A.request_budget_error(_cp(7)) is None
+    monkeypatch.setattr(AC, "_SERVED", None)
+    assert AC.request_budget_error(_cp(8)) is None
+    AC.register_served("DDTREE-GPU", 31, cfg)
+    assert "allowed" in AC.request_budget_error(_cp(8)) and AC.request_budget_error(_cp(7)) is None
 
 
 def test_requested_width_is_the_narrowest_pin():
     def reqs(*cps):
         return [types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=c)) for c in cps]
-    assert A.requested_width(reqs(None, {}, {"x": 1})) is None
-    assert A.requested_width(reqs(None, _cp(15), _cp(31))) == 16
-    assert A.requested_width(reqs(_cp(7), _cp(0))) == 1
-    ctl = A.WidthController(A.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="g"),
+    assert AC.requested_width(reqs(None, {}, {"x": 1})) is None
+    assert AC.requested_width(reqs(None, _cp(15), _cp(31))) == 16
+    assert AC.requested_width(reqs(_cp(7), _cp(0))) == 1
+    ctl = A.WidthController(AC.parse_config({"SGLANG_DDTREE_BUDGETS": "7,15"}, budget=15, algo="g"),
                             policy=None, device="cpu")
     assert [ctl.next_width(4, r) for r in (8, 16, None, 1, 12)] == [8, 16, 16, 8, 8]

@@ -18,13 +18,15 @@ import torch
 pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 
 from sglang_ddtree import adaptive as A  # noqa: E402
+from sglang_ddtree import adaptive_config as AC  # noqa: E402
+from sglang_ddtree import verify_states as VS  # noqa: E402
 from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 from sglang_ddtree import warmup as WU  # noqa: E402
 from sglang_ddtree import plain_decode as P  # noqa: E402
 from sglang_ddtree import switches as S  # noqa: E402
-from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable  # noqa: E402
+from sglang_ddtree.budget_policy import BudgetPolicy, CostTable  # noqa: E402
 from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
 
 V, B, K, H = 64, 6, 12, 3          # vocab, drafter block (depth 5), top-k, hidden width
@@ -261,12 +263,12 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15, sw=None):
         _append_target_hidden_to_draft_kv_by_loc=draft_append, _stats=None, _rounds=0,
         _own_mask_buf=None, _eager_mask_rounds=0, _kv_commit="remap",
         _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _adaptive=None, _verify_states=None,
-        _adaptive_cfg=A.parse_config(env, budget=budget, algo="DDTREE-GPU", sw=sw))
+        _adaptive_cfg=AC.parse_config(env, budget=budget, algo="DDTREE-GPU", sw=sw))
     if w._adaptive_cfg is not None:                      # what init_cuda_graphs builds, with fakes
-        states = A.TargetStates(mr, w._adaptive_cfg.widest)
+        states = VS.TargetStates(mr, w._adaptive_cfg.widest)
         for width in w._adaptive_cfg.extra_widths:
             be = Backend(width)
-            states.add(A.VerifyState(width, be, Runner(width, be)))
+            states.add(VS.VerifyState(width, be, Runner(width, be)))
         w._verify_states = states
         w._adaptive = A.WidthController(w._adaptive_cfg, policy=None, device="cpu", window_every=2,
                                         window_lag=1)
@@ -539,7 +541,7 @@ def test_warm_round_kernels_runs_each_width_and_bucket(monkeypatch):
     sizes = WU.warm_batch_sizes(8)
     assert info["widths"] == [1, 8, 16] and info["batch_sizes"] == sizes
     assert len(calls["build"]) == len(calls["mask"]) == 2 * len(sizes)
-    # tree widths only: a no-speculation round has no accept kernel (adaptive.root_only_accept)
+    # tree widths only: a no-speculation round has no accept kernel (ddtree.root_only_accept)
     assert sorted(calls["accept"]) == sorted(torch.Size([b, N]) for N in (8, 16) for b in sizes)
     # the commit as the round calls it: every width and bucket, the drafter's slots for N > 1 (remap)
     assert sorted(calls["commit"]) == sorted((N, b, True, 6 if N > 1 else None, (1, 40), torch.int32)
@@ -669,7 +671,7 @@ def test_requests_pin_the_budget_narrowest_wins_and_stays_lossless(world):
     env = {"SGLANG_DDTREE_BUDGETS": "0,3,7,15"}
     wd = make_worker(world, env)
     assert wd.bs >= 2
-    key = A.REQUEST_BUDGET_KEY
+    key = AC.REQUEST_BUDGET_KEY
     plans = [([{key: 7}] + [None] * (wd.bs - 1), 8), ([{key: 15}] + [{key: 3}] * (wd.bs - 1), 4),
              ([{key: 0, "other": 1}] + [{"other": 2}] * (wd.bs - 1), 1), ([{key: 15}] * wd.bs, 16)]
     for cps, want in plans * 2:
@@ -696,7 +698,7 @@ def test_request_rounds_past_max_new_tokens_are_not_counted(world):
     wd.req_limits = [(5, 1), (5, 4), (5, None)]
     ctl = wd.w._adaptive
     edges = ctl.cfg.age_edges
-    assert edges == A.DEFAULT_AGE_EDGES
+    assert edges == AC.DEFAULT_AGE_EDGES
     ctl.window = CounterfactualWindow(ctl.window.budgets, device="cpu", every=1, lag=0, age_edges=edges)
     got, due = [], ctl.window.due
     ctl.window.due = lambda: [got.append(x) or x for x in due()]

@@ -7,7 +7,9 @@ import types
 import pytest
 import torch
 
-from sglang_ddtree import adaptive as A
+from sglang_ddtree import adaptive_config as AC
+from sglang_ddtree import ddtree as DT
+from sglang_ddtree import verify_states as VS
 from sglang_ddtree import plain_decode as P
 from sglang_ddtree import switches
 from sglang_ddtree.budget_policy import NO_SPEC
@@ -80,7 +82,7 @@ def _prepare(b):
 
 def test_build_state_sees_its_width_and_restores_server_args():
     mr = FakeModelRunner(32)
-    st = A.build_verify_state(mr, 8, use_graphs=True, runner_cls=FakeRunner, prepare_backend=_prepare,
+    st = VS.build_verify_state(mr, 8, use_graphs=True, runner_cls=FakeRunner, prepare_backend=_prepare,
                               free_gb=iter([50.0, 49.25]).__next__)
     assert st.width == 8 and st.attn_backend.width == 8 and st.attn_backend.prepared
     assert st.graph_runner.width == 8 and st.graph_runner.args_width == 8 and st.graph_runner.backend_prepared
@@ -89,28 +91,35 @@ def test_build_state_sees_its_width_and_restores_server_args():
     assert [kw for _, kw in mr.server_args.log] == [dict(speculative_num_draft_tokens=8),
                                                     dict(speculative_num_draft_tokens=32)]
     assert mr.init_new_workspace is False
-    eager = A.build_verify_state(mr, 1, use_graphs=False, runner_cls=FakeRunner)
+    eager = VS.build_verify_state(mr, 1, use_graphs=False, runner_cls=FakeRunner)
     assert eager.graph_runner is None and eager.attn_backend.width == 1
 
 
 def test_build_state_restores_server_args_on_failure():
     mr = FakeModelRunner(32, fail_at=16)
     with pytest.raises(RuntimeError):
-        A.build_verify_state(mr, 16, use_graphs=True, runner_cls=FakeRunner)
+        VS.build_verify_state(mr, 16, use_graphs=True, runner_cls=FakeRunner)
     assert mr.server_args.speculative_num_draft_tokens == 32 and mr.init_new_workspace is False
 
 
 def test_installed_swaps_for_the_verify_only():
     mr = FakeModelRunner(32)
     home = (mr.attn_backend, mr.decode_cuda_graph_runner)
-    states = A.TargetStates(mr, 32)
+    states = VS.TargetStates(mr, 32)
     for w in (1, 8):
-        states.add(A.build_verify_state(mr, w, use_graphs=True, runner_cls=FakeRunner))
+        states.add(VS.build_verify_state(mr, w, use_graphs=True, runner_cls=FakeRunner))
     with pytest.raises(ValueError):
-        states.add(A.VerifyState(8, None, None))
+        states.add(VS.VerifyState(8, None, None))
+    from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
     for w in (8, 1, 32):
         with states.installed(w) as st:
-            assert st.width == w
+            # SGLang's adaptive state record: only the target side, the steps DFlash runs (0: none)
+            assert isinstance(st, SpecRuntimeState)
+            assert (st.speculative_num_draft_tokens, st.speculative_num_steps) == (w, 0 if w == 1 else 1)
+            assert st.target_attn_backend is mr.attn_backend
+            assert st.target_graph_runner is mr.decode_cuda_graph_runner
+            assert st.draft_attn_backend is None and st.cuda_graph_runner_for_draft_extend is None
             assert mr.attn_backend.width == w and mr.decode_cuda_graph_runner.width == w
             assert mr.decode_cuda_graph_runner.attn_backend is mr.attn_backend
         assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
@@ -131,7 +140,7 @@ def test_cost_table_from_a_fake_timer():
         calls.append((w, bs))
         return 1.0 + 0.1 * w * bs
 
-    t = A.cost_table_from_timer({1: [1, 4], 8: [1, 4], 32: [1, 2]}, timer, draft_ms={1: 2.0, 4: 3.0},
+    t = VS.cost_table_from_timer({1: [1, 4], 8: [1, 4], 32: [1, 2]}, timer, draft_ms={1: 2.0, 4: 3.0},
                                 no_spec=True)
     assert sorted(calls) == [(1, 1), (1, 4), (8, 1), (8, 4), (32, 1), (32, 2)]
     assert t.widths == [8, 32]
@@ -139,19 +148,19 @@ def test_cost_table_from_a_fake_timer():
     assert t.verify_ms[8] == {1: pytest.approx(1.8 + 2.0), 4: pytest.approx(4.2 + 3.0)}
     assert t.verify_ms[32][2] == pytest.approx(7.4 + 2 + 1 / 3)                # draft row interpolated
     assert t.cost(4, NO_SPEC) == pytest.approx(1.4)
-    t2 = A.cost_table_from_timer({8: [1], 32: [1]}, timer, no_spec=False)
+    t2 = VS.cost_table_from_timer({8: [1], 32: [1]}, timer, no_spec=False)
     assert t2.base_ms == t2.verify_ms[8]                                         # placeholder, unused
     with pytest.raises(ValueError):
-        A.cost_table_from_timer({8: [1], 32: [1]}, timer, no_spec=True)
+        VS.cost_table_from_timer({8: [1], 32: [1]}, timer, no_spec=True)
     with pytest.raises(ValueError):                                              # CostTable's checks
-        A.cost_table_from_timer({1: [1], 8: [1]}, lambda w, bs: 0.0, no_spec=True)
+        VS.cost_table_from_timer({1: [1], 8: [1]}, lambda w, bs: 0.0, no_spec=True)
 
 
 def test_graph_replay_ms_without_a_plain_graph():
     runner = types.SimpleNamespace(backend=types.SimpleNamespace(), _make_graph_key=lambda bs: bs)
-    assert A.graph_replay_ms(runner, 4) is None
+    assert VS.graph_replay_ms(runner, 4) is None
     runner.backend._graphs = {}
-    assert A.graph_replay_ms(runner, 4) is None
+    assert VS.graph_replay_ms(runner, 4) is None
 
 
 def test_root_only_tree_is_the_budget_zero_tree(rng):
@@ -162,7 +171,7 @@ def test_root_only_tree_is_the_budget_zero_tree(rng):
     ids = torch.randint(0, 90, (bs, D, K), generator=rng)
     roots = torch.randint(0, 90, (bs,), generator=rng)
     want = ddtree.build_tree(lp, ids, 0, root_tokens=roots, backend="reference")
-    got = A.root_only_tree(roots, D)
+    got = DT.root_only_tree(roots, D)
     for f in ("tokens", "depth", "parent", "num_nodes", "visibility", "mask_words"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     assert got.budget == 0 and got.draft_depth == D
@@ -177,10 +186,10 @@ def test_root_only_accept_is_the_greedy_accept_of_the_root_only_tree(rng):
     D = 7
     for bs in (1, 3, 16, 3):
         roots = torch.randint(0, 50, (bs,), generator=rng)
-        tree = A.root_only_tree(roots, D)
+        tree = DT.root_only_tree(roots, D)
         top1 = torch.randint(0, 50, (bs, 1), generator=rng)
         want = ddtree.accept_greedy(tree, top1, backend="reference")
-        got = A.root_only_accept(top1, D)
+        got = DT.root_only_accept(top1, D)
         for f in ("accept_len", "path", "bonus"):
             assert getattr(got, f).dtype == getattr(want, f).dtype, f
             assert torch.equal(getattr(got, f), getattr(want, f)), f
@@ -216,7 +225,7 @@ def fake_startup(monkeypatch):
     monkeypatch.setattr(W, "check_tree_verify_backend", lambda b, algo: checked.append(("check", b)))
     monkeypatch.setattr(W, "disable_causal_verify_shortcut",
                         lambda b, algo: (checked.append(("split", b)), _prepare(b)))
-    monkeypatch.setattr(A, "graph_runner_cls", lambda: FakeRunner)
+    monkeypatch.setattr(VS, "graph_runner_cls", lambda: FakeRunner)
     # the plain decode state's backend: SGLang's builder by name, seen on a non-speculative runner
     import sglang.srt.speculative.spec_info as SI
     monkeypatch.setattr(SI, "SpeculativeAlgorithm", types.SimpleNamespace(NONE="NONE"))
@@ -238,7 +247,7 @@ def fake_startup(monkeypatch):
         timed.append((runner.width, bs))
         return 1.0 + runner.width * bs / 10
 
-    monkeypatch.setattr(A, "graph_replay_ms", fake_replay)
+    monkeypatch.setattr(VS, "graph_replay_ms", fake_replay)
     return types.SimpleNamespace(W=W, super_calls=super_calls, checked=checked, timed=timed)
 
 
@@ -246,7 +255,7 @@ def test_fixed_budget_builds_no_extra_state(fake_startup):
     W = fake_startup.W
     mr = FakeModelRunner(32)
     home = (mr.attn_backend, mr.decode_cuda_graph_runner)
-    w = _fake_worker(W, A.parse_config({"SGLANG_DDTREE_ADAPTIVE": "0"}, budget=31, algo="DDTREE-GPU"), mr)
+    w = _fake_worker(W, AC.parse_config({"SGLANG_DDTREE_ADAPTIVE": "0"}, budget=31, algo="DDTREE-GPU"), mr)
     W.DDTreeWorker.init_cuda_graphs(w)
     assert len(fake_startup.super_calls) == 1                       # DFLASH's own capture still runs
     assert mr.built == [] and mr.server_args.log == [] and fake_startup.timed == []
@@ -258,7 +267,7 @@ def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startu
     W = fake_startup.W
     mr = FakeModelRunner(32)
     home = (mr.attn_backend, mr.decode_cuda_graph_runner)
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31,
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31,
                          algo="DDTREE-GPU")
     w = _fake_worker(W, cfg, mr)
     W.DDTreeWorker.init_cuda_graphs(w)
@@ -286,17 +295,17 @@ def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startu
 
 def test_adaptive_without_graphs(fake_startup):
     W = fake_startup.W
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU")
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU")
     with pytest.raises(ValueError, match="needs the target's CUDA graphs"):
         W.DDTreeWorker.init_cuda_graphs(_fake_worker(W, cfg, FakeModelRunner(32, graphs=False)))
     # the default set without graphs: the fixed budget, logged, nothing built
     mr = FakeModelRunner(32, graphs=False)
-    w = _fake_worker(W, A.parse_config({}, budget=31, algo="DDTREE-GPU"), mr)
+    w = _fake_worker(W, AC.parse_config({}, budget=31, algo="DDTREE-GPU"), mr)
     w.budget = 31
     W.DDTreeWorker.init_cuda_graphs(w)
     assert w._adaptive is None and w._adaptive_cfg is None and w._verify_states is None and mr.built == []
     # the forced cycle (the GPU lossless check) needs no cost table: eager states
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU",
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU",
                          sw=switches.Switches(budget_cycle=(7, 31)))
     mr = FakeModelRunner(32, graphs=False)
     w = _fake_worker(W, cfg, mr)
@@ -307,37 +316,37 @@ def test_adaptive_without_graphs(fake_startup):
 
 def test_randomize_graph_input_ids_is_seeded_and_in_range():
     r = types.SimpleNamespace(buffers=types.SimpleNamespace(input_ids=torch.zeros(4096, dtype=torch.int32)))
-    assert A.randomize_graph_input_ids(r, 151936)
+    assert VS.randomize_graph_input_ids(r, 151936)
     a = r.buffers.input_ids.clone()
     assert a.dtype == torch.int32 and 0 <= int(a.min()) and int(a.max()) < 151936 and a.unique().numel() > 4000
-    assert A.randomize_graph_input_ids(r, 151936) and torch.equal(a, r.buffers.input_ids)   # every rank alike
-    assert not A.randomize_graph_input_ids(types.SimpleNamespace(), 100)
-    assert not A.randomize_graph_input_ids(r, 0)
+    assert VS.randomize_graph_input_ids(r, 151936) and torch.equal(a, r.buffers.input_ids)   # every rank alike
+    assert not VS.randomize_graph_input_ids(types.SimpleNamespace(), 100)
+    assert not VS.randomize_graph_input_ids(r, 0)
 
 
 def test_default_set_stops_building_widths_when_memory_runs_short(fake_startup, monkeypatch):
     """The default set (no budget setting) builds the plain state, then widths while the free memory
-    covers twice the largest state so far (at least adaptive.MIN_FREE_GB); the rest are dropped from
+    covers twice the largest state so far (at least adaptive_config.MIN_FREE_GB); the rest are dropped from
     the set, the cost table and what requests may pin, with a warning.  An explicit set is built as
     asked."""
     W = fake_startup.W
     mr = FakeModelRunner(32)
-    cfg = A.parse_config({}, budget=31, algo="DDTREE-GPU")
+    cfg = AC.parse_config({}, budget=31, algo="DDTREE-GPU")
     assert cfg.implicit and cfg.widths == (1, 8, 16, 32)
     w = _fake_worker(W, cfg, mr)
     w.budget = 31
     free = iter([50.0, 49.0, 1.5, 1.5])            # the plain state's build reads two, then width 8's check
     monkeypatch.setattr(W.DDTreeWorker, "_free_gb_reader", lambda self: (lambda: next(free)))
-    A.register_served("DDTREE-GPU", 31, cfg)
+    AC.register_served("DDTREE-GPU", 31, cfg)
     W.DDTreeWorker.init_cuda_graphs(w)
     assert sorted(w._verify_states.states) == [1, 32]                 # widths 8 and 16 not built
     assert w._adaptive.cfg.widths == (1, 32) and w._adaptive_cfg.budgets == (31,)
     assert w._adaptive.policy.costs.widths == [32]
-    assert A.allowed_request_budgets(31, w._adaptive_cfg) == [0, 31]
-    assert A.request_budget_error({A.REQUEST_BUDGET_KEY: 7}) is not None
+    assert AC.allowed_request_budgets(31, w._adaptive_cfg) == [0, 31]
+    assert AC.request_budget_error({AC.REQUEST_BUDGET_KEY: 7}) is not None
     # an explicit set: built whatever the free memory says
     mr2 = FakeModelRunner(32)
-    w2 = _fake_worker(W, A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31, algo="DDTREE-GPU"),
+    w2 = _fake_worker(W, AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31, algo="DDTREE-GPU"),
                       mr2)
     w2.budget = 31
     monkeypatch.setattr(W.DDTreeWorker, "_free_gb_reader", lambda self: (lambda: 0.5))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import adaptive_config as AC
 from sglang_ddtree import ddtree, tree_ops
 from sglang_ddtree import switches as S
 from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
@@ -307,7 +308,7 @@ def test_overhead_is_the_median_of_recent_samples_and_ignores_rare_spikes():
 
 def _cfg(probe=16, **env):
     """parse_config of these variables; ``probe``: the switch probe_every (switches.py)."""
-    return A.parse_config(env, budget=15, algo="DDTREE-GPU", sw=S.Switches(probe_every=probe))
+    return AC.parse_config(env, budget=15, algo="DDTREE-GPU", sw=S.Switches(probe_every=probe))
 
 
 def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
@@ -321,7 +322,7 @@ def _drive(c, rounds, path, clock=None, round_ms=None, bs=1):
 
 
 def test_controller_cycle_probe_and_policy():
-    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="0,3,15"), budget=15,
+    cfg = AC.parse_config(dict(SGLANG_DDTREE_BUDGETS="0,3,15"), budget=15,
                          algo="DDTREE-GPU", sw=S.Switches(budget_cycle=(0, 3, 15)))
     c = A.WidthController(cfg, policy=None, device="cpu")
     assert [c.next_width(4) for _ in range(7)] == [1, 4, 16, 1, 4, 16, 1]
@@ -380,7 +381,7 @@ def test_controller_recovers_from_a_warm_up_burst_at_c1():
                   base_ms={1: 2.06, 48: 3.5})
     pol = BudgetPolicy(t, allow_no_spec=True)
     clock = _Clock()
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31,
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15,31"}, budget=31,
                          algo="DDTREE-GPU")
     c = A.WidthController(cfg, policy=pol, device="cpu", clock=clock)
 
@@ -671,7 +672,7 @@ def test_round_overhead_switch():
     """The A/B switch round_overhead = False (arm suffix _nooverhead): the controller observes no
     interval (GPU table and acceptance alone)."""
     assert _cfg(SGLANG_DDTREE_BUDGETS="0,3,15").overhead
-    cfg = A.parse_config(dict(SGLANG_DDTREE_BUDGETS="0,3,15"), budget=15, algo="DDTREE-GPU",
+    cfg = AC.parse_config(dict(SGLANG_DDTREE_BUDGETS="0,3,15"), budget=15, algo="DDTREE-GPU",
                          sw=S.Switches(round_overhead=False))
     assert not cfg.overhead
     t = CostTable(verify_ms={4: {1: 40.0}, 16: {1: 45.0}}, base_ms={1: 10.0})

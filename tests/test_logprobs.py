@@ -189,21 +189,21 @@ def test_the_hook_wraps_the_schedulers_name_after_load_plugins():
 
 def test_admission_hook_refuses_a_budget_the_server_does_not_run(monkeypatch):
     """custom_params["ddtree_budget"] is checked against the DDTREE worker of this process
-    (adaptive.register_served); SGLang's own refusals still apply to the others."""
+    (adaptive_config.register_served); SGLang's own refusals still apply to the others."""
     from sglang.srt import runtime_context
     from sglang.srt.speculative.dflash_utils import validate_dflash_request
-    from sglang_ddtree import adaptive
+    from sglang_ddtree import adaptive_config
     monkeypatch.setattr(runtime_context, "get_server_args",
                         lambda: types.SimpleNamespace(speculative_algorithm="DDTREE-GPU"))
-    monkeypatch.setattr(adaptive, "_SERVED", None)
+    monkeypatch.setattr(adaptive_config, "_SERVED", None)
     req = _req()
-    req.sampling_params.custom_params = {adaptive.REQUEST_BUDGET_KEY: 9}
+    req.sampling_params.custom_params = {adaptive_config.REQUEST_BUDGET_KEY: 9}
     assert VH.validate_with_logprobs(validate_dflash_request, req, False) is None   # no worker: unchecked
-    cfg = adaptive.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU")
-    adaptive.register_served("DDTREE-GPU", 15, cfg)
+    cfg = adaptive_config.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU")
+    adaptive_config.register_served("DDTREE-GPU", 15, cfg)
     msg = VH.validate_with_logprobs(validate_dflash_request, req, False)
     assert msg and "ddtree_budget=9" in msg and "allowed [0, 7, 15]" in msg
-    req.sampling_params.custom_params = {adaptive.REQUEST_BUDGET_KEY: 7}
+    req.sampling_params.custom_params = {adaptive_config.REQUEST_BUDGET_KEY: 7}
     assert VH.validate_with_logprobs(validate_dflash_request, req, False) is None
     req.sampling_params.regex = "a+"
     assert "grammar" in VH.validate_with_logprobs(validate_dflash_request, req, False)

@@ -63,12 +63,12 @@ class FakeEvent:
 
 def fake_round(bs, D, K, V, budget, gen):
     """(tree of ``budget`` (0 = root only), target argmax [bs, N], its greedy accept, lp, ids)."""
-    from sglang_ddtree import adaptive, ddtree
+    from sglang_ddtree import ddtree
     lp = torch.randn(bs, D, K, generator=gen).log_softmax(-1).sort(-1, descending=True).values
     ids = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(bs * D)]).view(bs, D, K)
     root = torch.randint(0, V, (bs,), generator=gen)
     if budget == 0:
-        tree = adaptive.root_only_tree(root, D)
+        tree = ddtree.root_only_tree(root, D)
     else:
         tree = ddtree.build_tree(lp, ids, budget, root_tokens=root, backend="reference")
     N = budget + 1
@@ -85,14 +85,14 @@ SCRIPT = FAKES + '''
 import json, os, sys, types
 assert "prometheus_client" not in sys.modules
 torch.cuda.Event = FakeEvent
-from sglang_ddtree import adaptive, ddtree, round_stats
+from sglang_ddtree import adaptive_config, ddtree, round_stats
 from sglang_ddtree.round_stats import make_round_observers
 
 out = {}
 mp_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 bs, D, K, V, budget = 3, 6, 8, 300, 15
 kw = dict(algo="DDTREE-GPU", budget=budget, block_size=D + 1, topk=K, device="cpu")
-cfg = adaptive.AdaptiveConfig(budgets=(3, 7, 15), no_spec=True, probe_every=16)
+cfg = adaptive_config.AdaptiveConfig(budgets=(3, 7, 15), no_spec=True, probe_every=16)
 
 # --enable-metrics off: no metric, no file, no event
 st, prof = make_round_observers(types.SimpleNamespace(enable_metrics=False), tp_rank=0,

@@ -297,11 +297,11 @@ def test_default_takes_its_states_memory_out_of_the_heuristic_kv_pool(tiny_model
 
 
 def test_state_memory_estimate_against_the_logged_states():
-    """adaptive.state_memory_gb against what the worker logged for the Qwen3-8B shape (vocab 151,936):
+    """verify_states.state_memory_gb against what the worker logged for the Qwen3-8B shape (vocab 151,936):
     widths 8 / 16 / 32 with graphs up to bs 64 (H200, s23; H100, s32), the flashinfer no-speculation
     state with graphs up to bs 256 sharing the server's workspace (H100, s32), the triton one up to
     bs 64 (H200, s16): within 12 %."""
-    from sglang_ddtree.adaptive import state_memory_gb
+    from sglang_ddtree.verify_states import state_memory_gb
     V = 151936
     for widths, kw, logged in (([8], dict(plain_backend="flashinfer"), 0.473), ([16], {}, 0.861), ([32], {}, 1.662),
                                ([8], {}, 0.510), ([16], {}, 0.904), ([32], {}, 1.699),

@@ -151,6 +151,7 @@ def test_past_the_tree_widths_graphs_only_plain_decoding_is_a_choice():
     runs plain decoding however well the trees accept, and the controller neither starts wide nor
     probes there.  Within the graphs the choice is unchanged."""
     from sglang_ddtree import adaptive as A
+    from sglang_ddtree import adaptive_config as AC
 
     t = CostTable(verify_ms={8: {1: 5.0, 64: 9.0}, 16: {1: 6.0, 64: 12.0}}, base_ms={1: 4.0, 64: 7.0, 256: 12.0},
                   draft_ms={1: 1.0, 64: 2.0})
@@ -161,7 +162,7 @@ def test_past_the_tree_widths_graphs_only_plain_decoding_is_a_choice():
     assert t.draft_cost(100) is None and t.draft_cost(64) == pytest.approx(2.0)
     strict = BudgetPolicy(t, allow_no_spec=False)       # no plain option: the widths stay (eager)
     assert strict.candidates(100) == [8, 16]
-    cfg = A.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU")
+    cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,15"}, budget=15, algo="DDTREE-GPU")
     ctl = A.WidthController(cfg, policy=BudgetPolicy(t), device="cpu")
     assert ctl._first_width(100) == 1 and ctl._first_width(8) == 16
     ctl.probe_credit = ctl.draft_credit = 1e9

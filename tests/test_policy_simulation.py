@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sglang_ddtree import adaptive as A
+from sglang_ddtree import adaptive_config as AC
 from sglang_ddtree.budget_policy import BudgetPolicy, CostTable
 
 BUDGETS = (7, 15, 31, 60)
@@ -72,7 +73,7 @@ def run(phases, seed=0, host=(0.0, 0.0)):
     the controller (``kv_tokens``) and priced by :func:`context_ms`.  -> per phase (controller tok/ms,
     {choice: tok/ms of that fixed choice on the same draws}) where choice 1 = plain decoding.
     ``host``: (tree, plain) ms of host work a round adds to the table (not hidden by the GPU)."""
-    cfg = A.parse_config({}, budget=60, algo="DDTREE-GPU")
+    cfg = AC.parse_config({}, budget=60, algo="DDTREE-GPU")
     assert cfg.budgets == BUDGETS and cfg.no_spec
     now = [0.0]
     pol = BudgetPolicy(COST, allow_no_spec=True, age_edges=cfg.age_edges)
@@ -176,7 +177,7 @@ def run_waves(rounds, bs, P, out_len=256, prefill=(6.5, 6.0), seed=0, warm=100, 
     them admitted that many rounds earlier, as SGLang splits a burst 1 + 15 or 12 + 4), then
     ``rounds`` are measured.
     -> (controller tok/ms, {choice: tok/ms of that fixed choice on the same draws}, controller)."""
-    cfg = A.parse_config({}, budget=60, algo="DDTREE-GPU")
+    cfg = AC.parse_config({}, budget=60, algo="DDTREE-GPU")
     now = [0.0]
     pol = BudgetPolicy(COST, allow_no_spec=True, age_edges=cfg.age_edges, **policy_kw)
     ctl = A.WidthController(cfg, policy=pol, device="cpu", clock=lambda: now[0] / 1e3)

@@ -132,7 +132,7 @@ def pinned_prompts(prompts: List[dict], arm: dict) -> List[dict]:
     return [dict(p, custom_params={PIN_KEY: int(arm["pin"])}) for p in prompts]
 
 
-PIN_KEY = "ddtree_budget"   # == sglang_ddtree.adaptive.REQUEST_BUDGET_KEY (this package runs alone)
+PIN_KEY = "ddtree_budget"   # == sglang_ddtree.adaptive_config.REQUEST_BUDGET_KEY (this package runs alone)
 
 
 def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: List[dict], levels: List[int],
