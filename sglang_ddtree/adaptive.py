@@ -397,7 +397,7 @@ class WidthController:
             ages = None
             if reqs is not None and self.policy.buckets > 1 and all(hasattr(r, "output_ids") for r in reqs):
                 ages = [len(r.output_ids) for r in reqs]
-            self.policy.synced = batch_synced(reqs)
+            self.policy.synced_left = synced_tokens_left(reqs)
             c = self.policy.choose(bs, ages)
             w = self._probe_or(bs, c)
         if w > 1 and r % PREDICT_EVERY == 0:
@@ -445,28 +445,30 @@ class WidthController:
 NO_TOKEN_LIMIT = 1 << 40   # a request without max_new_tokens
 
 
-def batch_synced(reqs) -> bool:
-    """Whether plain decoding would finish the batch's requests in a few waves: at least two
-    requests, each with a ``max_new_tokens``, whose numbers of tokens left take at most
-    ``max(1, bs // 4)`` distinct values (host values: output tokens so far, one round behind under
-    overlap scheduling, alike for all).  A benchmark's fixed-length requests sent at once are admitted
-    in one to three prefill batches (s28: 1 + 15, 11 + 4), so they finish in as many rounds and their
-    successors are admitted as many batches.  False without requests or when any lacks them
-    (``BudgetPolicy.score``'s ``sync_margin``)."""
+def synced_tokens_left(reqs) -> Optional[float]:
+    """The mean number of tokens the batch's requests have left when plain decoding would finish them
+    in a few waves, else None: at least two requests, each with a ``max_new_tokens``, whose numbers
+    of tokens left take at most ``max(1, bs // 4)`` distinct values (host values: output tokens so
+    far, one round behind under overlap scheduling, alike for all).  A benchmark's fixed-length
+    requests sent at once are admitted in one to three prefill batches (s28: 1 + 15, 11 + 4), so they
+    finish in as many rounds and their successors are admitted as many batches.  None without
+    requests or when any lacks them (``BudgetPolicy.margin``)."""
     if reqs is None:
-        return False
+        return None
     reqs = list(reqs)
     bound = max(1, len(reqs) // 4)
-    left = set()
+    left, total = set(), 0
     for req in reqs:
         mnt = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
         out = getattr(req, "output_ids", None)
         if mnt is None or out is None:
-            return False
-        left.add(int(mnt) - len(out))
+            return None
+        n = int(mnt) - len(out)
+        left.add(n)
+        total += n
         if len(left) > bound:
-            return False
-    return len(reqs) >= 2
+            return None
+    return total / len(reqs) if len(reqs) >= 2 else None
 
 
 def token_limits(reqs) -> List[int]:

@@ -24,9 +24,9 @@ The decision, separate from the worker so it is testable on the CPU and cheap to
   yields accepted + 1 tokens (the bonus).
 * the **choice** for a batch of ``bs`` requests: the width maximising tokens per millisecond,
   ``bs * (1 + accept[w]) / cost(bs, w)`` against ``bs / base_ms(bs)`` for no speculation, a tree
-  width's score divided by ``1 + spec_margin (1 - 1/bs)`` where no speculation is a choice, by
-  ``1 + sync_margin`` on a batch whose requests would finish together (speculation must win by that
-  margin: :meth:`score`); a new choice must beat the current one by ``hysteresis`` (a fraction) to
+  width's score divided by ``1 + spec_margin (1 - 1/bs)`` where no speculation is a choice, and on a
+  batch whose requests would finish together by the unbatched admissions a spread costs over the
+  plain decoding time left (speculation must win by that margin: :meth:`score`); a new choice must beat the current one by ``hysteresis`` (a fraction) to
   switch, so noise in the EMA does not flap between graphs.
 * the **round overhead**: what a round costs outside the measured GPU graph (scheduler, output
   processing, the worker's host work where it is not hidden): one value for every batch size, the
@@ -169,9 +169,11 @@ class BudgetPolicy:
     ema: float = 0.9            # decay of the acceptance sums per update (weight of the past)
     hysteresis: float = 0.03    # a new choice must be this much better (tokens / ms) to switch
     spec_margin: float = 0.10   # a tree width must beat no speculation by this much (see :meth:`score`)
-    sync_margin: float = 0.30   # ... by this much when the batch's requests would finish together
-    synced: bool = False        # the next choice's batch finishes together under plain decoding (the
-                                # controller sets it per round: ``adaptive.batch_synced``)
+    sync_margin: float = 1.0    # at most this much when the batch's requests would finish together
+    sync_admission_ms: float = 30.0   # what one admission prefill loses when it is no longer batched
+    synced_left: Optional[float] = None   # the next choice's batch finishes together under plain
+                                # decoding, this many tokens from now on average (None: not synced;
+                                # the controller sets it per round: ``adaptive.synced_tokens_left``)
     allow_no_spec: bool = True  # include "no speculation" (plain decode) among the choices
     prior_accept: float = 0.0   # acceptance assumed before any round was seen
     accept: Dict[int, float] = field(default_factory=dict)
@@ -225,9 +227,9 @@ class BudgetPolicy:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.hysteresis < 0:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
-        if not self.spec_margin >= 0 or not self.sync_margin >= 0:
-            raise ValueError(f"spec_margin and sync_margin must be >= 0, got {self.spec_margin}, "
-                             f"{self.sync_margin}")
+        if not self.spec_margin >= 0 or not self.sync_margin >= 0 or not self.sync_admission_ms >= 0:
+            raise ValueError(f"spec_margin, sync_margin and sync_admission_ms must be >= 0, got "
+                             f"{self.spec_margin}, {self.sync_margin}, {self.sync_admission_ms}")
         if int(self.overhead_window) < 1:
             raise ValueError(f"overhead_window must be >= 1, got {self.overhead_window}")
         self.age_edges = check_age_edges(self.age_edges)
@@ -712,8 +714,10 @@ class BudgetPolicy:
 
     def score(self, bs: int, width: int, tokens_per_ms: Optional[float] = None) -> float:
         """What :meth:`choose` compares: :meth:`tokens_per_ms` (or the given value), for a tree width
-        divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices, by
-        ``1 + sync_margin`` instead when :attr:`synced` (bs >= 2).
+        divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices, and on a
+        synced batch (:attr:`synced_left` given, bs >= 2) by ``1 + m`` with the larger
+        ``m = min(sync_margin, (bs - 1) sync_admission_ms / (synced_left x plain round ms))``: the
+        admissions a spread costs, over the plain decoding time they are paid back in.
 
         Why a margin: the estimate a tree is chosen on is the one that happened to read high, and
         speculation has a cost the per-round model does not price.  Requests that plain decoding
@@ -731,25 +735,37 @@ class BudgetPolicy:
         the rounds from 3.3 s to 5.2-5.3 s (the admissions, no longer batched: TTFT median 47-60 ms
         against 160-175).
 
-        Synced (``adaptive.batch_synced``: a few distinct numbers of tokens left, as such requests
-        admitted in one to three prefill batches have): the spread is for good (with fixed lengths the
-        finishes never line up again), a one-time cost only a sustained gain pays back, so the bar is
-        higher.  On ``tests/test_policy_simulation.py``'s lock-step server (``run_waves``: bs 16, 256
+        Synced (``adaptive.synced_tokens_left``: a few distinct numbers of tokens left, as such
+        requests admitted in one to three prefill batches have): the spread is for good (with fixed
+        lengths the finishes never line up again), a one-time cost of up to ``bs - 1`` unbatched
+        admissions that only the gain over the tokens left pays back.  ``sync_admission_ms`` = 30 is
+        s32's: the two repeats with trees spent 1.9-2.0 s more outside the rounds than the plain one
+        over 4 waves of 16 requests, ~32 ms for each of the 60 admissions that lost their batch.
+        At bs 16, 256 tokens out and a 7.9 ms plain round that asks 22 % at a wave's start (more as
+        it runs down: near its end trees cannot pay back, ``sync_margin`` caps it), at 1024 tokens out
+        6 %.  On ``tests/test_policy_simulation.py``'s lock-step server (``run_waves``: bs 16, 256
         tokens out) a marginal workload served less than 0.99x plain decoding on some seed without the
         margins, and with ``spec_margin`` alone a short excursion into trees where width 8 broke even
         cost 3 % for the rest of the level.
 
         What they give up at bs 16: from no speculation, a tree width whose estimated gain is below
-        ~12.6 % (9.4 % and ``hysteresis``; ~34 % synced); a running tree width stays while its
+        ~12.6 % (9.4 % and ``hysteresis``; synced: the margin above and ``hysteresis``); a running
+        tree width stays while its
         estimated gain is above ~6 %.  In the long-context simulation (not synced) one of three seeds
         at 8k tokens and bs 4 then serves 0.92x the best fixed choice (width 16, 1.16x plain
         decoding) where it served 0.98x or more without ``spec_margin``."""
         tpm = self.tokens_per_ms(bs, width) if tokens_per_ms is None else float(tokens_per_ms)
         if width != NO_SPEC and self.allow_no_spec:
-            if self.synced and bs >= 2:
-                return tpm / (1.0 + self.sync_margin)
-            return tpm / (1.0 + self.spec_margin * (1.0 - 1.0 / max(int(bs), 1)))
+            return tpm / (1.0 + self.margin(bs))
         return tpm
+
+    def margin(self, bs: int) -> float:
+        """The fraction a tree width's tokens per ms must beat no speculation by at ``bs`` (:meth:`score`)."""
+        m = self.spec_margin * (1.0 - 1.0 / max(int(bs), 1))
+        if self.synced_left is not None and bs >= 2:
+            wave_ms = max(float(self.synced_left), 1.0) * self.round_ms(bs, NO_SPEC)
+            m = max(m, min(self.sync_margin, (bs - 1) * self.sync_admission_ms / max(wave_ms, 1e-9)))
+        return m
 
     def candidates(self, bs: Optional[int] = None) -> List[int]:
         """The choices for a batch of ``bs`` requests: no speculation (if allowed) and every tree

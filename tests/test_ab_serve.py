@@ -422,6 +422,25 @@ def test_full_run_against_fake_server(tmp_path):
     assert open(out + ".md").read() == md
 
 
+def test_drafttriton_arm_puts_the_drafter_on_triton_whatever_the_run_gives():
+    """``_drafttriton``: the arm's own flag comes after the run's server args (so with
+    ``--attention-backend flashinfer`` for every arm, that arm's drafter runs on triton); only
+    DDTree arms, once; composes with the env / switch suffixes."""
+    d = ab.parse_arm("ddtree_drafttriton")
+    assert d["auto"] and d["env"] == {} and d["server_flags"] == ("--speculative-draft-attention-backend", "triton")
+    ns = ab.parse_arm("ddtree_nospec_drafttriton")
+    assert ab.arm_switches(ns) == {"budget_cycle": [0]} and ns["server_flags"] == d["server_flags"]
+    for bad in ("base_drafttriton", "dflash_drafttriton", "ddtree_drafttriton_drafttriton"):
+        with pytest.raises(ValueError, match="only DDTREE-GPU arms"):
+            ab.parse_arm(bad)
+    opts = dict(python="py", model_path="T", draft_model_path="D", maxc=16,
+                server_args="--attention-backend flashinfer --speculative-draft-attention-backend flashinfer")
+    cmd = ab.build_server_cmd(d, opts, 31000)
+    assert cmd[-2:] == ["--speculative-draft-attention-backend", "triton"]
+    assert ab.build_server_cmd(ab.parse_arm("ddtree"), opts, 31000)[-2:] == ["--speculative-draft-attention-backend",
+                                                                            "flashinfer"]   # the run's, untouched
+
+
 def test_deadline_skips_arms_and_still_writes(tmp_path):
     started = []
     args = _args(tmp_path, "--arms", "base,dflash,ddtree_b16", "--deadline", "4", "--min-arm-s", "2.5",

@@ -223,35 +223,48 @@ def test_width_overhead_prices_each_choice_at_the_batch_context():
     assert p.overhead(1, 33) == 1.5 and p.draft_overhead() == 0.0 and p.choose(1) == 17
 
 
-def test_a_synced_batch_needs_the_larger_margin():
-    """``synced`` (the batch would finish in a few waves under plain decoding): a tree must serve
-    1 + sync_margin (30 %) x plain decoding.  Hand-worked on the one-width table above: at 0.9
-    accepted width 9 serves 4.0 tokens/ms at bs 16 against 3.2 (+25 %): chosen unsynced, not synced;
-    at 1.2 accepted (4.4, +37.5 %) chosen either way; at bs 1 a batch is never synced."""
+def test_a_synced_batch_needs_the_admissions_it_would_spread_paid_back():
+    """``synced_left`` (the batch would finish in a few waves under plain decoding, that many tokens
+    from now): a tree must serve ``1 + (bs - 1) x sync_admission_ms / (synced_left x plain round)``
+    x plain decoding (at most ``1 + sync_margin``, at least the unsynced margin).  Hand-worked on a
+    one-width table: plain 5 ms a round at bs 16 (3.2 tokens/ms), width 9 8 ms (2 (1 + a)).
+    Unsynced: 1 + 0.1 x 15/16 -> a tree needs a > 0.75.  256 tokens left: 1 + 15 x 30 / 1280 =
+    1.352 -> a > 1.16; 1024 left: 15 x 30 / 5120 = 8.8 % is below the unsynced margin, which holds;
+    10 left: capped at 1 + 1.0 -> a > 2.2.  At bs 1 a batch is never synced."""
     table = CostTable({9: {1: 8.0, 16: 8.0}}, {1: 5.0, 16: 5.0})
     p = BudgetPolicy(table, hysteresis=0.0, ema=0.0)
-    p.update([[0.9]], widths=[9])
+    p.update([[0.9]], widths=[9])                       # 3.8 tokens/ms against 3.2
+    assert p.margin(16) == pytest.approx(0.09375) and p.choose(16) == 9
+    p.synced_left = 256.0
+    assert p.margin(16) == pytest.approx(450 / 1280) and p.choose(16) == NO_SPEC
+    assert p.margin(1) == 0.0 and p.choose(1) == 9
+    p.synced_left = 1024.0
+    assert p.margin(16) == pytest.approx(0.09375) and p.choose(16) == 9
+    p.update([[1.2]], widths=[9])                       # 4.4 tokens/ms
+    p.synced_left = 256.0
     assert p.choose(16) == 9
-    p.synced = True
-    assert p.choose(16) == NO_SPEC
-    assert p.choose(1) == 9
-    p.update([[1.2]], widths=[9])
+    p.synced_left = 10.0
+    assert p.margin(16) == pytest.approx(1.0) and p.choose(16) == NO_SPEC
+    p.synced_left = None
     assert p.choose(16) == 9
+    with pytest.raises(ValueError):
+        BudgetPolicy(table, sync_admission_ms=-1.0)
 
 
-def test_batch_synced_counts_the_waves_plain_decoding_would_finish_in():
-    """At most max(1, bs // 4) distinct numbers of tokens left, every request with a limit."""
+def test_synced_tokens_left_counts_the_waves_plain_decoding_would_finish_in():
+    """Synced: at most max(1, bs // 4) distinct numbers of tokens left, every request with a limit;
+    then the mean tokens left, else None."""
     from types import SimpleNamespace as NS
-    from sglang_ddtree.adaptive import batch_synced
+    from sglang_ddtree.adaptive import synced_tokens_left as left_of
 
     def reqs(lefts, limit=256):
         return [NS(sampling_params=NS(max_new_tokens=limit), output_ids=[0] * (limit - x)) for x in lefts]
 
-    assert not batch_synced(None) and not batch_synced(reqs([10]))
-    assert batch_synced(reqs([10, 10]))
-    assert batch_synced(reqs([200] * 15 + [198]))              # a burst admitted 15 + 1
-    assert batch_synced(reqs([200] * 12 + [197] * 4))
-    assert batch_synced(reqs([200] * 4 + [190] * 4 + [180] * 4 + [170] * 4))   # 4 waves of 16: bs // 4
-    assert not batch_synced(reqs(list(range(100, 116))))       # every request on its own
-    assert not batch_synced(reqs([200] * 10 + [1, 2, 3, 4, 5, 6]))
-    assert not batch_synced(reqs([5, 5]) + [NS(sampling_params=NS(max_new_tokens=None), output_ids=[])])
+    assert left_of(None) is None and left_of(reqs([10])) is None
+    assert left_of(reqs([10, 10])) == 10
+    assert left_of(reqs([200] * 15 + [198])) == pytest.approx(199.875)   # a burst admitted 15 + 1
+    assert left_of(reqs([200] * 12 + [196] * 4)) == 199
+    assert left_of(reqs([200] * 4 + [190] * 4 + [180] * 4 + [170] * 4)) == 185   # 4 waves of 16: bs // 4
+    assert left_of(reqs(list(range(100, 116)))) is None        # every request on its own
+    assert left_of(reqs([200] * 10 + [1, 2, 3, 4, 5, 6])) is None
+    assert left_of(reqs([5, 5]) + [NS(sampling_params=NS(max_new_tokens=None), output_ids=[])]) is None

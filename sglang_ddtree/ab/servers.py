@@ -30,6 +30,13 @@ ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_nooverhead", "switch:round_overhead", False, True))
 
 
+# DDTree arm suffix -> server flags added to that arm's launch line (any DDTree arm, once): the
+# drafter's attention on triton, where the tree verify runs, instead of the user's backend that
+# SGLang gives it (--attention-backend flashinfer: flashinfer, whose TARGET_VERIFY graph replay
+# re-plans through a blocking plan(); docs/developer_guide.md, issue 39)
+ARM_FLAG_SUFFIXES = (("_drafttriton", ("--speculative-draft-attention-backend", "triton")),)
+
+
 def arm_switches(arm: dict) -> dict:
     """The switches an arm's server runs with ({} = the defaults), from its ``DDTREE_SWITCHES``."""
     return switches.fields_of((arm.get("env") or {}).get(switches.ENV))
@@ -53,7 +60,8 @@ def parse_arm(name: str) -> dict:
     in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
     default (``auto``: ours where it covers the verify).  ``_dattn``: the drafter's block forward
     also through our kernel (switch ``draft_attn=ddtree``, all-set bitmask; off by default).
-    ``_torchcommit`` (e.g.
+    ``_drafttriton``: the drafter's attention on triton (``--speculative-draft-attention-backend
+    triton``) whatever ``--attention-backend`` the run gives every arm.  ``_torchcommit`` (e.g.
     ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
     (switch ``commit_ops=torch``), to measure the fused commit kernel in the same run.
     ``_nospec`` (adaptive arms only: ``ddtree_nospec``): every round the adaptive budget's
@@ -90,6 +98,13 @@ def parse_arm(name: str) -> dict:
         if arm.get("freeze_gc"):
             raise ValueError(f"arm {name!r}: {FREEZE_GC_SUFFIX} once")
         return dict(arm, name=name, freeze_gc=True)
+    for suffix, flags in ARM_FLAG_SUFFIXES:
+        if not name.endswith(suffix):
+            continue
+        arm = parse_arm(name[:-len(suffix)])
+        if arm["kind"] != "ddtree" or set(flags) & set(arm.get("server_flags") or ()):
+            raise ValueError(f"arm {name!r}: only DDTREE-GPU arms take {suffix}, once")
+        return dict(arm, name=name, server_flags=tuple(arm.get("server_flags") or ()) + tuple(flags))
     for suffix, var, value, auto_only in ARM_SUFFIXES:
         if not name.endswith(suffix):
             continue
@@ -211,6 +226,7 @@ def build_server_cmd(arm: dict, opts: dict, port: int, config_path: Optional[str
         if arm["num_draft_tokens"] is not None:
             cmd += ["--speculative-num-draft-tokens", str(arm["num_draft_tokens"])]
     cmd += shlex.split(opts.get("server_args") or "")
+    cmd += list(arm.get("server_flags") or ())     # the arm's own (ARM_FLAG_SUFFIXES): last, so they win
     return cmd
 
 
