@@ -49,8 +49,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sglang_ddtree import accept_estimate, config, ddtree, demo, tree_ops  # noqa: E402
-from sglang_ddtree import adaptive_config  # noqa: E402
+from sglang_ddtree import accept_estimate, adaptive_config, config, ddtree, demo, tree_ops  # noqa: E402
 from sglang_ddtree import textpair as TP  # noqa: E402
 
 AGE_EDGES = (16, 64, 256)                      # buckets 0-15, 16-63, 64-255, 256+

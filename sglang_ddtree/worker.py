@@ -60,10 +60,8 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import (accept_estimate, adaptive, ddtree, logprobs, plain_decode, sampling, switches,
-               tree_ops, verify_attn_hook)
-from . import adaptive_config
-from . import verify_states
+from . import (accept_estimate, adaptive, adaptive_config, ddtree, logprobs, plain_decode, sampling,
+               switches, tree_ops, verify_attn_hook, verify_states)
 from .budget_policy import NO_SPEC, BudgetPolicy
 from .draft_head import DDTreeDraftHead, check_target_lm_head
 from .round_stats import RoundCounterfactual, make_round_observers
