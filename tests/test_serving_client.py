@@ -631,10 +631,12 @@ def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_pa
     real = S._measure_arm
 
     def cut_dflash(arm, *a, **k):      # the first call's deadline: dflash measured only partly
-        rec = real(arm, *a, **k)
+        recs = real(arm, *a, **k)
         if arm["name"] == "dflash":
-            rec["status"] = "partial"
-        return rec
+            for rec in recs:
+                rec["levels"][-1].update(partial=True, missing_repeats=1)
+                rec["status"] = "partial"
+        return recs
 
     monkeypatch.setattr(S, "_measure_arm", cut_dflash)
     first = S.run(args(), launcher=launcher)
@@ -664,6 +666,119 @@ def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_pa
     # other settings (repeats): nothing kept
     doc = S.run(args("--resume", "--repeats", "2"), launcher=launcher)
     assert len(launched) == 8 and "repeats" in doc["resume_refused"]
+
+
+def test_several_workloads_share_each_arms_server_and_keep_their_own_reports(tmp_path, monkeypatch):
+    """``--workload random,long``: each arm's server starts once and serves both workloads' levels
+    (bench_serving passes with each workload's lengths), one report per workload (``<out>_random``,
+    ``<out>_long``, each the format of a one-workload run, its own level sizing), the identity
+    requests once per server, in both reports.  ``--resume`` is per workload: an arm complete in one
+    and cut in the other starts again for the other only."""
+    calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
+    monkeypatch.setattr(S, "machine_id", lambda: dict(host="h", gpus=["GPU-aaa"]))
+    model = _model_dir(tmp_path)
+    launched = []
+
+    def launcher(cmd, env, log):
+        launched.append(cmd[cmd.index("--port") + 1])
+        return _Srv()
+
+    def args(*extra):
+        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "1,4",
+                     "--repeats", "2", "--warmup", "0", "--min-level-seconds", "0", "--identity-prompts", "2",
+                     "--workload", "random,long", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                     "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)), *extra)
+
+    sent = []
+    real_one = S._one_run
+
+    def one_run(a, bsc, port, opts, workload, *rest, **k):
+        sent.append((port, workload["name"], workload["input_len"]))
+        return real_one(a, bsc, port, opts, workload, *rest, **k)
+
+    monkeypatch.setattr(S, "_one_run", one_run)
+    real = S._measure_arm
+
+    def cut_long_dflash(arm, opts, port, a, levels, maxc, loads, *rest, **k):
+        recs = real(arm, opts, port, a, levels, maxc, loads, *rest, **k)
+        for L, rec in zip(loads, recs):
+            if arm["name"] == "dflash" and L.name == "long":     # its c=4 cut by the deadline
+                rec["levels"][-1].update(partial=True, missing_repeats=1)
+                rec["status"] = "partial"
+        return recs
+
+    monkeypatch.setattr(S, "_measure_arm", cut_long_dflash)
+    first = S.run(args(), launcher=launcher)
+    assert len(launched) == 2                                    # one server per arm for both workloads
+    assert sorted({(w, n) for _, w, n in sent}) == [("long", 8192), ("random", 512)]
+    assert [p for p, w, _ in sent if w == "random"][:4] == [p for p, w, _ in sent if w == "long"][:4]
+    docs = {w: json.load(open(str(tmp_path / "r") + f"_{w}.json")) for w in ("random", "long")}
+    assert first["settings"]["workload"]["name"] == "random"
+    for w, d in docs.items():
+        assert d["settings"]["workload"]["name"] == w and [a["name"] for a in d["arms"]] == ["base", "dflash"]
+        assert [lv["concurrency"] for lv in d["arms"][0]["levels"]] == [1, 4]
+        assert d["identity"]["arms"]["dflash"]["identical"]
+        assert os.path.exists(str(tmp_path / "r") + f"_{w}.md")
+    assert [a["status"] for a in docs["long"]["arms"]] == ["ok", "partial"]
+    monkeypatch.setattr(S, "_measure_arm", real)
+    sent.clear()
+    S.run(args("--resume"), launcher=launcher)
+    assert len(launched) == 3 and {w for _, w, _ in sent} == {"long"}   # dflash again, for long only,
+    assert len(sent) == 2                                                 # its c=4 (2 repeats) only
+    docs = {w: json.load(open(str(tmp_path / "r") + f"_{w}.json")) for w in ("random", "long")}
+    assert [a.get("resumed", False) for a in docs["random"]["arms"]] == [True, True]
+    assert [a.get("resumed", False) for a in docs["long"]["arms"]] == [True, False]
+    assert all(a["status"] == "ok" for d in docs.values() for a in d["arms"])
+    assert docs["long"]["identity"]["arms"]["dflash"]["identical"]
+    with pytest.raises(ValueError):
+        S.parse_workloads("random,random")
+    with pytest.raises(ValueError):
+        S.parse_workloads("random,short")
+
+
+def test_resume_keeps_the_complete_levels_of_a_cut_arm(tmp_path, monkeypatch):
+    """An arm cut by the deadline after its c=1 level: ``--resume`` starts its server again and runs
+    only c=4 (the state's counts, no calibration); the report holds c=1 from the first call and c=4
+    from this one, and the arm is complete."""
+    calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
+    monkeypatch.setattr(S, "machine_id", lambda: dict(host="h", gpus=["GPU-aaa"]))
+    model = _model_dir(tmp_path)
+    launched = []
+
+    def launcher(cmd, env, log):
+        launched.append(cmd[cmd.index("--port") + 1])
+        return _Srv()
+
+    def args(*extra):
+        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "1,4",
+                     "--repeats", "2", "--warmup", "0", "--min-level-seconds", "0", "--identity-prompts", "2",
+                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"), "--no-env-probe",
+                     "--prompts", str(_prompts_file(tmp_path)), *extra)
+
+    real = S._measure_arm
+
+    def cut(arm, *a, **k):
+        recs = real(arm, *a, **k)
+        if arm["name"] == "dflash":                 # c=4 lost a repeat to the deadline
+            for rec in recs:
+                rec["levels"][1].update(partial=True, missing_repeats=1)
+                rec["status"] = "partial"
+        return recs
+
+    monkeypatch.setattr(S, "_measure_arm", cut)
+    S.run(args(), launcher=launcher)
+    monkeypatch.setattr(S, "_measure_arm", real)
+    first_c1 = json.load(open(str(tmp_path / "r") + ".json"))["arms"][1]["levels"][0]
+    n_before = len(calls)
+    doc = S.run(args("--resume"), launcher=launcher)
+    assert len(launched) == 3                                        # dflash's server again
+    assert [c for c, _ in calls[n_before:]] == [4, 4]                # its c=4 repeats only
+    dfl = doc["arms"][1]
+    assert dfl["status"] == "ok" and dfl["resumed_levels"] == [1]
+    assert [lv["concurrency"] for lv in dfl["levels"]] == [1, 4]
+    assert dfl["levels"][0]["output_throughput"] == first_c1["output_throughput"] and dfl["levels"][0]["resumed"]
+    assert not dfl["levels"][1].get("partial") and doc["resumed"]["levels"] == {"dflash": [1]}
+    assert doc["identity"]["arms"]["dflash"]["identical"]
 
 
 def test_serving_profile_splits_each_level_from_its_own_repeats(tmp_path, monkeypatch):

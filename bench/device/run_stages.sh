@@ -56,7 +56,9 @@
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
 #                                           AB_SERVER_ARGS: flags for every server, kept as one --server-args value;
 #                                           AB_CLIENT=bench_serving + AB_WORKLOAD=random|natural|long|mix: the load from
-#                                           python -m sglang.bench_serving, identity check on top; also for scale_*)
+#                                           python -m sglang.bench_serving, identity check on top; also for scale_*;
+#                                           several comma-separated (random,long): each arm's server serves them in
+#                                           turn, one report per workload)
 # A stage name may end in @N: it then runs with CUDA_VISIBLE_DEVICES=N (e.g. "ab_text@0 ab_mla@1" runs
 # two A/B benchmarks side by side on nvidia-h200-x2, one GPU each).  Two lanes must not share a stage name:
 # ab_<pair>-<tag> is the same pair under another name (its arms from AB_ARMS_<tag> when set; tag fp32 also
@@ -72,6 +74,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG=/tmp/tblogs; rm -rf $LOG; mkdir -p $LOG
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
+# the --out stem of a bench_serving A/B: STEM_<workload> for one workload; STEM for several (AB_WORKLOAD=random,long:
+# each arm's server serves them in turn and the client writes STEM_<workload> for each)
+serving_out() { if [[ $2 == *,* ]]; then echo $1; else echo ${1}_$2; fi; }
+# the report stems a bench_serving A/B with --out STEM and AB_WORKLOAD $2 writes
+serving_reports() { local w; if [[ $2 == *,* ]]; then for w in ${2//,/ }; do echo ${1}_$w; done; else echo $1; fi; }
 S=$OUT/summary.txt
 R=$OUT/results.jsonl
 echo "== start $(date -u +%FT%TZ) groups='$GROUPS_ARG' deadline=${DEADLINE}s" | tee -a $S
@@ -177,12 +184,12 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         defarms=base,dflash,ddtree_b16
       fi
       # AB_CLIENT=bench_serving: python -m sglang.bench_serving drives the levels (sglang_ddtree/ab/serving_client.py),
-      # AB_WORKLOAD=random|natural|long|mix (default random), arms default base,dflash,ddtree;
-      # writes serving_h200_<tag>_<workload>.{json,md}
+      # AB_WORKLOAD=random|natural|long|mix (default random; several comma-separated), arms default
+      # base,dflash,ddtree; writes serving_h200_<tag>_<workload>.{json,md} for each workload
       local cl=() outname=ab_h200_$tag
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
         cl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); defarms=base,dflash,ddtree
-        outname=serving_h200_${tag}_${AB_WORKLOAD:-random}
+        outname=$(serving_out serving_h200_${tag} ${AB_WORKLOAD:-random})
       fi
       local arms=${!arms_var:-${AB_ARMS:-$defarms}}
       # python -m sglang_ddtree.ab: the installed sglang-ddtree-ab command's code path (-P: not the cwd's copy)
@@ -204,10 +211,10 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local ccl=(--token-ids --arms ${AB_ARMS:-base,dflash,ddtree_b7,ddtree_b15} --max-new-tokens ${AB_NEW:-64})
       local cout=scalechain_ab_${shape}_h200
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
-        [ "${AB_WORKLOAD:-random}" = natural ] && ccl=(natural)
+        [[ ",${AB_WORKLOAD:-random}," == *,natural,* ]] && ccl=(natural)
         ccl=(--client bench_serving --workload ${AB_WORKLOAD:-random} --arms ${AB_ARMS:-base,dflash,ddtree}
              --identity-concurrency 4)
-        cout=serving_h200_${shape}chain_${AB_WORKLOAD:-random}
+        cout=$(serving_out serving_h200_${shape}chain ${AB_WORKLOAD:-random})
       fi
       { if [ "${ccl[0]}" = natural ]; then echo "scalechain: AB_WORKLOAD=natural has no meaning on the chain pair"; false; else
         timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
@@ -220,8 +227,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
              --deadline $(( lim - ($(date +%s) - ts) - 25 )) --port $port --workdir /tmp/abw_${shape}chain \
              --out $OUT/$cout --save-output-ids --no-progress ${AB_EXTRA:-} \
              ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} \
-        && python3 $REPO/bench/scale/chain_pair.py check-outputs $OUT/$cout.json \
-             $sd/${shape}chain_target/perm.json --arm all --record; fi; } > $LOG/$st.log 2>&1; rc=$?
+        && { ok=0; for rep in $(if [ "${AB_CLIENT:-ab}" = bench_serving ]; then serving_reports $OUT/$cout ${AB_WORKLOAD:-random}; else echo $OUT/$cout; fi); do
+               python3 $REPO/bench/scale/chain_pair.py check-outputs $rep.json \
+                 $sd/${shape}chain_target/perm.json --arm all --record || ok=1; done; [ $ok = 0 ]; }; fi; } > $LOG/$st.log 2>&1; rc=$?
       tar -czf $OUT/scalechain_logs_$shape.tgz -C /tmp abw_${shape}chain 2>/dev/null
       grep -a -E "^\{|^written|^chain|^\||^\[|wrote|Error" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     scalecode_*)  # bench/scale on the code pair (issue 42 item 3): needs /tmp/models/code_pair.json (codepair_train in
@@ -232,7 +240,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local big=$sd/${shape}code_target sarms sout scl=()
       if [ "${AB_CLIENT:-bench_serving}" = bench_serving ]; then
         scl=(--client bench_serving --workload ${AB_WORKLOAD:-natural}); sarms=${AB_ARMS:-base,dflash,ddtree}
-        sout=serving_h200_${shape}code_${AB_WORKLOAD:-natural}
+        sout=$(serving_out serving_h200_${shape}code ${AB_WORKLOAD:-natural})
       else
         sarms=${AB_ARMS:-base,dflash,ddtree_b15,ddtree_b31,ddtree_b63}; sout=ab_h200_${shape}code
       fi
@@ -284,7 +292,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local scl=() sarms=${AB_ARMS:-base,dflash,ddtree_b16} sout=scale_ab_${shape}_h200
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
         scl=(--client bench_serving --workload ${AB_WORKLOAD:-random}); sarms=${AB_ARMS:-base,dflash,ddtree}
-        sout=serving_h200_${shape}_${AB_WORKLOAD:-random}
+        sout=$(serving_out serving_h200_${shape} ${AB_WORKLOAD:-random})
       fi
       { timeout -k 10 $lim python3 $REPO/bench/scale/transform.py write --shape $shape --out $sd ${nl:+--layers $nl} \
         ${DRAFTER_RUN:+--drafter-run $DRAFTER_RUN} \
@@ -363,7 +371,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         local carms=${AB_ARMS:-base,dflash,ddtree_b15,ddtree_b31,ddtree_b63}
         if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
           ccl=(--client bench_serving --workload ${AB_WORKLOAD:-natural}); carms=${AB_ARMS:-base,dflash,ddtree}
-          cout=serving_h200_codepair_${AB_WORKLOAD:-natural}
+          cout=$(serving_out serving_h200_codepair ${AB_WORKLOAD:-natural})
         fi
         timeout -k 10 $lim python3 -P -m sglang_ddtree.ab "${cpa[@]}" --arms $carms "${ccl[@]}" \
           --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} --max-new-tokens ${AB_NEW:-256} \

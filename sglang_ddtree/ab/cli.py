@@ -19,13 +19,21 @@ from .report import render_markdown, render_summary, write_outputs
 from .runner import requests_per_level, run
 from .sweep import SWEEP_BS, SWEEP_BUDGETS, SWEEP_DEPTHS, kernel_sweep_child, run_kernel_sweep
 from .servers import DEFAULT_ARMS
-from .serving_client import DEFAULT_ARM_ATTENTION, SERVING_DEFAULT_ARMS, WORKLOADS
+from .serving_client import DEFAULT_ARM_ATTENTION, SERVING_DEFAULT_ARMS, parse_workloads
 from .trace import parse_spec as parse_trace_spec
 
 DEFAULT_OUT = "ab_serve"  # OUT.json / OUT.md / OUT.png in the current folder (bench/ab_serve.py: bench/results/ab_h200)
 
 
 DEFAULT_PREFILL_GRAPH_TOKENS = 512   # the A/B's prefill-graph cap (SGLang's default graph, fewer sizes)
+
+
+def _workloads(spec: str) -> str:
+    """argparse type of --workload: the names checked (serving_client.parse_workloads), comma-joined."""
+    try:
+        return ",".join(parse_workloads(spec))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser(default_out: str = DEFAULT_OUT):
@@ -116,9 +124,11 @@ def build_parser(default_out: str = DEFAULT_OUT):
     g.add_argument("--client", choices=("ab", "bench_serving"), default="ab",
                    help="ab: this package's client (the default); bench_serving: `python -m sglang.bench_serving "
                         "--backend sglang` per level (default arms then " + SERVING_DEFAULT_ARMS + ")")
-    g.add_argument("--workload", choices=tuple(WORKLOADS), default="random",
+    g.add_argument("--workload", type=_workloads, default="random",
                    help="bench_serving: random (random-ids 512 in / 256 out), long (8192 / 256), mix (input 256-4096, "
-                        "output 16-256), natural (the pair's natural prompts as a ShareGPT file, 256 out)")
+                        "output 16-256), natural (the pair's natural prompts as a ShareGPT file, 256 out); several "
+                        "comma-separated (random,natural): each arm's server serves them in turn, one report each "
+                        "(--out + _<workload>)")
     g.add_argument("--serving-input-len", type=int, default=None, help="bench_serving: override the workload's input length")
     g.add_argument("--serving-output-len", type=int, default=None, help="bench_serving: override the workload's output length")
     g.add_argument("--serving-range-ratio", type=float, default=None, help="bench_serving: override the workload's range ratio")

@@ -591,17 +591,35 @@ def resolve_model(args) -> tuple:
     return model, draft, pair
 
 
+def parse_workloads(spec: str) -> List[str]:
+    """``random`` or ``random,natural,...`` -> the workload names, each once, each one of
+    :data:`WORKLOADS`; ValueError otherwise."""
+    names = [x.strip() for x in str(spec).split(",") if x.strip()]
+    bad = [x for x in names if x not in WORKLOADS]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f"--workload {spec!r}: one or more of {', '.join(WORKLOADS)}, comma-separated, each once")
+    return names
+
+
+def workload_out(out: str, name: str, several: bool) -> str:
+    """A workload's report path: ``out`` itself for a run of one workload, ``out_<name>`` for several."""
+    return f"{out}_{name}" if several else out
+
+
 def run(args, launcher: Callable = popen_launcher) -> dict:
     """The whole bench_serving A/B: every arm's server in turn, its levels, its identity requests;
-    JSON + markdown written after every arm (``args.out``)."""
-    from .report import write_outputs
+    JSON + markdown written after every arm (``args.out``).  Several workloads (``--workload
+    random,natural``): each arm's server is started once and serves every workload's levels in turn
+    (a server start is 1.5-3 minutes of a 10-minute device call), each workload with its own report
+    (``<out>_<workload>``, the same format as a run of that workload alone), its own level sizing and
+    its own ``--resume`` state; the identity requests, which do not depend on the workload, run once
+    per server and go into every report.  Returns the report (the first workload's for several)."""
     t_start = time.time()
     deadline_at = t_start + args.deadline if args.deadline else None
     from .servers import DEFAULT_ARMS
     arms = parse_serving_arms(SERVING_DEFAULT_ARMS if args.arms == DEFAULT_ARMS else args.arms)
     attention = parse_arm_attention(args.arm_attention)
-    workload = workload_settings(args.workload, args.serving_input_len, args.serving_output_len,
-                                 args.serving_range_ratio)
+    names = parse_workloads(args.workload)
     model, draft, pair = resolve_model(args)
     args.pair, args._model = pair, model
     levels = list(args.concurrency)
@@ -611,107 +629,150 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
     id_prompts, id_source, id_how = identity_inputs(args, model)
     opts = dict(python=python, model_path=model, draft_model_path=draft, attention=attention,
                 server_args=args.server_args)
-    natural = None
-    if workload["dataset"] == "sharegpt":
-        natural = dict(files={}, source=None)
-
-    def dataset_for(n):
-        if natural is None:
-            return None
-        if n not in natural["files"]:
-            texts, natural["source"] = natural_texts(args, n)
-            natural["files"][n] = write_sharegpt(texts, os.path.join(tmpdir, f"natural_{n}.json"))
-            natural.setdefault("distinct", {})[str(n)] = len(set(texts))
-        return natural["files"][n]
-
-    counts: Dict[int, int] = {}            # the calibrated request count per level (shared by every arm)
-    state_path = os.path.join(tmpdir, STATE_FILE)
-    machine = machine_id()
-    doc = dict(
-        kind="ab_serving", meta=env_info(python) if not args.no_env_probe else dict(argv=sys.argv),
-        settings=dict(client="bench_serving", model_path=model, draft_model_path=draft, pair=pair,
-                      arms=[a["name"] for a in arms], arm_attention=attention, concurrency=levels,
-                      workload=workload, repeats=args.repeats, seed=args.serving_seed,
-                      min_level_seconds=args.min_level_seconds, level_seconds_margin=args.level_seconds_margin,
-                      requests_per_level_spec=args.requests_per_level, requests_per_level={},
-                      server_args=args.server_args, reference_arm=args.reference_arm, deadline_s=args.deadline,
-                      identity=dict(prompts=len(id_prompts), new_tokens=args.identity_new_tokens,
-                                    concurrency=args.identity_concurrency, source=id_source, tokenized_with=id_how,
-                                    sha256_16=prompt_digest(id_prompts), greedy="temperature 0, ignore_eos, stream")),
-        arms=[], identity=None,
-        definitions=dict(
-            output_throughput="bench_serving's output_throughput (total output tokens / benchmark duration), "
-                              "the median of the level's repeats",
-            latencies="bench_serving's TTFT / ITL / TPOT of the repeat with the median throughput "
-                      "(ITL: chunk gap / tokens in the chunk, once per token)",
-            short="a repeat of the level lasted less than --min-level-seconds",
-            identity="the identity requests' output ids against the reference arm's, token for token"))
-    from .runner import requests_per_level
     standin = standin_pythonpath(python, tmpdir)
     cenv = client_env(None, standin)
-    doc["settings"]["datasets_standin"] = bool(standin)
-    outputs: Dict[str, Dict[int, list]] = {}
-    maxc = max(levels)
-    doc["meta"]["machine"] = machine
-    key = resume_key(doc["settings"], machine)
-    kept: Dict[str, dict] = {}
+    machine = machine_id()
+    meta = env_info(python) if not args.no_env_probe else dict(argv=sys.argv)
+    loads = [_Load(args, name, len(names) > 1, model, draft, pair, arms, attention, levels, tmpdir, id_prompts,
+                   id_source, id_how, standin, machine, meta) for name in names]
     if getattr(args, "resume", False):
-        kept, kept_counts, why = load_resume(state_path, key)
-        if why:
-            doc["resume_refused"] = why
-            print(f"ab_serving: --resume: nothing kept ({why})", flush=True)
-        else:
-            for name, (rec, outs) in kept.items():
-                outputs[name] = {int(c): v for c, v in outs.items()}
-            counts.update(kept_counts)
-            # arms of the state this run does not name come first (e.g. base from the call before)
-            names = {a["name"] for a in arms}
-            arms = [parse_serving_arm(n) for n in kept if n not in names] + arms
-            doc["settings"]["arms"] = [a["name"] for a in arms]
-            doc["resumed"] = dict(arms=sorted(kept), state=state_path,
-                                  note="arms measured by an earlier call on the same machine (same GPU and "
-                                       "settings); their levels ran the same request counts")
-            print(f"ab_serving: --resume: kept {sorted(kept)} from {state_path}", flush=True)
-    print(f"ab_serving: {len(arms)} arms x concurrency {levels}, workload {workload}, work dir {tmpdir}"
+        named = {a["name"] for a in arms}
+        # arms of a state this run does not name come first (e.g. base from the call before)
+        extra = [n for L in loads for n in L.kept if n not in named]
+        arms = [parse_serving_arm(n) for n in dict.fromkeys(extra)] + arms
+        for L in loads:
+            L.doc["settings"]["arms"] = [a["name"] for a in arms]
+    maxc = max(levels)
+    print(f"ab_serving: {len(arms)} arms x concurrency {levels}, workload {', '.join(names)}, work dir {tmpdir}"
           f"{', datasets stand-in on' if standin else ''}", flush=True)
     if args.dry_run:
+        from .runner import requests_per_level
         for i, arm in enumerate(arms):
             print(f"[{arm['name']}] {shlex.join(serving_server_cmd(arm, opts, args.port + 10 * i))}")
-        for c in levels:
-            n = requests_per_level(args.requests_per_level, c, 1 << 30)
-            print(f"[c={c}] {shlex.join(bench_serving_cmd(python, args.port, model, workload, c, n, 'OUT.jsonl', args.serving_seed, dataset_for(n)))}")
-        return doc
+        for L in loads:
+            for c in levels:
+                n = requests_per_level(args.requests_per_level, c, 1 << 30)
+                print(f"[{L.name + ' ' if len(loads) > 1 else ''}c={c}] {shlex.join(bench_serving_cmd(python, args.port, model, L.workload, c, n, 'OUT.jsonl', args.serving_seed, L.dataset_for(n)))}")
+        return loads[0].doc
     try:
         for i, arm in enumerate(arms):
             port = args.port + 10 * i
-            if arm["name"] in kept:
-                rec = dict(kept[arm["name"]][0], resumed=True)
-            else:
-                rec = _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python,
-                                   cenv, tmpdir, deadline_at, launcher, id_prompts, outputs)
-                rec["git_commit"] = doc["meta"].get("git_commit")
-                rec["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            doc["arms"].append(rec)
-            save_resume(state_path, key, doc["arms"], outputs, counts)
-            doc["settings"]["requests_per_level"] = {str(c): n for c, n in sorted(counts.items())}
-            doc["identity"] = identity_report(outputs, args.reference_arm, id_prompts)
-            doc["elapsed_s"] = round(time.time() - t_start, 1)
-            if natural is not None:
-                doc["settings"]["natural"] = dict(source=natural["source"], distinct=natural.get("distinct"))
-            write_outputs(doc, args.out, plot=False)
+            todo = [L for L in loads if arm["name"] not in L.kept]
+            recs = dict(zip((L.name for L in todo),
+                            _measure_arm(arm, opts, port, args, levels, maxc, todo, python, cenv, tmpdir,
+                                         deadline_at, launcher, id_prompts))) if todo else {}
+            for L in loads:
+                if arm["name"] in L.kept:
+                    rec = dict(L.kept[arm["name"]][0], resumed=True)
+                else:
+                    rec = recs[L.name]
+                    rec["git_commit"] = L.doc["meta"].get("git_commit")
+                    rec["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                L.doc["arms"].append(rec)
+                L.save(args, t_start)
     except KeyboardInterrupt:
-        doc["interrupted"] = True
+        for L in loads:
+            L.doc["interrupted"] = True
         print("interrupted: writing what was measured", flush=True)
-    doc["identity"] = identity_report(outputs, args.reference_arm, id_prompts)
-    doc["elapsed_s"] = round(time.time() - t_start, 1)
-    if args.save_output_ids:   # bench/ab_divergence.py's inputs: output_ids[arm][c], prompt_ids
-        doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in outputs.items()}
-        doc["prompt_ids"] = [p["input_ids"] for p in id_prompts]
-    write_outputs(doc, args.out, plot=False)
-    return doc
+    for L in loads:
+        L.finish(args, t_start)
+    return loads[0].doc
 
 
-STATE_FILE = "serving_state.json"   # in --workdir: what --resume reads back (arms, output ids, counts)
+class _Load:
+    """One workload of a run: its bench_serving settings and dataset, its level sizing (``counts``,
+    shared by every arm), its report ``doc`` and identity outputs, its ``--resume`` state."""
+
+    def __init__(self, args, name, several, model, draft, pair, arms, attention, levels, tmpdir, id_prompts,
+                 id_source, id_how, standin, machine, meta):
+        self.name = name
+        self.workload = workload_settings(name, args.serving_input_len, args.serving_output_len,
+                                          args.serving_range_ratio)
+        self.out = workload_out(args.out, name, several)
+        self.id_prompts = id_prompts
+        self._args, self._tmpdir = args, tmpdir
+        self.natural = dict(files={}, source=None) if self.workload["dataset"] == "sharegpt" else None
+        self.counts: Dict[int, int] = {}        # the calibrated request count per level (every arm's)
+        self.outputs: Dict[str, Dict[int, list]] = {}
+        self.state_path = os.path.join(tmpdir, state_file(name))
+        self.doc = dict(
+            kind="ab_serving", meta=dict(meta),
+            settings=dict(client="bench_serving", model_path=model, draft_model_path=draft, pair=pair,
+                          arms=[a["name"] for a in arms], arm_attention=attention, concurrency=levels,
+                          workload=self.workload, repeats=args.repeats, seed=args.serving_seed,
+                          min_level_seconds=args.min_level_seconds, level_seconds_margin=args.level_seconds_margin,
+                          requests_per_level_spec=args.requests_per_level, requests_per_level={},
+                          server_args=args.server_args, reference_arm=args.reference_arm, deadline_s=args.deadline,
+                          identity=dict(prompts=len(id_prompts), new_tokens=args.identity_new_tokens,
+                                        concurrency=args.identity_concurrency, source=id_source, tokenized_with=id_how,
+                                        sha256_16=prompt_digest(id_prompts), greedy="temperature 0, ignore_eos, stream")),
+            arms=[], identity=None,
+            definitions=dict(
+                output_throughput="bench_serving's output_throughput (total output tokens / benchmark duration), "
+                                  "the median of the level's repeats",
+                latencies="bench_serving's TTFT / ITL / TPOT of the repeat with the median throughput "
+                          "(ITL: chunk gap / tokens in the chunk, once per token)",
+                short="a repeat of the level lasted less than --min-level-seconds",
+                identity="the identity requests' output ids against the reference arm's, token for token"))
+        self.doc["settings"]["datasets_standin"] = bool(standin)
+        self.doc["meta"]["machine"] = machine
+        self.key = resume_key(self.doc["settings"], machine)
+        self.kept: Dict[str, tuple] = {}
+        self.levels_kept: Dict[str, list] = {}   # arms cut by a deadline: the levels they completed
+        if getattr(args, "resume", False):
+            kept, kept_counts, why, self.levels_kept = load_resume(self.state_path, self.key)
+            if why:
+                self.doc["resume_refused"] = why
+                print(f"ab_serving: --resume ({name}): nothing kept ({why})", flush=True)
+            else:
+                self.kept = kept
+                for arm_name, (rec, outs) in kept.items():
+                    self.outputs[arm_name] = {int(c): v for c, v in outs.items()}
+                self.counts.update(kept_counts)
+                self.doc["resumed"] = dict(arms=sorted(kept), state=self.state_path,
+                                           note="arms measured by an earlier call on the same machine (same GPU "
+                                                "and settings); their levels ran the same request counts")
+                if self.levels_kept:
+                    self.doc["resumed"]["levels"] = {a: [lv["concurrency"] for lv in lvs]
+                                                     for a, lvs in self.levels_kept.items()}
+                print(f"ab_serving: --resume ({name}): kept {sorted(kept)} and the complete levels "
+                      f"{self.doc['resumed'].get('levels', {})} from {self.state_path}", flush=True)
+
+    def dataset_for(self, n):
+        if self.natural is None:
+            return None
+        if n not in self.natural["files"]:
+            texts, self.natural["source"] = natural_texts(self._args, n)
+            self.natural["files"][n] = write_sharegpt(texts, os.path.join(self._tmpdir, f"natural_{n}.json"))
+            self.natural.setdefault("distinct", {})[str(n)] = len(set(texts))
+        return self.natural["files"][n]
+
+    def save(self, args, t_start):
+        """After an arm: the resume state, the identity verdicts so far, the report."""
+        from .report import write_outputs
+        save_resume(self.state_path, self.key, self.doc["arms"], self.outputs, self.counts)
+        self.doc["settings"]["requests_per_level"] = {str(c): n for c, n in sorted(self.counts.items())}
+        self.doc["identity"] = identity_report(self.outputs, args.reference_arm, self.id_prompts)
+        self.doc["elapsed_s"] = round(time.time() - t_start, 1)
+        if self.natural is not None:
+            self.doc["settings"]["natural"] = dict(source=self.natural["source"], distinct=self.natural.get("distinct"))
+        write_outputs(self.doc, self.out, plot=False)
+
+    def finish(self, args, t_start):
+        from .report import write_outputs
+        self.doc["identity"] = identity_report(self.outputs, args.reference_arm, self.id_prompts)
+        self.doc["elapsed_s"] = round(time.time() - t_start, 1)
+        if args.save_output_ids:   # bench/ab_divergence.py's inputs: output_ids[arm][c], prompt_ids
+            self.doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in self.outputs.items()}
+            self.doc["prompt_ids"] = [p["input_ids"] for p in self.id_prompts]
+        write_outputs(self.doc, self.out, plot=False)
+
+
+def state_file(workload: str) -> str:
+    """In --workdir: what --resume reads back for one workload (arms, output ids, counts)."""
+    return f"serving_state_{workload}.json"
+
+
 # the settings an arm's numbers depend on: --resume keeps an arm only when every one is the same
 RESUME_SETTINGS = ("client", "model_path", "draft_model_path", "pair", "arm_attention", "concurrency", "workload",
                    "repeats", "seed", "min_level_seconds", "level_seconds_margin", "requests_per_level_spec",
@@ -747,26 +808,35 @@ def save_resume(path: str, key: dict, arms: List[dict], outputs: Dict[str, Dict[
     os.replace(tmp, path)
 
 
-def load_resume(path: str, key: dict) -> Tuple[Dict[str, tuple], Dict[int, int], Optional[str]]:
+def level_complete(lv: dict) -> bool:
+    """A level that ran every repeat (``short`` ones too: a complete run reports them so)."""
+    return not lv.get("partial") and bool(lv.get("output_throughput_repeats"))
+
+
+def load_resume(path: str, key: dict) -> Tuple[Dict[str, tuple], Dict[int, int], Optional[str], Dict[str, list]]:
     """({arm: (record, outputs)} of the state's complete arms (status ok), in its order, {c: requests
-    per level}, None) or ({}, {}, why nothing is kept): no state, another machine, other settings."""
+    per level}, None, {arm: its complete levels} of the arms not complete) or ({}, {}, why nothing is
+    kept, {}): no state, another machine, other settings."""
     if not os.path.exists(path):
-        return {}, {}, f"no {os.path.basename(path)} in the work dir"
+        return {}, {}, f"no {os.path.basename(path)} in the work dir", {}
     try:
         with open(path) as f:
             st = json.load(f)
     except (OSError, ValueError) as e:
-        return {}, {}, f"unreadable state: {e}"
+        return {}, {}, f"unreadable state: {e}", {}
     old = st.get("key") or {}
     if old.get("machine") != key.get("machine") or not (key.get("machine") or {}).get("gpus"):
-        return {}, {}, f"another machine ({old.get('machine')} vs {key.get('machine')})"
+        return {}, {}, f"another machine ({old.get('machine')} vs {key.get('machine')})", {}
     diff = sorted(k for k in key if k != "machine" and old.get(k) != key.get(k))
     if diff:
-        return {}, {}, f"other settings: {diff}"
+        return {}, {}, f"other settings: {diff}", {}
     outs = st.get("outputs") or {}
-    kept = {r["name"]: (r, outs.get(r["name"]) or {}) for r in st.get("arms") or []
-            if r.get("status") == "ok"}
-    return kept, {int(c): int(n) for c, n in (st.get("counts") or {}).items()}, None
+    recs = st.get("arms") or []
+    kept = {r["name"]: (r, outs.get(r["name"]) or {}) for r in recs if r.get("status") == "ok"}
+    levels = {r["name"]: [lv for lv in r.get("levels") or [] if level_complete(lv)] for r in recs
+              if r.get("status") != "ok" and not r.get("resumed")}
+    return (kept, {int(c): int(n) for c, n in (st.get("counts") or {}).items()}, None,
+            {a: lvs for a, lvs in levels.items() if lvs})
 
 
 def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List[dict]) -> dict:
@@ -787,8 +857,10 @@ def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List
     return res
 
 
-def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_for, python, cenv, tmpdir,
-                 deadline_at, launcher, id_prompts, outputs) -> dict:
+def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdir, deadline_at, launcher,
+                 id_prompts) -> List[dict]:
+    """One arm: its server started once, every workload of ``loads`` measured on it in turn (warm-up
+    pass, levels, stage split), then the identity requests once.  -> one record per load."""
     from .runner import _profiles_by_window, profile_env, requests_per_level
     cmd = serving_server_cmd(arm, opts, port)
     env = dict(os.environ)
@@ -796,14 +868,15 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
     prof = profile_env(arm, env, tmpdir, args.profile_every) if getattr(args, "serving_profile", False) else None
     log_path = os.path.join(tmpdir, f"server_{arm['name']}.log")
     client_log = os.path.join(tmpdir, f"bench_serving_{arm['name']}.log")
-    rec = dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"], command=cmd,
-               command_str=shlex.join(cmd), env={k: v for k, v in (arm.get("env") or {}).items()},
-               attention_backend=arm_backend(opts.get("attention"), arm["name"]), status="failed", levels=[],
-               log=log_path, client_log=client_log)
+    recs = [dict(name=arm["name"], kind=arm["kind"], algo=arm["algo"], budget=arm["budget"], command=cmd,
+                 command_str=shlex.join(cmd), env={k: v for k, v in (arm.get("env") or {}).items()},
+                 attention_backend=arm_backend(opts.get("attention"), arm["name"]), status="failed", levels=[],
+                 log=log_path, client_log=client_log) for _ in loads]
     print(f"[{arm['name']}] {shlex.join(cmd)}", flush=True)
     if deadline_at is not None and deadline_at - time.time() < args.min_arm_s:
-        rec.update(status="skipped", error="deadline")
-        return rec
+        for rec in recs:
+            rec.update(status="skipped", error="deadline")
+        return recs
     t0 = time.time()
     server = None
     bsc = make_client(args, cenv, tmpdir, client_log)
@@ -811,111 +884,134 @@ def _measure_arm(arm, opts, port, args, levels, maxc, counts, workload, dataset_
     def left(default=3600.0):
         return default if deadline_at is None else max(5.0, deadline_at - time.time())
 
+    rec = recs[0]
     try:
         server = launcher(cmd, env, log_path)
         why = wait_healthy(f"http://127.0.0.1:{port}", server, min(args.start_timeout, left()))
-        rec["start_s"] = round(time.time() - t0, 1)
+        start_s = round(time.time() - t0, 1)
+        for r in recs:
+            r["start_s"] = start_s
         if why:
-            rec.update(error=why, log_tail=log_tail(log_path))
+            for r in recs:
+                r.update(error=why, log_tail=log_tail(log_path))
             print(f"[{arm['name']}] FAILED to start: {why}", flush=True)
-            return rec
-        print(f"[{arm['name']}] up after {rec['start_s']} s", flush=True)
-        if args.warmup:   # one uncounted pass at the largest concurrency, short outputs
-            wn = requests_per_level(args.requests_per_level, maxc, 1 << 30)
-            wc = bench_serving_cmd(python, port, opts["model_path"], workload, maxc, min(wn, maxc),
-                                   os.path.join(tmpdir, f"warmup_{arm['name']}.jsonl"), args.serving_seed,
-                                   dataset_for(min(wn, maxc)), output_len=16)
-            w = bsc.run(wc, left())
-            rec["warmup"] = dict(ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
-                                 output_throughput=(w.get("result") or {}).get("output_throughput"))
-        for c in levels:
-            if deadline_at is not None and time.time() > deadline_at - 5:
-                rec.setdefault("skipped_levels", []).append(c)
-                continue
-            sizing = c not in counts and bool(args.min_level_seconds)   # this arm sizes the level
-            if c not in counts:
-                counts[c] = requests_per_level(args.requests_per_level, c, 1 << 30)
-            n = counts[c]
-            calibration, reps = [], []
-            while len(reps) < max(1, args.repeats):
-                if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
-                    break
-                last = reps[-1] if reps else None
-                if last is not None and deadline_at is not None and last.get("window") \
-                        and deadline_at - time.time() < REPEAT_FIT * (last["window"][1] - last["window"][0]):
-                    # a repeat cut by the deadline is device time for nothing: leave it (the level is
-                    # partial; --resume runs the arm again in the next call)
-                    rec.setdefault("unstarted_repeats", []).append(c)
-                    break
-                tag = f"calib{len(calibration)}" if sizing else f"r{len(reps)}"
-                r = _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, tag, left())
-                if sizing:
-                    dur = (r.get("result") or {}).get("duration") or 0.0
-                    short = bool(r.get("ok")) and dur < args.min_level_seconds
-                    # the first pass never counts (the server's first traffic at this level: it may be
-                    # much slower than the next, 2026-12-04 s26: 13.3 s for 64 requests cold, then
-                    # 3.2 s for 112); a short pass is re-scaled from and run again
-                    if not calibration or (short and len(calibration) < MAX_CALIBRATION_PASSES):
-                        calibration.append(dict(num_prompts=n, seconds=dur, ok=r.get("ok"),
-                                                output_throughput=(r.get("result") or {}).get("output_throughput")))
-                        if short:   # from the third pass on, one more wave: a pass's fixed cost (ramp-up,
-                            # the last wave's tail) makes linear scaling from a warm pass fall a little short
-                            n = scaled_count(n, c, dur, args.min_level_seconds,
-                                             max(args.level_seconds_margin, MIN_SIZING_MARGIN)) \
-                                + (c if len(calibration) >= 3 else 0)
-                        if not r.get("ok"):
-                            sizing = False
-                        continue
-                    sizing = False         # long enough (or out of calibration passes): the first repeat
-                reps.append(r)
-            counts[c] = n
-            lv = level_summary(c, n, reps, args.min_level_seconds)
-            lv["command"] = reps[0].get("command") if reps else None
-            if reps and all(r.get("window") for r in reps):   # the counted repeats, for --serving-profile
-                lv["_window"] = (reps[0]["window"][0], reps[-1]["window"][1])
-            if len(reps) < max(1, args.repeats):     # cut by the deadline: not a complete level
-                lv.update(partial=True, missing_repeats=max(1, args.repeats) - len(reps))
-            if calibration:
-                lv["calibration"] = calibration[0]
-                lv["calibration_passes"] = calibration
-            rec["levels"].append(lv)
-            print(f"[{arm['name']}] c={c:3d} n={n}: {lv.get('output_throughput')} tok/s (repeats "
-                  f"{lv['output_throughput_repeats']}), TTFT med {lv.get('median_ttft_ms')} ms, ITL med "
-                  f"{lv.get('median_itl_ms')} ms, accept {lv.get('accept_length')}, failed {lv.get('failed')}"
-                  f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}"
-                  f"{' (calibration ' + ', '.join(str(x['num_prompts']) + ' in ' + _f(x['seconds']) + ' s' for x in calibration) + ')' if calibration else ''}",
-                  flush=True)
-        if prof is not None:   # each level's split of its counted repeats (a flush request closes the last record)
-            _profiles_by_window(rec["levels"], prof, f"http://127.0.0.1:{port}", id_prompts, deadline_at)
-        for lv in rec["levels"]:
-            lv.pop("_window", None)
-        # the identity requests: the same token-id prompts for every arm, greedy, through /generate
+            return recs
+        print(f"[{arm['name']}] up after {start_s} s", flush=True)
+        for L, rec in zip(loads, recs):
+            if len(loads) > 1:
+                print(f"[{arm['name']}] workload {L.name}", flush=True)
+            if args.warmup and not set(levels) <= {lv["concurrency"] for lv in L.levels_kept.get(arm["name"], [])}:
+                # one uncounted pass at the largest concurrency, short outputs
+                wn = requests_per_level(args.requests_per_level, maxc, 1 << 30)
+                wc = bench_serving_cmd(python, port, opts["model_path"], L.workload, maxc, min(wn, maxc),
+                                       os.path.join(tmpdir, f"warmup_{arm['name']}_{L.name}.jsonl"),
+                                       args.serving_seed, L.dataset_for(min(wn, maxc)), output_len=16)
+                w = bsc.run(wc, left())
+                rec["warmup"] = dict(ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
+                                     output_throughput=(w.get("result") or {}).get("output_throughput"))
+            done = {lv["concurrency"]: lv for lv in L.levels_kept.get(arm["name"], [])}
+            for c in levels:
+                if c in done:           # completed by an earlier call on this machine (--resume)
+                    rec["levels"].append(dict(done[c], resumed=True))
+                    rec.setdefault("resumed_levels", []).append(c)
+                    continue
+                if deadline_at is not None and time.time() > deadline_at - 5:
+                    rec.setdefault("skipped_levels", []).append(c)
+                    continue
+                sizing = c not in L.counts and bool(args.min_level_seconds)   # this arm sizes the level
+                if c not in L.counts:
+                    L.counts[c] = requests_per_level(args.requests_per_level, c, 1 << 30)
+                n = L.counts[c]
+                calibration, reps = [], []
+                while len(reps) < max(1, args.repeats):
+                    if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
+                        break
+                    last = reps[-1] if reps else None
+                    if last is not None and deadline_at is not None and last.get("window") \
+                            and deadline_at - time.time() < REPEAT_FIT * (last["window"][1] - last["window"][0]):
+                        # a repeat cut by the deadline is device time for nothing: leave it (the level is
+                        # partial; --resume runs the arm again in the next call)
+                        rec.setdefault("unstarted_repeats", []).append(c)
+                        break
+                    tag = f"calib{len(calibration)}" if sizing else f"r{len(reps)}"
+                    r = _one_run(args, bsc, port, opts, L.workload, c, n, L.dataset_for, tmpdir, arm, tag, left())
+                    if sizing:
+                        dur = (r.get("result") or {}).get("duration") or 0.0
+                        short = bool(r.get("ok")) and dur < args.min_level_seconds
+                        # the first pass never L.counts (the server's first traffic at this level: it may be
+                        # much slower than the next, 2026-12-04 s26: 13.3 s for 64 requests cold, then
+                        # 3.2 s for 112); a short pass is re-scaled from and run again
+                        if not calibration or (short and len(calibration) < MAX_CALIBRATION_PASSES):
+                            calibration.append(dict(num_prompts=n, seconds=dur, ok=r.get("ok"),
+                                                    output_throughput=(r.get("result") or {}).get("output_throughput")))
+                            if short:   # from the third pass on, one more wave: a pass's fixed cost (ramp-up,
+                                # the last wave's tail) makes linear scaling from a warm pass fall a little short
+                                n = scaled_count(n, c, dur, args.min_level_seconds,
+                                                 max(args.level_seconds_margin, MIN_SIZING_MARGIN)) \
+                                    + (c if len(calibration) >= 3 else 0)
+                            if not r.get("ok"):
+                                sizing = False
+                            continue
+                        sizing = False         # long enough (or out of calibration passes): the first repeat
+                    reps.append(r)
+                L.counts[c] = n
+                lv = level_summary(c, n, reps, args.min_level_seconds)
+                lv["command"] = reps[0].get("command") if reps else None
+                if reps and all(r.get("window") for r in reps):   # the counted repeats, for --serving-profile
+                    lv["_window"] = (reps[0]["window"][0], reps[-1]["window"][1])
+                if len(reps) < max(1, args.repeats):     # cut by the deadline: not a complete level
+                    lv.update(partial=True, missing_repeats=max(1, args.repeats) - len(reps))
+                if calibration:
+                    lv["calibration"] = calibration[0]
+                    lv["calibration_passes"] = calibration
+                rec["levels"].append(lv)
+                print(f"[{arm['name']}] c={c:3d} n={n}: {lv.get('output_throughput')} tok/s (repeats "
+                      f"{lv['output_throughput_repeats']}), TTFT med {lv.get('median_ttft_ms')} ms, ITL med "
+                      f"{lv.get('median_itl_ms')} ms, accept {lv.get('accept_length')}, failed {lv.get('failed')}"
+                      f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}"
+                      f"{' (calibration ' + ', '.join(str(x['num_prompts']) + ' in ' + _f(x['seconds']) + ' s' for x in calibration) + ')' if calibration else ''}",
+                      flush=True)
+            if prof is not None:   # each level's split of its counted repeats (a flush request closes the last record)
+                _profiles_by_window(rec["levels"], prof, f"http://127.0.0.1:{port}", id_prompts, deadline_at)
+            for lv in rec["levels"]:
+                lv.pop("_window", None)
+        # the identity requests: the same token-id prompts for every arm (and workload), greedy, through /generate
         ic = int(args.identity_concurrency)
         res, dur, partial = client.run_level(f"http://127.0.0.1:{port}", id_prompts, ic, args.identity_new_tokens,
                                              deadline_at, desc=f"{arm['name']} identity", progress=False,
                                              timeout=min(600.0, left() + 30))
-        outputs[arm["name"]] = {ic: [r["output_ids"] if r and r.get("ok") else None for r in res]}
-        rec["identity_requests"] = dict(n=len(id_prompts), concurrency=ic, seconds=round(dur, 2), partial=bool(partial),
-                                        failed=sum(1 for r in res if not (r and r.get("ok"))))
-        rec["status"] = "ok" if rec["levels"] and all(not lv.get("partial") for lv in rec["levels"]) \
-            and not rec.get("skipped_levels") and not rec["identity_requests"]["failed"] else "partial"
+        ident = dict(n=len(id_prompts), concurrency=ic, seconds=round(dur, 2), partial=bool(partial),
+                     failed=sum(1 for r in res if not (r and r.get("ok"))))
+        for L, rec in zip(loads, recs):
+            L.outputs[arm["name"]] = {ic: [r["output_ids"] if r and r.get("ok") else None for r in res]}
+            rec["identity_requests"] = dict(ident)
+            rec["status"] = "ok" if rec["levels"] and all(not lv.get("partial") for lv in rec["levels"]) \
+                and not rec.get("skipped_levels") and not rec["identity_requests"]["failed"] else "partial"
     except Exception as e:  # noqa: BLE001 - one arm's failure never stops the others
-        rec.update(error=repr(e)[:1000], log_tail=log_tail(log_path))
+        for r in recs:
+            if r["status"] == "failed":
+                r.update(error=repr(e)[:1000], log_tail=log_tail(log_path))
         print(f"[{arm['name']}] ERROR {e!r}", flush=True)
     finally:
         bsc.close()
-        rec["client"] = bsc.info()
+        info = bsc.info()
+        stop_error = None
         if server is not None:
             try:
                 server.stop()
             except Exception as e:  # noqa: BLE001
-                rec["stop_error"] = repr(e)
-        rec["total_s"] = round(time.time() - t0, 1)
-    return rec
+                stop_error = repr(e)
+        total_s = round(time.time() - t0, 1)
+        for r in recs:
+            r["client"] = info
+            r["total_s"] = total_s
+            if stop_error:
+                r["stop_error"] = stop_error
+    return recs
 
 
 def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, tag, timeout):
-    out = os.path.join(tmpdir, f"bs_{arm['name']}_c{c}_{tag}.jsonl")
+    out = os.path.join(tmpdir, f"bs_{arm['name']}_{workload['name']}_c{c}_{tag}.jsonl")
     cmd = bench_serving_cmd(opts["python"], port, opts["model_path"], workload, c, n, out, args.serving_seed,
                             dataset_for(n))
     t0 = time.time()
