@@ -211,10 +211,11 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
       local ccl=(--token-ids --arms ${AB_ARMS:-base,dflash,ddtree_b7,ddtree_b15} --max-new-tokens ${AB_NEW:-64})
       local cout=scalechain_ab_${shape}_h200
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
-        [[ ",${AB_WORKLOAD:-random}," == *,natural,* ]] && ccl=(natural)
         ccl=(--client bench_serving --workload ${AB_WORKLOAD:-random} --arms ${AB_ARMS:-base,dflash,ddtree}
              --identity-concurrency 4)
         cout=$(serving_out serving_h200_${shape}chain ${AB_WORKLOAD:-random})
+        # natural is refused below (set after ccl: before s33 the line above overwrote it)
+        [[ ",${AB_WORKLOAD:-random}," == *,natural,* ]] && ccl=(natural)
       fi
       { if [ "${ccl[0]}" = natural ]; then echo "scalechain: AB_WORKLOAD=natural has no meaning on the chain pair"; false; else
         timeout -k 10 $lim python3 $REPO/bench/scale/chain_pair.py write --shape $shape --out $sd ${SCALE_LAYERS:+--layers $SCALE_LAYERS} \
