@@ -45,7 +45,9 @@ class Switches:
     the acceptance estimate, None the default edges, ``[]`` one pooled bucket; verify_attn_splits:
     our verify attention's prefix split count (1-64; None: from the context length); draft_attn:
     the drafter's block forward through our kernel (``sglang`` off, ``auto`` where it covers,
-    ``ddtree`` or a start-up error; A/B arm suffix ``_dattn``)."""
+    ``ddtree`` or a start-up error; A/B arm suffix ``_dattn``); draft_fast_plan: the drafter's
+    flashinfer TARGET_VERIFY graphs re-plan with SGLang's sync-free ``fast_prefill_plan``
+    (``patches/flashinfer_draft_fast_plan.py``; A/B arm suffix ``_dfastplan``)."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
     kv_commit: str = "remap"
@@ -57,6 +59,7 @@ class Switches:
     age_buckets: Optional[Tuple[int, ...]] = None
     verify_attn_splits: Optional[int] = None
     draft_attn: str = "sglang"
+    draft_fast_plan: bool = False
 
     def __post_init__(self):
         if self.budget_cycle is not None:
@@ -69,7 +72,7 @@ class Switches:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be " + " or ".join(map(repr, allowed))
                                  + f", got {getattr(self, name)!r}")
-        for name in ("round_overhead", "graph_mask_patch"):
+        for name in ("round_overhead", "graph_mask_patch", "draft_fast_plan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, hi in (("graph_mask_cap", None), ("probe_every", None), ("verify_attn_splits", 64)):

@@ -178,3 +178,21 @@ def _eager_verify(model_runner, eager: bool):
         yield
     finally:
         del runner.can_run_graph
+
+
+def enable_draft_fast_plan(drafter_backend, algo: str) -> bool:
+    """The A/B switch ``draft_fast_plan``: mark the drafter's flashinfer backend so its TARGET_VERIFY
+    graphs re-plan with SGLang's sync-free ``fast_prefill_plan``
+    (``patches/flashinfer_draft_fast_plan.py``).  True when marked; where not covered (another
+    backend, a non-fa2 or dispatching flashinfer) the reason is logged and the drafter plans as
+    SGLang does."""
+    from sglang_ddtree.patches import flashinfer_draft_fast_plan as fp
+
+    what = "drafter flashinfer plan"
+    try:
+        fp.enable(drafter_backend)
+    except ValueError as e:
+        logger.info("%s: %s = flashinfer's plan() (switch draft_fast_plan: %s)", algo, what, e)
+        return False
+    logger.info("%s: %s = SGLang's fast_prefill_plan from host lengths (switch draft_fast_plan)", algo, what)
+    return True

@@ -69,8 +69,9 @@ from .spec_algo import settings_for_worker
 from .switches import commit_ops_backend
 from .verify_backend import (_eager_verify, _find_graph_mask_buffer, _graph_mask_capacity,
                              check_tree_verify_backend, disable_causal_verify_shortcut,
-                             enable_draft_block_attention, enable_tree_verify_attention,
-                             plan_verify_mask_buffer, verify_attention_backend)
+                             enable_draft_block_attention, enable_draft_fast_plan,
+                             enable_tree_verify_attention, plan_verify_mask_buffer,
+                             verify_attention_backend)
 from .warmup import warm_round_kernels
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class DDTreeWorker(DFlashWorkerV2):
     _profiles_its_rounds = True   # its own RoundProfiler (patches/dflash_round_profile.py skips it)
     _adaptive = None              # the adaptive budget's WidthController (set in __init__ when on)
     _catch_up = None              # plain_decode.DraftCatchUp when no-speculation rounds may run
+    _draft_fast_plan = False      # the drafter's flashinfer graphs plan from host lengths (A/B switch)
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -170,6 +172,9 @@ class DDTreeWorker(DFlashWorkerV2):
         draft_runner = getattr(self, "draft_model_runner", None)
         enable_tree_verify_attention(backend, self._target_worker.model_runner, self.algo_name,
                                      getattr(draft_runner, "attn_backend", None))
+        if switches.CURRENT.draft_fast_plan:           # A/B switch, off by default
+            self._draft_fast_plan = enable_draft_fast_plan(getattr(draft_runner, "attn_backend", None),
+                                                           self.algo_name)
         if verify_attn_hook.draft_mode() != "sglang":   # off by default
             enable_draft_block_attention(getattr(draft_runner, "attn_backend", None),
                                          getattr(draft_runner, "model", None), self.block_size,
@@ -624,6 +629,11 @@ class DDTreeWorker(DFlashWorkerV2):
         D, K = self.block_size - 1, self.topk
         target_model = self._target_worker.model_runner.model
         embeds = target_model.get_input_embeddings()(block_ids)
+        if self._draft_fast_plan:
+            # its graphs plan from the host lengths (patches/flashinfer_draft_fast_plan.py): each
+            # must bound the request's KV length, prefix + B, and host_bound bounds the prefix only
+            host_bound = host_bound + self.block_size
+            host_bound_sum = host_bound_sum + bs * self.block_size
         draft_fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.flatten(),
             req_pool_indices=batch.req_pool_indices, seq_lens=prefix,

@@ -428,6 +428,7 @@ def test_drafttriton_arm_puts_the_drafter_on_triton_whatever_the_run_gives():
     DDTree arms, once; composes with the env / switch suffixes."""
     d = ab.parse_arm("ddtree_drafttriton")
     assert d["auto"] and d["env"] == {} and d["server_flags"] == ("--speculative-draft-attention-backend", "triton")
+    assert ab.arm_switches(ab.parse_arm("ddtree_dfastplan")) == {"draft_fast_plan": True}   # the other fix
     ns = ab.parse_arm("ddtree_nospec_drafttriton")
     assert ab.arm_switches(ns) == {"budget_cycle": [0]} and ns["server_flags"] == d["server_flags"]
     for bad in ("base_drafttriton", "dflash_drafttriton", "ddtree_drafttriton_drafttriton"):

@@ -25,6 +25,7 @@ AUTO_BUDGETS = (7, 15, 31)
 ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_sglattn", "SGLANG_DDTREE_VERIFY_ATTN", "sglang", False),
                 ("_dattn", "switch:draft_attn", "ddtree", False),
+                ("_dfastplan", "switch:draft_fast_plan", True, False),
                 ("_torchcommit", "switch:commit_ops", "torch", False),
                 ("_nospec", "switch:budget_cycle", [0], True),
                 ("_nooverhead", "switch:round_overhead", False, True))
@@ -60,6 +61,8 @@ def parse_arm(name: str) -> dict:
     in ``_sglattn``: SGLang's masked extend kernel (``=sglang``); without either the server's
     default (``auto``: ours where it covers the verify).  ``_dattn``: the drafter's block forward
     also through our kernel (switch ``draft_attn=ddtree``, all-set bitmask; off by default).
+    ``_dfastplan``: the drafter's flashinfer graphs re-plan without the blocking host copy
+    (switch ``draft_fast_plan``, ``patches/flashinfer_draft_fast_plan.py``; off by default).
     ``_drafttriton``: the drafter's attention on triton (``--speculative-draft-attention-backend
     triton``) whatever ``--attention-backend`` the run gives every arm.  ``_torchcommit`` (e.g.
     ``ddtree_b7_torchcommit``): the round's commit as the torch-op composition it replaced
