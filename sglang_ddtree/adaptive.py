@@ -120,9 +120,6 @@ class WidthController:
         self._acc = dict.fromkeys(self._ACC_KEYS, 0.0)
         self._adm = dict.fromkeys(("excess", "prefills", "flagged", "rounds", "tokens"), 0.0)
 
-    def _cost(self, bs: int, w: int) -> float:
-        return self.policy.costs.cost(bs, w)
-
     def _launch(self, batch: Optional[Tuple[int, int, Optional[float]]]) -> None:
         """A batch is being launched now (``(bs, width, K)`` of a round, K its thousand KV tokens or
         None, and None for any other batch): the
@@ -141,13 +138,13 @@ class WidthController:
                 self.intervals["other_batch"] += 1
             else:
                 bs, w, K = measured
-                c, cost = w, self._cost(bs, w)
+                cost = self.policy.costs.cost(bs, w)
                 ring = self._local_overhead_plain if w == NO_SPEC else self._local_overhead
-                ok = self.policy.observe_interval(bs, c, ms, into=ring)
+                ok = self.policy.observe_interval(bs, w, ms, into=ring)
                 self.intervals["observed" if ok else "ignored"] += 1
                 if K is not None:
-                    est = self.policy.width_overhead(c, K)
-                    self._width_sample(c, ms - cost, K)
+                    est = self.policy.width_overhead(w, K)
+                    self._width_sample(w, ms - cost, K)
                     if est is not None:   # a long context's rounds may take longer than MAX_GAP_MS
                         max_gap = max(max_gap, 4.0 * (cost + est) + 20.0)
             if 0.0 < ms <= max_gap:                  # longer: the server was idle
@@ -275,9 +272,10 @@ class WidthController:
             return self.cfg.widest
         ws = [w for w in self.policy.candidates(bs) if w != NO_SPEC]
         if not ws:                     # past every tree width's graphs: plain decoding
-            return 1
-        cap = 2.0 * self._cost(bs, ws[0])
-        return max(w for w in ws if self._cost(bs, w) <= cap)
+            return NO_SPEC
+        cost = self.policy.costs.cost
+        cap = 2.0 * cost(bs, ws[0])
+        return max(w for w in ws if cost(bs, w) <= cap)
 
     def _draft_probe(self, bs: int) -> bool:
         """A no-speculation round chosen by the policy: True when it should also run the drafter block

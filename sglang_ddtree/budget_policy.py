@@ -712,12 +712,14 @@ class BudgetPolicy:
         """Expected output tokens per millisecond of a round of ``bs`` requests at ``width``."""
         return bs * self.tokens_per_request(width) / self.round_ms(bs, width)
 
-    def score(self, bs: int, width: int, tokens_per_ms: Optional[float] = None) -> float:
+    def score(self, bs: int, width: int, tokens_per_ms: Optional[float] = None,
+              margin: Optional[float] = None) -> float:
         """What :meth:`choose` compares: :meth:`tokens_per_ms` (or the given value), for a tree width
         divided by ``1 + spec_margin (1 - 1/bs)`` when no speculation is among the choices, and on a
         synced batch (:attr:`synced_left` given, bs >= 2) by ``1 + m`` with the larger
         ``m = min(sync_margin, (bs - 1) sync_admission_ms / (synced_left x plain round ms))``: the
-        admissions a spread costs, over the plain decoding time they are paid back in.
+        admissions a spread costs, over the plain decoding time they are paid back in (:meth:`margin`;
+        ``margin``: that value when the caller already has it for ``bs``).
 
         Why a margin: the estimate a tree is chosen on is the one that happened to read high, and
         speculation has a cost the per-round model does not price.  Requests that plain decoding
@@ -756,7 +758,7 @@ class BudgetPolicy:
         decoding) where it served 0.98x or more without ``spec_margin``."""
         tpm = self.tokens_per_ms(bs, width) if tokens_per_ms is None else float(tokens_per_ms)
         if width != NO_SPEC and self.allow_no_spec:
-            return tpm / (1.0 + self.margin(bs))
+            return tpm / (1.0 + (self.margin(bs) if margin is None else margin))
         return tpm
 
     def margin(self, bs: int) -> float:
@@ -784,7 +786,8 @@ class BudgetPolicy:
         if bs < 1:
             raise ValueError(f"batch size must be >= 1, got {bs}")
         self.batch_accept = None if not ages or self.buckets == 1 else self.mix_accept(ages)
-        scores = {w: self.score(bs, w) for w in self.candidates(bs)}
+        m = self.margin(bs)          # one per batch size: every tree width is held to the same bar
+        scores = {w: self.score(bs, w, margin=m) for w in self.candidates(bs)}
         best = max(scores, key=lambda w: (scores[w], -w))   # ties: the narrower (cheaper) width
         if self.current in scores and scores[best] <= scores[self.current] * (1 + self.hysteresis):
             return self.current
