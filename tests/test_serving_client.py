@@ -608,12 +608,13 @@ def test_the_per_pass_client_stays_behind_a_flag(tmp_path):
     assert type(c) is S.PerPassClient and c.info()["mode"] == "per-pass"
 
 
-def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_path, monkeypatch):
-    """One cell over several device calls on one warm machine: a first run whose last arm is cut by
-    its deadline, then ``--resume`` in the same work dir runs only the arms not complete (with the
-    first run's level counts) and reports all of them; another GPU or other settings keep nothing."""
+def _resume_world(tmp_path, monkeypatch, *fixed, gpus=None):
+    """What the resume tests share: fake bench_serving passes (2 requests a second per slot), this
+    machine's GPUs (``gpus["now"]``, default one), a launcher recording each server's port, and the
+    command line of a base,dflash run in one work dir: ``fixed`` + each call's own flags (last wins).
+    -> (calls, launched, launcher, args)."""
     calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
-    gpus = {"now": ["GPU-aaa"]}
+    gpus = {"now": ["GPU-aaa"]} if gpus is None else gpus
     monkeypatch.setattr(S, "machine_id", lambda: dict(host="h", gpus=list(gpus["now"])))
     model = _model_dir(tmp_path)
     launched = []
@@ -623,10 +624,20 @@ def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_pa
         return _Srv()
 
     def args(*extra):
-        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "1",
-                     "--repeats", "3", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
-                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"), "--no-env-probe",
-                     "--prompts", str(_prompts_file(tmp_path)), *extra)
+        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--warmup", "0",
+                     "--identity-prompts", "2", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                     "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)), *fixed, *extra)
+
+    return calls, launched, launcher, args
+
+
+def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_path, monkeypatch):
+    """One cell over several device calls on one warm machine: a first run whose last arm is cut by
+    its deadline, then ``--resume`` in the same work dir runs only the arms not complete (with the
+    first run's level counts) and reports all of them; another GPU or other settings keep nothing."""
+    gpus = {"now": ["GPU-aaa"]}
+    calls, launched, launcher, args = _resume_world(tmp_path, monkeypatch, "--concurrency", "1", "--repeats", "3",
+                                                    "--min-level-seconds", "20", gpus=gpus)
 
     real = S._measure_arm
 
@@ -674,20 +685,8 @@ def test_several_workloads_share_each_arms_server_and_keep_their_own_reports(tmp
     ``<out>_long``, each the format of a one-workload run, its own level sizing), the identity
     requests once per server, in both reports.  ``--resume`` is per workload: an arm complete in one
     and cut in the other starts again for the other only."""
-    calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
-    monkeypatch.setattr(S, "machine_id", lambda: dict(host="h", gpus=["GPU-aaa"]))
-    model = _model_dir(tmp_path)
-    launched = []
-
-    def launcher(cmd, env, log):
-        launched.append(cmd[cmd.index("--port") + 1])
-        return _Srv()
-
-    def args(*extra):
-        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "1,4",
-                     "--repeats", "2", "--warmup", "0", "--min-level-seconds", "0", "--identity-prompts", "2",
-                     "--workload", "random,long", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
-                     "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)), *extra)
+    calls, launched, launcher, args = _resume_world(tmp_path, monkeypatch, "--concurrency", "1,4", "--repeats", "2",
+                                                    "--min-level-seconds", "0", "--workload", "random,long")
 
     sent = []
     real_one = S._one_run
@@ -740,20 +739,8 @@ def test_resume_keeps_the_complete_levels_of_a_cut_arm(tmp_path, monkeypatch):
     """An arm cut by the deadline after its c=1 level: ``--resume`` starts its server again and runs
     only c=4 (the state's counts, no calibration); the report holds c=1 from the first call and c=4
     from this one, and the arm is complete."""
-    calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
-    monkeypatch.setattr(S, "machine_id", lambda: dict(host="h", gpus=["GPU-aaa"]))
-    model = _model_dir(tmp_path)
-    launched = []
-
-    def launcher(cmd, env, log):
-        launched.append(cmd[cmd.index("--port") + 1])
-        return _Srv()
-
-    def args(*extra):
-        return _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash", "--concurrency", "1,4",
-                     "--repeats", "2", "--warmup", "0", "--min-level-seconds", "0", "--identity-prompts", "2",
-                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"), "--no-env-probe",
-                     "--prompts", str(_prompts_file(tmp_path)), *extra)
+    calls, launched, launcher, args = _resume_world(tmp_path, monkeypatch, "--concurrency", "1,4", "--repeats", "2",
+                                                    "--min-level-seconds", "0")
 
     real = S._measure_arm
 

@@ -669,13 +669,13 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
                     rec["git_commit"] = L.doc["meta"].get("git_commit")
                     rec["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 L.doc["arms"].append(rec)
-                L.save(args, t_start)
+                L.save(t_start)
     except KeyboardInterrupt:
         for L in loads:
             L.doc["interrupted"] = True
         print("interrupted: writing what was measured", flush=True)
     for L in loads:
-        L.finish(args, t_start)
+        L.save(t_start, final=True)
     return loads[0].doc
 
 
@@ -747,22 +747,20 @@ class _Load:
             self.natural.setdefault("distinct", {})[str(n)] = len(set(texts))
         return self.natural["files"][n]
 
-    def save(self, args, t_start):
-        """After an arm: the resume state, the identity verdicts so far, the report."""
+    def save(self, t_start, final: bool = False):
+        """After an arm: the resume state, then the report with the request counts, the identity
+        verdicts and the natural prompts' source so far.  ``final`` (the run's end): the report only,
+        with the output ids when ``--save-output-ids`` (bench/ab_divergence.py's inputs)."""
         from .report import write_outputs
-        save_resume(self.state_path, self.key, self.doc["arms"], self.outputs, self.counts)
+        args = self._args
+        if not final:
+            save_resume(self.state_path, self.key, self.doc["arms"], self.outputs, self.counts)
         self.doc["settings"]["requests_per_level"] = {str(c): n for c, n in sorted(self.counts.items())}
         self.doc["identity"] = identity_report(self.outputs, args.reference_arm, self.id_prompts)
         self.doc["elapsed_s"] = round(time.time() - t_start, 1)
         if self.natural is not None:
             self.doc["settings"]["natural"] = dict(source=self.natural["source"], distinct=self.natural.get("distinct"))
-        write_outputs(self.doc, self.out, plot=False)
-
-    def finish(self, args, t_start):
-        from .report import write_outputs
-        self.doc["identity"] = identity_report(self.outputs, args.reference_arm, self.id_prompts)
-        self.doc["elapsed_s"] = round(time.time() - t_start, 1)
-        if args.save_output_ids:   # bench/ab_divergence.py's inputs: output_ids[arm][c], prompt_ids
+        if final and args.save_output_ids:   # output_ids[arm][c], prompt_ids
             self.doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in self.outputs.items()}
             self.doc["prompt_ids"] = [p["input_ids"] for p in self.id_prompts]
         write_outputs(self.doc, self.out, plot=False)
@@ -834,7 +832,7 @@ def load_resume(path: str, key: dict) -> Tuple[Dict[str, tuple], Dict[int, int],
     recs = st.get("arms") or []
     kept = {r["name"]: (r, outs.get(r["name"]) or {}) for r in recs if r.get("status") == "ok"}
     levels = {r["name"]: [lv for lv in r.get("levels") or [] if level_complete(lv)] for r in recs
-              if r.get("status") != "ok" and not r.get("resumed")}
+              if r.get("status") != "ok"}
     return (kept, {int(c): int(n) for c, n in (st.get("counts") or {}).items()}, None,
             {a: lvs for a, lvs in levels.items() if lvs})
 
@@ -884,7 +882,6 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
     def left(default=3600.0):
         return default if deadline_at is None else max(5.0, deadline_at - time.time())
 
-    rec = recs[0]
     try:
         server = launcher(cmd, env, log_path)
         why = wait_healthy(f"http://127.0.0.1:{port}", server, min(args.start_timeout, left()))
@@ -900,7 +897,8 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
         for L, rec in zip(loads, recs):
             if len(loads) > 1:
                 print(f"[{arm['name']}] workload {L.name}", flush=True)
-            if args.warmup and not set(levels) <= {lv["concurrency"] for lv in L.levels_kept.get(arm["name"], [])}:
+            done = {lv["concurrency"]: lv for lv in L.levels_kept.get(arm["name"], [])}
+            if args.warmup and not set(levels) <= done.keys():
                 # one uncounted pass at the largest concurrency, short outputs
                 wn = requests_per_level(args.requests_per_level, maxc, 1 << 30)
                 wc = bench_serving_cmd(python, port, opts["model_path"], L.workload, maxc, min(wn, maxc),
@@ -909,7 +907,6 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                 w = bsc.run(wc, left())
                 rec["warmup"] = dict(ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
                                      output_throughput=(w.get("result") or {}).get("output_throughput"))
-            done = {lv["concurrency"]: lv for lv in L.levels_kept.get(arm["name"], [])}
             for c in levels:
                 if c in done:           # completed by an earlier call on this machine (--resume)
                     rec["levels"].append(dict(done[c], resumed=True))
@@ -930,7 +927,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     if last is not None and deadline_at is not None and last.get("window") \
                             and deadline_at - time.time() < REPEAT_FIT * (last["window"][1] - last["window"][0]):
                         # a repeat cut by the deadline is device time for nothing: leave it (the level is
-                        # partial; --resume runs the arm again in the next call)
+                        # partial; --resume runs it again in the next call, keeping the complete ones)
                         rec.setdefault("unstarted_repeats", []).append(c)
                         break
                     tag = f"calib{len(calibration)}" if sizing else f"r{len(reps)}"
@@ -938,7 +935,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     if sizing:
                         dur = (r.get("result") or {}).get("duration") or 0.0
                         short = bool(r.get("ok")) and dur < args.min_level_seconds
-                        # the first pass never L.counts (the server's first traffic at this level: it may be
+                        # the first pass never counts (the server's first traffic at this level: it may be
                         # much slower than the next, 2026-12-04 s26: 13.3 s for 64 requests cold, then
                         # 3.2 s for 112); a short pass is re-scaled from and run again
                         if not calibration or (short and len(calibration) < MAX_CALIBRATION_PASSES):
