@@ -94,6 +94,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=K.SEED)
     ap.add_argument("--force", action="store_true", help="redo every phase")
+    ap.add_argument("--stop-after", choices=("corpus",), default=None,
+                    help="corpus: build (or check) the corpus and stop: an earlier call on the machine, whose GPU "
+                    "serves other stages meanwhile, leaves the next call the whole budget for the target")
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start: the greedy data and the "
                     "drafter are cut so that evaluation and writing end by then")
     ap.add_argument("--reserve", type=float, default=45, help="seconds kept for evaluation + writing")
@@ -133,6 +136,8 @@ def main():
     ap.add_argument("--redo-drafter", action="store_true", help="train the drafter again (a longer --drafter-seconds) "
                     "on the work folder's target and greedy data (WORK/gen.pt; missing batches are generated)")
     ap.add_argument("--eval-new", type=int, default=256, help="greedy tokens per held-out prompt (offline acceptance)")
+    ap.add_argument("--tree-budgets", type=int, nargs="*", default=[15, 31, 63],
+                    help="offline DDTree budgets walked beside the chain (pairlib.tree_sim); none: skip")
     ap.add_argument("--check-prompts", type=int, default=4, help="prompts whose greedy tokens log.json keeps")
     a = ap.parse_args()
     if a.preset == "smoke":   # CPU sizes of every phase (seconds on 2 cores)
@@ -141,6 +146,7 @@ def main():
         a.prompt_lens, a.gen, a.gen_seqs, a.gen_batch = [16, 24], 24, 16, 16
         a.drafter_batch, a.drafter_steps, a.eval_windows, a.ppl_windows = 16, a.drafter_steps or 30, 4, 8
         a.prompt_lens_eval, a.prompts_per_len, a.eval_new, a.tok_sample_mb = [16, 32], 2, 24, 2
+        a.tree_budgets = [3, 7] if a.tree_budgets == [15, 31, 63] else a.tree_budgets
     a.vocab = a.vocab or K.PRESETS[a.preset]["vocab"]
     if a.vocab != K.PRESETS[a.preset]["vocab"]:
         K.PRESETS[a.preset] = dict(K.PRESETS[a.preset], vocab=a.vocab)
@@ -154,6 +160,10 @@ def main():
 
     # 1. corpus ---------------------------------------------------------------------------------
     cdir = phase_corpus(a, res)
+    if a.stop_after == "corpus":
+        dump(res_path, res)
+        log(f"stopped after the corpus ({cdir})")
+        return
     C, L = K.install(a.preset, tokenizer_dir=os.path.join(cdir, "tokenizer"))
     import fastlm
     import train as TR              # bench/textpair/train.py: the phase functions
@@ -237,7 +247,7 @@ def main():
     by_len, checks = {}, []
     for p in prompts:
         by_len.setdefault(p["len"], []).append(p["input_ids"])
-    acc = {}
+    acc, trees = {}, {}
     tot_tokens = tot_rounds = 0
     for plen, ids in sorted(by_len.items()):
         x = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -246,6 +256,8 @@ def main():
         sim = L.dflash_sim(Db, Tb, seqs, feats, plen)
         sim.update(prompts=len(ids), bf16_tie_frac_greedy=round(ties / max(1, n), 5))
         acc[str(plen)] = sim
+        if a.tree_budgets:
+            trees[str(plen)] = L.tree_sim(Db, Tb, seqs, feats, plen, a.tree_budgets)
         tot_tokens += sim["dflash_tokens_per_round"] * sim["rounds"]
         tot_rounds += sim["rounds"]
         for i in range(min(len(ids), a.check_prompts - len(checks))):
@@ -273,6 +285,19 @@ def main():
         "dflash_tokens_per_round": res["offline_acceptance"]["dflash_tokens_per_round"],
         "prompt_len": "held-out prompts of " + "/".join(sorted(acc, key=int)), "gen": a.eval_new,
         "seqs": len(prompts)}
+    if trees:   # the tree at each budget against the chain over the same anchors and rounds
+        tr = {}
+        for b in map(str, a.tree_budgets):
+            r = sum(t[b]["rounds"] for t in trees.values())
+            tpr = sum(t[b]["tokens_per_round"] * t[b]["rounds"] for t in trees.values()) / max(1, r)
+            sw = sum(t[b]["sibling_win_round_frac"] * t[b]["rounds"] for t in trees.values()) / max(1, r)
+            tr[b] = {"tokens_per_round": round(tpr, 3), "rounds": r, "sibling_win_round_frac": round(sw, 4),
+                     "gain_over_chain": round(tpr / max(1e-9, res["offline_acceptance"]["dflash_tokens_per_round"]), 3)}
+            log(f"offline DDTree budget {b}: {tr[b]['tokens_per_round']} tokens/round "
+                f"({tr[b]['gain_over_chain']}x the chain), a sibling won in {100 * tr[b]['sibling_win_round_frac']:.1f}% of rounds")
+        res["offline_tree"] = {"per_prompt_len": trees, "all": tr, "how": "pairlib.tree_sim: the project's best-first "
+                               "tree (top-b per depth) walked against the same greedy continuations; budget 15 verifies "
+                               "16 tokens, as the block-16 chain"}
     res["checks"] = checks
     torch.backends.cuda.matmul.allow_tf32 = True
     log("offline DFLASH tokens per round (all held-out prompts):", res["offline_acceptance"]["dflash_tokens_per_round"])

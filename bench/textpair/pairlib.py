@@ -205,6 +205,64 @@ def dflash_sim(D, T, seqs, feats, p, batch=256):
             "per_seq_min_max": [round(min(per_seq), 2), round(max(per_seq), 2)]}
 
 
+@torch.no_grad()
+def tree_sim(D, T, seqs, feats, p, budgets, batch=256):
+    """Offline DDTree on greedy sequences seqs [S, p+G] (prompt length p), beside dflash_sim's chain:
+    at every anchor n the drafter's block at root seqs[:, n] gives per-depth top-b log-probs, the
+    project's best-first tree of b nodes is built (sglang_ddtree.ddtree, the server's kernels on CUDA,
+    the reference on the CPU) and walked against the target's greedy tokens (a node is accepted when
+    its token is the greedy token at its depth and its parent was accepted). The rounds then run as
+    the server's: first root = the token prefill emits at position p, a round commits the accepted
+    path + the bonus, rounds while the whole block fits. Per budget: tokens per round, the mean
+    accepted length per anchor, and the share of rounds whose accepted path holds a node that is not
+    its parent's first child (a non-first-rank sibling won: what the tree adds over a chain)."""
+    from sglang_ddtree import ddtree
+    S, L = seqs.shape
+    B = C.BLOCK_SIZE
+    backend = "triton" if seqs.is_cuda else "reference"
+    anchors = list(range(p, L - B + 1))
+    acc = {b: torch.zeros(S, L, dtype=torch.long) for b in budgets}
+    sib = {b: torch.zeros(S, L, dtype=torch.bool) for b in budgets}
+    for n in anchors:
+        for i in range(0, S, batch):
+            sq = seqs[i:i + batch]
+            lg = drafter_logits(D, T, feats[i:i + batch, :n].float(), sq[:, n], n).float()
+            for b in budgets:
+                lp, ids = ddtree.topk_logprobs(lg, min(b, lg.shape[-1]), backend=backend)
+                tree = ddtree.build_tree(lp, ids, b, root_tokens=sq[:, n], backend=backend)
+                # the target's greedy token after each slot (its depth): what the verify would emit there
+                pos = (n + 1 + tree.depth.long()).clamp(max=L - 1)
+                tgt = torch.gather(sq, 1, pos)
+                a = ddtree.accept_greedy(tree, tgt, backend=backend)
+                par = tree.parent.long()
+                k = torch.arange(par.shape[1], device=par.device)
+                # slot j has an earlier sibling: some slot k < j with the same (valid) parent
+                later = (par.unsqueeze(2) == par.unsqueeze(1)) & (k.view(1, 1, -1) < k.view(1, -1, 1))
+                not_first = (later.any(2) & (par >= 0))
+                path = a.path.long()
+                on_path = (path >= 0) & (torch.arange(path.shape[1], device=path.device).view(1, -1)
+                                         <= a.accept_len.long().view(-1, 1))
+                hit = torch.gather(not_first, 1, path.clamp(min=0)) & on_path
+                hit[:, 0] = False   # the root
+                acc[b][i:i + batch, n] = a.accept_len.long().cpu()
+                sib[b][i:i + batch, n] = hit.any(1).cpu()
+    out = {}
+    for b in budgets:
+        rounds = toks = sib_rounds = 0
+        for s in range(S):
+            n = p
+            while n <= L - B:
+                x = int(acc[b][s, n])
+                rounds += 1
+                toks += x + 1
+                sib_rounds += int(sib[b][s, n])
+                n += x + 1
+        out[str(b)] = {"tokens_per_round": round(toks / max(1, rounds), 3), "rounds": rounds,
+                       "accept_per_anchor": round(acc[b][:, p:L - B + 1].float().mean().item() + 1, 3),
+                       "sibling_win_round_frac": round(sib_rounds / max(1, rounds), 4)}
+    return out
+
+
 def cosine_lr(step, steps, peak, warm, floor=0.1):
     if step < warm:
         return peak * (step + 1) / warm
