@@ -169,6 +169,11 @@ def test_log_has_perplexity_and_acceptance(run):
     assert log["drafter_config"]["block_size"] == 16
     assert len(log["dflash_sim_heldout"]["depth_top1"]) == 15
     assert log["dflash_sim_heldout"]["dflash_tokens_per_round"] == acc["dflash_tokens_per_round"]
+    tree = log["offline_tree"]["all"]   # the smoke preset's budgets; tests/test_tree_sim.py checks the walk
+    assert set(tree) == {"3", "7"}
+    for t in tree.values():
+        assert 1.0 <= t["tokens_per_round"] <= 16.0 and 0.0 <= t["sibling_win_round_frac"] <= 1.0
+        assert t["gain_over_chain"] == pytest.approx(t["tokens_per_round"] / acc["dflash_tokens_per_round"], abs=2e-3)
     sys.path.insert(0, os.path.join(REPO, "bench", "textpair"))
     import drafter_curve   # the text pair's curve reads a code-pair run as it is
     pt = drafter_curve.point("codepair", str(d / "out" / "codepair_log.json"))
