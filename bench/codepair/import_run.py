@@ -70,6 +70,8 @@ def main():
                       "heldout_ppl": (t.get("heldout_fp32_bf16weights") or {}).get("heldout_ppl"),
                       "drafter_steps": log.get("drafter", {}).get("steps"),
                       "offline_dflash_tokens_per_round": acc.get("dflash_tokens_per_round"),
+                      "offline_ddtree": {b: [v.get("tokens_per_round"), v.get("sibling_win_round_frac")]
+                                         for b, v in (log.get("offline_tree") or {}).get("all", {}).items()},
                       "wrote": out}, indent=1))
 
 
