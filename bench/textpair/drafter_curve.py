@@ -12,12 +12,27 @@ import os
 import sys
 
 
+def served_accept(doc, name):
+    """{concurrency: accept length} of the A/B's arm `name` ({} when it did not run)."""
+    arm = next((a for a in doc["arms"] if a["name"] == name and a.get("status") == "ok"), None)
+    return {} if arm is None else {str(lv["concurrency"]): lv.get("accept_length") for lv in arm["levels"]}
+
+
 def served_dflash(ab_path):
     """{concurrency: accept length} of the A/B's dflash arm, and the report's date / commit."""
     doc = json.load(open(ab_path))
-    arm = next((a for a in doc["arms"] if a["name"] == "dflash" and a.get("status") == "ok"), None)
-    acc = {} if arm is None else {str(lv["concurrency"]): lv.get("accept_length") for lv in arm["levels"]}
-    return acc, doc["meta"].get("date"), doc["meta"].get("git_commit")
+    return served_accept(doc, "dflash"), doc["meta"].get("date"), doc["meta"].get("git_commit")
+
+
+def served_trees(ab_path):
+    """{budget: {concurrency: accept length}} of the A/B's fixed-budget DDTree arms (ddtree_b<N>)."""
+    doc = json.load(open(ab_path))
+    out = {}
+    for a in doc["arms"]:
+        n = a["name"]
+        if n.startswith("ddtree_b") and n[len("ddtree_b"):].isdigit() and a.get("status") == "ok":
+            out[n[len("ddtree_b"):]] = served_accept(doc, n)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def point(name, log_path, ab_path=None):
@@ -36,7 +51,34 @@ def point(name, log_path, ab_path=None):
     if ab_path:
         p["served_dflash_accept"], p["ab_date"], p["ab_commit"] = served_dflash(ab_path)
         p["ab"] = ab_path
+        trees = served_trees(ab_path)
+        if trees:
+            p["served_ddtree_accept"] = trees
+    if log.get("offline_tree"):   # the code pair's recipe: the tree walked beside the chain
+        p["offline_ddtree"] = log["offline_tree"]["all"]
     return p
+
+
+def tree_table(pts, f):
+    """The tree against the chain, per budget (budget 15 verifies 16 tokens: the block-16 chain's width)."""
+    md = ["\n## The tree against the chain\n",
+          "Offline: the recipe's DDTree (the project's best-first tree of b nodes from the drafter's top-b per "
+          "depth) walked against the same greedy continuations as the chain; a sibling win = the round's "
+          "accepted path holds a node that is not its parent's first child. Served: accepted tokens per verify "
+          "round of the A/B's `ddtree_b<N>` arm, and its ratio to the `dflash` arm at the same concurrency.\n",
+          "| drafter | budget | offline tokens/round | offline gain over the chain | rounds with a sibling win | "
+          "served accept (c: value, x DFLASH) |", "|---|---:|---:|---:|---:|---|"]
+    for p in pts:
+        off, srv = p.get("offline_ddtree") or {}, p.get("served_ddtree_accept") or {}
+        dfl = p.get("served_dflash_accept") or {}
+        for b in sorted(set(off) | set(srv), key=int):
+            o = off.get(b, {})
+            served = ", ".join(f"c={c}: {f(v)}" + (f" ({v / dfl[c]:.2f}x)" if v and dfl.get(c) else "")
+                               for c, v in srv.get(b, {}).items()) or "-"
+            sw = o.get("sibling_win_round_frac")
+            md.append(f"| {p['name']} | {b} | {f(o.get('tokens_per_round'))} | {f(o.get('gain_over_chain'))} | "
+                      f"{'-' if sw is None else f'{100 * sw:.1f} %'} | {served} |")
+    return md
 
 
 def main(argv):
@@ -66,6 +108,8 @@ def main(argv):
                   f"{f(p['offline_depth1_top1'])} | {f(p['offline_dflash_tokens_per_round'])} | {served} | "
                   f"{'`' + os.path.basename(p['ab']) + '`' if p.get('ab') else '-'} |")
     md.append(f"\nStock DFLASH reaches >= 3 tokens per round: {'yes' if doc['reached'] else '**no**'}.")
+    if any(p.get("offline_ddtree") or p.get("served_ddtree_accept") for p in pts):
+        md += tree_table(pts, f)
     open(out + ".md", "w").write("\n".join(md) + "\n")
     print("\n".join(md))
 
