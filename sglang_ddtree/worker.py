@@ -60,11 +60,11 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import (accept_estimate, adaptive, adaptive_config, ddtree, logprobs, plain_decode, sampling,
-               switches, tree_ops, verify_attn_hook, verify_states)
-from .budget_policy import NO_SPEC, BudgetPolicy
+from . import ddtree, logprobs, plain_decode, sampling, switches, tree_ops, verify_attn_hook, verify_states
 from .draft_head import DDTreeDraftHead, check_target_lm_head
-from .round_stats import RoundCounterfactual, make_round_observers
+from .policy import accept_estimate, adaptive, adaptive_config
+from .policy.budget_policy import NO_SPEC, BudgetPolicy
+from .policy.round_stats import RoundCounterfactual, make_round_observers
 from .spec_algo import settings_for_worker
 from .switches import commit_ops_backend
 from .verify_backend import (_eager_verify, _find_graph_mask_buffer, _graph_mask_capacity,

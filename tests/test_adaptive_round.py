@@ -17,16 +17,16 @@ import torch
 
 pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 
-from sglang_ddtree import adaptive as A  # noqa: E402
-from sglang_ddtree import adaptive_config as AC  # noqa: E402
+from sglang_ddtree.policy import adaptive as A  # noqa: E402
+from sglang_ddtree.policy import adaptive_config as AC  # noqa: E402
 from sglang_ddtree import verify_states as VS  # noqa: E402
-from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
+from sglang_ddtree.policy.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 from sglang_ddtree import warmup as WU  # noqa: E402
 from sglang_ddtree import plain_decode as P  # noqa: E402
 from sglang_ddtree import switches as S  # noqa: E402
-from sglang_ddtree.budget_policy import BudgetPolicy, CostTable  # noqa: E402
+from sglang_ddtree.policy.budget_policy import BudgetPolicy, CostTable  # noqa: E402
 from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
 
 V, B, K, H = 64, 6, 12, 3          # vocab, drafter block (depth 5), top-k, hidden width

@@ -7,12 +7,12 @@ import types
 import pytest
 import torch
 
-from sglang_ddtree import adaptive_config as AC
+from sglang_ddtree.policy import adaptive_config as AC
 from sglang_ddtree import ddtree as DT
 from sglang_ddtree import verify_states as VS
 from sglang_ddtree import plain_decode as P
 from sglang_ddtree import switches
-from sglang_ddtree.budget_policy import NO_SPEC
+from sglang_ddtree.policy.budget_policy import NO_SPEC
 
 
 class FakeArgs:

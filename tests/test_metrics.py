@@ -21,8 +21,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sglang_ddtree import profiling, round_stats, switches
-from sglang_ddtree.round_stats import AcceptanceStats, make_round_observers
+from sglang_ddtree import profiling, switches
+from sglang_ddtree.policy import round_stats
+from sglang_ddtree.policy.round_stats import AcceptanceStats, make_round_observers
 
 prometheus_client = pytest.importorskip("prometheus_client")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,8 +86,9 @@ SCRIPT = FAKES + '''
 import json, os, sys, types
 assert "prometheus_client" not in sys.modules
 torch.cuda.Event = FakeEvent
-from sglang_ddtree import adaptive_config, ddtree, round_stats
-from sglang_ddtree.round_stats import make_round_observers
+from sglang_ddtree import ddtree
+from sglang_ddtree.policy import adaptive_config, round_stats
+from sglang_ddtree.policy.round_stats import make_round_observers
 
 out = {}
 mp_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
@@ -389,7 +391,7 @@ def test_stats_file_carries_each_budgets_predicted_acceptance(guarded, world, mo
     window's ``predicted`` is their sum over request-rounds, next to the exact ``counterfactual``.
     The fake drafter's log-probs are random, so only the bookkeeping is checked here (the estimate
     itself: tests/test_accept_estimate.py)."""
-    from sglang_ddtree import accept_estimate as AE
+    from sglang_ddtree.policy import accept_estimate as AE
 
     out = tmp_path / "stats.jsonl"
     monkeypatch.setenv(round_stats.ENV_FILE, str(out))

@@ -17,7 +17,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 from conftest import DEVICE  # noqa: E402
 from helpers import env_without_checkout  # noqa: E402
-from sglang_ddtree import adaptive_config as AC  # noqa: E402
+from sglang_ddtree.policy import adaptive_config as AC  # noqa: E402
 from sglang_ddtree import switches  # noqa: E402
 from sglang_ddtree import verify_attn_hook as VA  # noqa: E402
 from sglang_ddtree import verify_backend as VB  # noqa: E402

@@ -1,0 +1,16 @@
+"""The round policy of DDTREE-GPU: which verify width each round runs (no speculation included) and
+the statistics that choice is made from.
+
+Modules:
+
+- ``adaptive.py``: ``WidthController``, the per-round choice (forced cycle, pinned budgets,
+  probes, draft-only probes, the measured round overheads and admissions);
+- ``budget_policy.py``: ``BudgetPolicy``, the choice from the start-up cost table, the overheads
+  and the acceptance per request-age bucket; ``NO_SPEC`` (width 1, no speculation);
+- ``adaptive_config.py``: the adaptive settings (``SGLANG_DDTREE_BUDGETS`` / ``_ADAPTIVE``, the
+  switches) and a request's pinned budget;
+- ``accept_estimate.py``: every width's expected acceptance read off the tree itself;
+- ``round_stats.py``: the counterfactual counts (``RoundCounterfactual``, the controller's
+  ``CounterfactualWindow``), the opt-in acceptance statistics (stats file, Prometheus) and the
+  worker's round observers.
+"""
