@@ -310,19 +310,20 @@ def test_records_read_nothing_on_the_host(guarded):
 def _worker_rounds(world, env, monkeypatch, registry, metrics: bool, n=8, cycle=None):
     wd = make_worker(world, env, sw=switches.Switches(budget_cycle=cycle))
     w = wd.w
-    w._stats, w._prof = make_round_observers(
+    stats, w._prof = make_round_observers(
         types.SimpleNamespace(enable_metrics=metrics), algo="DDTREE-GPU", budget=15, block_size=6,
         topk=12, tp_rank=0, device="cpu", adaptive_cfg=w._adaptive_cfg, registry=registry)
+    w._policy.report_to(stats=stats, profiler=w._prof)
     calls = []
-    if w._stats is not None:
-        real_record = w._stats.record
+    if stats is not None:
+        real_record = stats.record
 
         def guarded_record(*a, **k):
             calls.append(k.get("width"))
             with NoHostRead():
                 return real_record(*a, **k)
 
-        w._stats.record = guarded_record
+        stats.record = guarded_record
     for name in ("begin", "mark", "end"):
         real = getattr(w._prof, name)
 
@@ -380,7 +381,7 @@ def test_worker_round_metrics_off_does_nothing(guarded, world, monkeypatch):
     monkeypatch.setattr(round_stats._Prometheus, "__init__", boom)
     env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, False, n=4, cycle=(15, 3))
-    assert wd.w._stats is None and not wd.w._prof.enabled and calls == []
+    assert wd.w._policy.stats is None and not wd.w._prof.enabled and calls == []
     assert FakeEvent.made == 0 and round_stats._Prometheus._made is None
     assert list(guarded.collect()) == []
 
@@ -405,7 +406,7 @@ def test_stats_file_carries_each_budgets_predicted_acceptance(guarded, world, mo
 
     monkeypatch.setattr(AE, "expected_accept", spy)
     wd, widths, calls = _worker_rounds(world, {"SGLANG_DDTREE_ADAPTIVE": "0"}, monkeypatch, guarded, False, n=8)
-    wd.w._stats.flush()
+    wd.w._policy.stats.flush()
     recs = [json.loads(line) for line in open(out)]
     assert [r["rounds"] for r in recs] == [4, 4] and recs[0]["budgets"] == [7, 15]
     assert all(ws == [8, 16] for _, ws in seen) and len(seen) == 8          # both budgets, every round
