@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/accept_calibration.py [--pair text|chain|both] [--prompts 16]
         [--random-prompts 16] [--new-tokens 256] [--out bench/results/accept_calibration_cpu.json]
 
-Why (issue 39 item 3): :func:`sglang_ddtree.accept_estimate.expected_accept` reads, before the
+Why (issue 39 item 3): :func:`sglang_ddtree.policy.accept_estimate.expected_accept` reads, before the
 verify, the expected accepted nodes of every smaller budget if the target followed the drafter
 (sum of exp(path score) over the first b nodes of the best-first tree).  The adaptive policy is to
 scale it by a calibration ratio, exact counterfactual acceptance
@@ -12,7 +12,7 @@ over the predicted value, pooled over the same request-rounds.  This script meas
 behaves, on real pairs run by the repo's exact CPU machinery (plain-torch fp32 forwards of
 :mod:`sglang_ddtree.demo`'s pairs, ``backend="reference"`` top-K / tree / accept, greedy): per
 round and request, the predicted and the exact acceptance at the adaptive ladder's budgets
-(:func:`sglang_ddtree.adaptive_config.default_budgets` of the drafter's default widest,
+(:func:`sglang_ddtree.policy.adaptive_config.default_budgets` of the drafter's default widest,
 :func:`sglang_ddtree.config.default_budget`: 28 -> 7/15/28 for the block-8 text pair,
 60 -> 7/15/31/60 for the block-16 toy chain pair), one widest tree per round.  It reports
 
@@ -49,7 +49,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sglang_ddtree import accept_estimate, adaptive_config, config, ddtree, demo, tree_ops  # noqa: E402
+from sglang_ddtree import config, ddtree, demo, tree_ops  # noqa: E402
+from sglang_ddtree.policy import accept_estimate, adaptive_config  # noqa: E402
 from sglang_ddtree import textpair as TP  # noqa: E402
 
 AGE_EDGES = (16, 64, 256)                      # buckets 0-15, 16-63, 64-255, 256+

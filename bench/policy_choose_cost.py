@@ -16,8 +16,8 @@ import random
 import statistics
 import time
 
-from sglang_ddtree.adaptive_config import DEFAULT_AGE_EDGES
-from sglang_ddtree.budget_policy import BudgetPolicy, CostTable
+from sglang_ddtree.policy.adaptive_config import DEFAULT_AGE_EDGES
+from sglang_ddtree.policy.budget_policy import BudgetPolicy, CostTable
 
 COSTS = CostTable(verify_ms={8: {1: 4.9, 16: 7.5, 64: 13.9}, 16: {1: 6.5, 16: 9.0, 64: 16.7},
                              32: {1: 8.0, 16: 11.0, 64: 19.3}, 64: {1: 9.5, 16: 14.0, 64: 26.0}},

@@ -10,7 +10,7 @@ algorithms this hook gives the *target* runner's capture input the runner's cust
 so the backend captures its masked path and copies each round's mask into its graph buffer on
 replay.  The drafter's runner (block attention, no mask) and every other algorithm are untouched.
 
-The adaptive budget (``sglang_ddtree/adaptive.py``) captures one more target runner per extra verify
+The adaptive budget (``sglang_ddtree/policy/adaptive.py``) captures one more target runner per extra verify
 width; each goes through this hook with its own buffers, and the dummy input's width is that
 runner's captured width (``get_spec_info`` reads it from the runner, not from server_args), so
 nothing here depends on the width.

@@ -8,7 +8,7 @@ graph, although only DECODE / IDLE forwards read them; a TARGET_VERIFY forward r
 to ``min(next_pow2(SMs), next_pow2(context / 32))`` (128 on an H200 at a 4k context), so at Kimi K2's
 widths (64 heads, Dv = kv_lora_rank 512) each row costs 16.8 MB: a budget-16 tree at max bs 64 holds
 18 GB of scratch no kernel reads, budget 31 holds 34 GB, and the adaptive budget, which builds one
-backend per width (``sglang_ddtree/adaptive.py``), holds their sum -- its A/B arm did not start on the
+backend per width (``sglang_ddtree/policy/adaptive.py``), holds their sum -- its A/B arm did not start on the
 Kimi-cost pair (``bench/results/raw/ab_h200_kimicost_auto_oom.md``: CUDA OOM at graph capture,
 stock DFLASH and fixed budget 16 at the same settings started).
 

@@ -12,7 +12,7 @@ under overlap scheduling) still applies; DFLASH servers and DDTREE servers with 
 untouched.
 
 A request may pin its rounds' tree budget (``custom_params["ddtree_budget"]``,
-``sglang_ddtree/adaptive.py``); a value the server does not run (not an integer, not its fixed budget,
+``sglang_ddtree/policy/adaptive.py``); a value the server does not run (not an integer, not its fixed budget,
 not in ``SGLANG_DDTREE_BUDGETS``) is refused here with a one-line reason, which the scheduler turns
 into an aborted request (status 400), before any round sees it.  The budgets come from this process's
 DDTREE worker (``adaptive_config.register_served``); without one (DFLASH servers) nothing is checked.
@@ -42,7 +42,7 @@ def _serves_logprobs() -> bool:
 
 
 def validate_with_logprobs(original, req, *args, **kwargs):
-    from sglang_ddtree import adaptive_config
+    from sglang_ddtree.policy import adaptive_config
 
     err = adaptive_config.request_budget_error(getattr(getattr(req, "sampling_params", None), "custom_params", None))
     if err is not None:

@@ -129,9 +129,10 @@ def check(env: Mapping[str, str], *, algo: str, budget: int):
     returns the adaptive configuration (``adaptive_config.parse_config``: None for a fixed budget).
     ``SGLANG_DDTREE_TOPK`` is resolved before (``config.resolve_settings``).  Raises
     ValueError, one line."""
-    from . import adaptive_config, logprobs, switches, verify_attn_hook
+    from . import logprobs, switches, verify_attn_hook
+    from .policy import adaptive_config
     from .profiling import ENV_EVERY as PROFILE_EVERY
-    from .round_stats import ENV_EVERY as STATS_EVERY
+    from .policy.round_stats import ENV_EVERY as STATS_EVERY
 
     why = unknown(env)
     if why:

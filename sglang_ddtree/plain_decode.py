@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .budget_policy import NO_SPEC
+from .policy.budget_policy import NO_SPEC
 
 logger = logging.getLogger(__name__)
 

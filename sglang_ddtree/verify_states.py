@@ -19,7 +19,7 @@ import torch
 
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
-from .budget_policy import NO_SPEC, CostTable, _interp
+from .policy.budget_policy import NO_SPEC, CostTable, _interp
 
 logger = logging.getLogger(__name__)
 

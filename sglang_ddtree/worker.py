@@ -23,12 +23,13 @@ overlap relay) with the decode round replaced.  One round, for ``bs`` requests, 
    ``move_accept_tokens_to_target_kvcache``), the drafter's context K/V for those positions is
    materialised from the accepted slots' target hidden states, and the bonus token is relayed.
 
-By default (``adaptive.py``; ``SGLANG_DDTREE_ADAPTIVE=0``: the server's fixed budget) the round first
-picks its verify width N (one target attention backend + verify graph per width, swapped in for the
-verify only) and builds the first N - 1 nodes of the same best-first tree; N = 1 is no speculation:
-SGLang's own decode step on a plain-decode state (``plain_decode.py``), the drafter's K/V for its
-token written later, batched, and on a draft-only probe round the drafter block and the widest tree
-for the policy's estimate (``accept_estimate.py``).
+Each round asks the policy (``policy/``: ``self._policy.plan`` before the draft,
+``self._policy.observe`` after the accept) for its verify width N: by default the adaptive choice
+(``SGLANG_DDTREE_ADAPTIVE=0``: the server's fixed budget; one target attention backend + verify graph
+per width, swapped in for the verify only), and builds the first N - 1 nodes of the same best-first
+tree; N = 1 is no speculation: SGLang's own decode step on a plain-decode state (``plain_decode.py``),
+the drafter's K/V for its token written later, batched, and on a draft-only probe round the drafter
+block and the widest tree for the policy's estimate.
 
 No step reads a device value on the host: KV-buffer sizes come from the scheduler's host-side upper
 bounds, exactly like DFLASH.  ``DDTREE-CPU`` copies the top-k to the host, builds the tree with
@@ -60,11 +61,11 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import (accept_estimate, adaptive, adaptive_config, ddtree, logprobs, plain_decode, sampling,
-               switches, tree_ops, verify_attn_hook, verify_states)
-from .budget_policy import NO_SPEC, BudgetPolicy
+from . import ddtree, logprobs, plain_decode, sampling, switches, tree_ops, verify_attn_hook, verify_states
 from .draft_head import DDTreeDraftHead, check_target_lm_head
-from .round_stats import RoundCounterfactual, make_round_observers
+from .policy import NO_SPEC, BatchView, RoundOutcome, RoundPolicy, adaptive, adaptive_config
+from .policy.budget_policy import BudgetPolicy
+from .policy.round_stats import make_round_observers
 from .spec_algo import settings_for_worker
 from .switches import commit_ops_backend
 from .verify_backend import (_eager_verify, _find_graph_mask_buffer, _graph_mask_capacity,
@@ -95,7 +96,7 @@ class DDTreeWorker(DFlashWorkerV2):
     ``(server_args, gpu_id, ps, nccl_port, target_worker)``."""
 
     _profiles_its_rounds = True   # its own RoundProfiler (patches/dflash_round_profile.py skips it)
-    _adaptive = None              # the adaptive budget's WidthController (set in __init__ when on)
+    _policy = None                # policy.RoundPolicy: each round's plan, and what the rounds measured
     _catch_up = None              # plain_decode.DraftCatchUp when no-speculation rounds may run
     _draft_fast_plan = False      # the drafter's flashinfer graphs plan from host lengths (A/B switch)
 
@@ -130,7 +131,9 @@ class DDTreeWorker(DFlashWorkerV2):
         self._adaptive_cfg = adaptive_config.parse_config(os.environ, budget=self.budget, algo=self.algo_name)
         # what a request may pin with custom_params["ddtree_budget"] (checked at admission)
         adaptive_config.register_served(self.algo_name, self.budget, self._adaptive_cfg)
-        self._adaptive: Optional[adaptive.WidthController] = None
+        # the round's plan and what it measured (its width controller starts in _init_adaptive, which
+        # SGLang may call before or after the statistics below exist)
+        self._policy = RoundPolicy(self.num_verify)
         self._verify_states: Optional[verify_states.TargetStates] = None
         # The drafter runs its own block width: give it (and its attention backend / graphs) a copy
         # of the server arguments with speculative_num_draft_tokens = block size; the target keeps
@@ -146,11 +149,11 @@ class DDTreeWorker(DFlashWorkerV2):
         self._own_mask_buf: Optional[torch.Tensor] = None
         self._eager_mask_rounds = 0
         self._rounds = 0
-        self._stats, self._prof = make_round_observers(
+        stats, self._prof = make_round_observers(
             server_args, algo=self.algo_name, budget=self.budget, block_size=self.block_size,
             topk=self.topk, tp_rank=self.ps.tp_rank, device=self.device,
             adaptive_cfg=self._adaptive_cfg)
-        self._attach_policy_snapshot()
+        self._policy.report_to(stats=stats, profiler=self._prof)
         if self.ps.tp_rank == 0:
             logger.info("%s worker: budget=%d (verify width %d), drafter block=%d, top-k=%d, "
                         "tree backend=%s", self.algo_name, self.budget, self.num_verify,
@@ -287,17 +290,8 @@ class DDTreeWorker(DFlashWorkerV2):
         # SGLang's overlap scheduler launches batch i + 1 before it processes batch i's result: the
         # host interval between two launches measures the batch before (adaptive.WidthController)
         overlap = not getattr(vars(self).get("target_server_args"), "disable_overlap_schedule", False)
-        self._adaptive = adaptive.WidthController(cfg, policy=policy, device=self.device,
-                                                  share=self._tp_shared, lag=1 if overlap else 0)
-        self._attach_policy_snapshot()
-
-    def _attach_policy_snapshot(self) -> None:
-        """The policy's state in every profile record (``RoundProfiler.extra``).  SGLang may build
-        the CUDA graphs (and so the controller) before or after this worker's profiler exists:
-        called from both places, it attaches once both are there."""
-        prof, ctl = vars(self).get("_prof"), vars(self).get("_adaptive")
-        if prof is not None and ctl is not None and prof.enabled:
-            prof.extra = ctl.snapshot
+        self._policy.start(adaptive.WidthController(cfg, policy=policy, device=self.device,
+                                                    share=self._tp_shared, lag=1 if overlap else 0))
 
     def _free_gb_reader(self):
         """A callable giving this GPU's free memory in GB (None off CUDA)."""
@@ -395,8 +389,8 @@ class DDTreeWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
         is_extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
         is_idle = batch.forward_mode.is_idle()
-        if self._adaptive is not None and (is_extend or is_idle):
-            self._adaptive.interrupt()         # the next round's interval spans this batch
+        if is_extend or is_idle:
+            self._policy.interrupt()           # the next round's interval spans this batch
         if self._catch_up is not None and self._catch_up.rows and (is_extend or is_idle):
             self._catch_up.flush()             # before a prefill may write slots freed since the stash
         if is_extend:
@@ -532,13 +526,13 @@ class DDTreeWorker(DFlashWorkerV2):
 
         bs = len(batch.seq_lens)
         D = self.block_size - 1
-        # verify width of this round: the server's, or the adaptive choice (host values only)
-        ctl = self._adaptive
         # the committed prefix on the host (one round behind at most): its sum prices the context
         self._ensure_draft_block_buffers(bs)
         host_bound, host_bound_sum = self._host_prefix_bound(batch, draft_input, bs)
-        N = self.num_verify if ctl is None else ctl.next_width(bs, adaptive_config.requested_width(batch.reqs),
-                                                               batch.reqs, kv_tokens=host_bound_sum)
+        # the policy's plan: verify width N (the server's, or the adaptive choice; host values only),
+        # a draft-only probe or not, what the tree must estimate
+        plan = self._policy.plan(BatchView(bs=bs, reqs=batch.reqs, kv_tokens=host_bound_sum))
+        N = plan.width
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
 
@@ -554,51 +548,40 @@ class DDTreeWorker(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices.view(-1), req_to_token=req_to_token,
             block_ids_out=block_ids, positions_out=block_pos, cache_loc_out=block_loc,
             mask_token_id=int(self._mask_token_id))
-        # the policy's estimate of every width from the widest tree (adaptive.WidthController.predict);
-        # in a no-speculation round that is a draft-only probe: the drafter block, no verify
-        predict = ctl is not None and ctl.predict
-        drafts = N > 1 or predict
+        # a tree round, or a no-speculation round that predicts (a draft-only probe: the drafter
+        # block and the widest tree for the policy's estimate, no verify)
         catch_key = None
         if self._catch_up is not None:
             if self._catch_up.rows or N == 1:
                 catch_key = plain_decode.batch_key(batch.reqs)
-            if self._catch_up.must_flush(catch_key, speculative=drafts, incoming=bs if N == 1 else 0):
+            if self._catch_up.must_flush(catch_key, speculative=plan.drafts, incoming=bs if N == 1 else 0):
                 self._catch_up.flush()         # the drafter's K/V owed for no-speculation rounds
         draft_out = None
-        if drafts:
+        if plan.drafts:
             lp, ids, draft_out = self._draft_block(batch, block_ids, block_pos, block_loc, prefix,
                                                    host_bound, host_bound_sum, bs)
         prof.mark()
 
         # 2) tree: the first N - 1 best-first nodes (prefix-closed: a narrower tree is the wider one's
         # first slots), or the root alone -----------------------------------------------------------
-        predicted = predicted_all = None
         roots = draft_input.bonus_tokens.view(-1)
-        stats_widths = self._stats.predicted_widths(N) if self._stats is not None and N > 1 else None
         if N > 1:
             tree = ddtree.build_tree(lp, ids, N - 1, root_tokens=roots, backend=self.tree_backend,
                                      validate=False)
         else:
             tree = ddtree.root_only_tree(roots, D)
-        if predict:
-            # one estimate for the policy's widths and the stats file's (opt-in telemetry): the round's
-            # tree is the widest one's first N - 1 nodes (prefix-closed), so its widths read the same
-            widest = ctl.cfg.widest
-            wide = tree if N == widest else ddtree.build_tree(lp, ids, widest - 1, root_tokens=roots,
-                                                               backend=self.tree_backend, validate=False)
-            k = len(ctl.spec_widths)
-            est = accept_estimate.expected_accept(wide, lp, ids, list(ctl.spec_widths) + (stats_widths or []))
-            predicted_all = est[:, :k]
-            if stats_widths is not None:
-                predicted = est[:, k:]
-        elif stats_widths is not None:   # opt-in telemetry: the tree's own acceptance estimate
-            predicted = accept_estimate.expected_accept(tree, lp, ids, stats_widths)
+        estimate = None
+        if plan.estimates:
+            # the tree's own expected acceptance, for the policy (a prediction reads the widest tree of
+            # the same draft; the round's tree is its first N - 1 nodes) and the opt-in statistics
+            estimate = plan.estimate(tree, lp, ids, lambda width: ddtree.build_tree(
+                lp, ids, width - 1, root_tokens=roots, backend=self.tree_backend, validate=False))
         prof.mark()
 
         # 3) verify inputs, 4) target verify, on the width's target state (no speculation: SGLang's
         # plain decode step) -------------------------------------------------------------------------
         plain = N == NO_SPEC   # width 1 exists only with the plain state (_init_adaptive)
-        with (contextlib.nullcontext() if ctl is None else self._verify_states.installed(N)):
+        with (contextlib.nullcontext() if self._verify_states is None else self._verify_states.installed(N)):
             if plain:
                 target_out = self._plain_decode(batch, draft_input, block_loc, prefix, host_bound,
                                                 host_bound_sum)
@@ -608,8 +591,7 @@ class DDTreeWorker(DFlashWorkerV2):
         prof.mark()
         return self._accept_commit(batch, on_publish, tree, logits_output, target_out, draft_out,
                                    draft_input, block_loc, block_pos, prefix, bs, N,
-                                   defer_key=catch_key if plain else None, predicted=predicted,
-                                   predicted_all=predicted_all)
+                                   defer_key=catch_key if plain else None, estimate=estimate)
 
     def _plain_decode(self, batch, draft_input, block_loc, prefix, host_bound, host_bound_sum):
         """A no-speculation round's target forward: SGLang's DECODE step of the root (the previous
@@ -693,24 +675,14 @@ class DDTreeWorker(DFlashWorkerV2):
                 batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True)
         return target_out
 
-    def _round_counterfactual(self) -> "RoundCounterfactual":
-        """The counterfactual counter of the stats' and the controller's budgets (built at the first
-        round: SGLang may build the controller before or after the stats)."""
-        rc = vars(self).get("_cf_counter")
-        if rc is None:
-            rc = self._cf_counter = RoundCounterfactual(
-                [None if self._stats is None else self._stats.budgets,
-                 None if self._adaptive is None else self._adaptive.window.budgets], self.device)
-        return rc
-
     def _accept_commit(self, batch, on_publish, tree, logits_output, target_out, draft_out,
                        draft_input, block_loc, block_pos, prefix, bs, N,
-                       defer_key=None, predicted=None, predicted_all=None) -> GenerationBatchResult:
+                       defer_key=None, estimate=None) -> GenerationBatchResult:
         """Accept (greedy or sampled) over the N verify slots, then commit accepted K/V, drafter
         context and the bonus.  ``defer_key`` (a no-speculation round, N = 1): the drafter context of
         the round's token is stashed for a later batched write (``plain_decode.DraftCatchUp``).
-        ``predicted`` [bs, n]: the stats file's estimate; ``predicted_all`` [bs, widths]: the adaptive
-        policy's (every width of its set)."""
+        ``estimate``: the tree's own expected acceptance the round's plan asked for
+        (``policy.RoundEstimate``), handed to the policy with the accepted path."""
         B, prof = self.block_size, self._prof
         sampling_info = batch.sampling_info
         if sampling_info is not None:
@@ -727,16 +699,10 @@ class DDTreeWorker(DFlashWorkerV2):
             acc = (ddtree.root_only_accept(target_top1, tree.draft_depth) if N == 1 else
                    ddtree.accept_greedy(tree, target_top1, backend=self.tree_backend, validate=False))
             accept_len, path, bonus = acc.accept_len, acc.path, acc.bonus
-        if self._stats is not None or self._adaptive is not None:
-            cf_stats, cf_window = self._round_counterfactual()(path, N)   # one count for both
-            if self._stats is not None:
-                self._stats.record(path, accept_len, tree_depth=tree.depth, width=N, predicted=predicted,
-                                   cf=cf_stats)
-            if self._adaptive is not None:
-                # request-rounds past a request's max_new_tokens (overlap scheduling runs a finished
-                # request one more round) are not counted in the acceptance estimate
-                self._adaptive.record(path, N, getattr(batch, "reqs", None), prefix.view(-1),
-                                      predicted=predicted_all, cf=cf_window)
+        # what the round measured, to the policy (its statistics and the width controller's window)
+        self._policy.observe(RoundOutcome(width=N, path=path, accept_len=accept_len, tree_depth=tree.depth,
+                                          prefix=prefix, reqs=getattr(batch, "reqs", None),
+                                          estimate=estimate))
         prof.mark()
 
         # 6) commit: one launch (ddtree.commit_round): the emitted tokens (accepted path tokens, then the

@@ -1096,7 +1096,7 @@ def test_pinned_arms_share_the_adaptive_server(tmp_path):
     """``ddtree_auto..._pin<B>``: one server for the adaptive arm and its pinned arms (started and warmed
     up once, measured in order), every pinned request carries custom_params.ddtree_budget = B, each
     arm has its own record and identity; the report counts pinned arms (B > 0) as fixed budgets."""
-    from sglang_ddtree import adaptive_config
+    from sglang_ddtree.policy import adaptive_config
     from sglang_ddtree.ab import report, runner, servers as S
     assert runner.PIN_KEY == adaptive_config.REQUEST_BUDGET_KEY     # the ab package keeps its own copy (runs alone)
     a = S.parse_arm("ddtree_auto_b7-15_pin7")

@@ -1,4 +1,4 @@
-"""sglang_ddtree.accept_estimate: the expected acceptance of every budget read off the tree, against
+"""sglang_ddtree.policy.accept_estimate: the expected acceptance of every budget read off the tree, against
 a Monte-Carlo walk of target paths drawn from the drafter's own per-depth distributions (the
 assumption the estimate states), on fresh random inputs with ties and on captured drafter top-k."""
 import os
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_ddtree import accept_estimate as E
+from sglang_ddtree.policy import accept_estimate as E
 from sglang_ddtree import ddtree
 
 FIX = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sglang_ddtree", "data",

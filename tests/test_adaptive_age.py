@@ -13,10 +13,10 @@ import types
 import pytest
 import torch
 
-from sglang_ddtree import adaptive as A
-from sglang_ddtree import adaptive_config as AC
+from sglang_ddtree.policy import adaptive as A
+from sglang_ddtree.policy import adaptive_config as AC
 from sglang_ddtree import switches as S
-from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
+from sglang_ddtree.policy.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 
 from helpers import Clock as _Clock
 

@@ -1,12 +1,12 @@
-"""sglang_ddtree.adaptive_config.parse_config: the adaptive budget is the default (a budget set derived from
+"""sglang_ddtree.policy.adaptive_config.parse_config: the adaptive budget is the default (a budget set derived from
 the server's budget, and no speculation), SGLANG_DDTREE_ADAPTIVE=0 is the fixed budget, and every bad
 value is a one-line ValueError at start-up (issues 17 item 3, 39 item 1)."""
 import types
 
 import pytest
 
-from sglang_ddtree import adaptive as A
-from sglang_ddtree import adaptive_config as AC
+from sglang_ddtree.policy import adaptive as A
+from sglang_ddtree.policy import adaptive_config as AC
 from sglang_ddtree import switches as S
 
 

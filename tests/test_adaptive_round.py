@@ -17,16 +17,17 @@ import torch
 
 pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 
-from sglang_ddtree import adaptive as A  # noqa: E402
-from sglang_ddtree import adaptive_config as AC  # noqa: E402
+from sglang_ddtree.policy import adaptive as A  # noqa: E402
+from sglang_ddtree.policy import adaptive_config as AC  # noqa: E402
 from sglang_ddtree import verify_states as VS  # noqa: E402
-from sglang_ddtree.round_stats import CounterfactualWindow  # noqa: E402
+from sglang_ddtree.policy.round_stats import CounterfactualWindow  # noqa: E402
 from sglang_ddtree import ddtree  # noqa: E402
 from sglang_ddtree import worker as W  # noqa: E402
 from sglang_ddtree import warmup as WU  # noqa: E402
 from sglang_ddtree import plain_decode as P  # noqa: E402
 from sglang_ddtree import switches as S  # noqa: E402
-from sglang_ddtree.budget_policy import BudgetPolicy, CostTable  # noqa: E402
+from sglang_ddtree.policy.budget_policy import BudgetPolicy, CostTable  # noqa: E402
+from sglang_ddtree.policy import RoundPolicy  # noqa: E402
 from sglang_ddtree.profiling import RoundProfiler  # noqa: E402
 
 V, B, K, H = 64, 6, 12, 3          # vocab, drafter block (depth 5), top-k, hidden width
@@ -260,9 +261,9 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15, sw=None):
         _target_worker=tw, model_runner=mr, draft_model_runner=types.SimpleNamespace(forward=draft_forward),
         _draft_block_ids_buf=None, _mask_token_id=V - 1, _draft_block_spec_info=None, _draft_sampler=None,
         _ensure_draft_block_buffers=ensure, _eager_topk=lambda hidden, n: wd.head(hidden, n),
-        _append_target_hidden_to_draft_kv_by_loc=draft_append, _stats=None, _rounds=0,
+        _append_target_hidden_to_draft_kv_by_loc=draft_append, _rounds=0,
         _own_mask_buf=None, _eager_mask_rounds=0, _kv_commit="remap",
-        _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _adaptive=None, _verify_states=None,
+        _prof=RoundProfiler(dict(algo="DDTREE-GPU")), _policy=RoundPolicy(budget + 1), _verify_states=None,
         _adaptive_cfg=AC.parse_config(env, budget=budget, algo="DDTREE-GPU", sw=sw))
     if w._adaptive_cfg is not None:                      # what init_cuda_graphs builds, with fakes
         states = VS.TargetStates(mr, w._adaptive_cfg.widest)
@@ -270,8 +271,8 @@ def make_worker(world_fx, env, bs=3, p0=5, budget=15, sw=None):
             be = Backend(width)
             states.add(VS.VerifyState(width, be, Runner(width, be)))
         w._verify_states = states
-        w._adaptive = A.WidthController(w._adaptive_cfg, policy=None, device="cpu", window_every=2,
-                                        window_lag=1)
+        w._policy.start(A.WidthController(w._adaptive_cfg, policy=None, device="cpu", window_every=2,
+                                          window_lag=1))
         if w._adaptive_cfg.no_spec:       # a small buffer: full after two plain rounds, then flushed
             w._catch_up = P.DraftCatchUp(draft_append, capacity=2 * bs)
     wd.w, wd.mr, wd.drafted = w, mr, drafted
@@ -337,7 +338,7 @@ def assert_lossless(wd, p0=5):
 
 def test_fixed_budget_switch_runs_the_servers_budget(world):
     wd = make_worker(world, {"SGLANG_DDTREE_ADAPTIVE": "0"})
-    assert wd.w._adaptive is None
+    assert wd.w._policy.controller is None
     for _ in range(6):
         r = run_round(wd)
         assert r["N"] == 16 and r["budget"] == 15 and r["drafted"] and r["backend"] == 16 and r["mask_in"]
@@ -374,7 +375,7 @@ def test_policy_no_spec_and_a_probe_once_its_credit_is_there(world):
     env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd = make_worker(world, env, sw=S.Switches(probe_every=4))
     table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2})
-    ctl = wd.w._adaptive
+    ctl = wd.w._policy.controller
     ctl.policy, ctl._clock = BudgetPolicy(table, allow_no_spec=True), (lambda: 0.0)
     ctl.PROBE_OPTIMISM = 1e9          # the widest worth a probe (as shipped it could not win here)
     widths = [run_round(wd)["N"] for _ in range(14)]
@@ -395,7 +396,7 @@ def test_policy_switches_widths_and_learns_from_wide_rounds(world):
     wd = make_worker(world, env, sw=S.Switches(probe_every=3))
     table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
-    ctl = wd.w._adaptive
+    ctl = wd.w._policy.controller
     ctl.policy, ctl._clock = pol, (lambda: 0.0)
     ctl.PROBE_OPTIMISM = 1e9          # the widest worth a probe (as shipped it could not win here)
     widths = [run_round(wd)["N"] for _ in range(12)]
@@ -418,7 +419,7 @@ def test_no_spec_stretch_probes_with_the_drafter_alone(world):
     wd = make_worker(world, env, sw=S.Switches(probe_every=4))
     table = CostTable(verify_ms={4: {1: 50.0, 8: 60.0}, 16: {1: 80.0, 8: 90.0}}, base_ms={1: 1.0, 8: 1.2},
                       draft_ms={1: 0.5, 8: 0.6})
-    ctl = wd.w._adaptive
+    ctl = wd.w._policy.controller
     ctl.policy, ctl._clock = BudgetPolicy(table, allow_no_spec=True), (lambda: 0.0)
     for _ in range(6):
         run_round(wd)
@@ -447,7 +448,7 @@ def test_narrow_rounds_predict_every_width_on_their_cadence(world):
     wd = make_worker(world, env, sw=S.Switches(probe_every=1000))
     table = CostTable(verify_ms={4: {1: 1.0}, 16: {1: 100.0}}, base_ms={1: 1.0})
     pol = BudgetPolicy(table, allow_no_spec=False, hysteresis=0.0)
-    ctl = wd.w._adaptive
+    ctl = wd.w._policy.controller
     ctl.policy, ctl._clock = pol, (lambda: 0.0)
     per_round = []
     for _ in range(12):
@@ -578,7 +579,7 @@ def test_worker_interrupts_the_width_controller_on_every_batch_but_a_decode_roun
     a decode round does not."""
     seen = []
     w = object.__new__(W.DDTreeWorker)
-    w.__dict__.update(_adaptive=types.SimpleNamespace(interrupt=lambda: seen.append("interrupt")))
+    w.__dict__.update(_policy=types.SimpleNamespace(interrupt=lambda: seen.append("interrupt")))
     monkeypatch.setattr(W.DDTreeWorker, "_prefill", lambda self, b, p: seen.append("prefill"))
     monkeypatch.setattr(W.DDTreeWorker, "_forward_tree_round", lambda self, b, p: seen.append("round"))
     monkeypatch.setattr(W, "_SYNC_CHECK_FILE", None)
@@ -620,7 +621,7 @@ def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatc
             _target_worker=tw, algo_name="DDTREE-GPU", ps=types.SimpleNamespace(tp_rank=0),
             model_runner=types.SimpleNamespace(server_args=types.SimpleNamespace(attention_backend="torch_native")),
             _append_target_hidden_to_draft_kv_by_loc=lambda **kw: calls.append(("append", kw)),
-            _warned_sampling_fallback=True)
+            _warned_sampling_fallback=True, _policy=RoundPolicy(1))
         return w, calls, hidden
 
     batch = types.SimpleNamespace(
@@ -652,17 +653,16 @@ def test_policy_snapshot_reaches_the_profiler_whichever_is_built_first(monkeypat
     from sglang_ddtree import profiling
     monkeypatch.setenv(profiling.ENV_FILE, str(tmp_path / "p.jsonl"))
     ctl = types.SimpleNamespace(snapshot=lambda: {"lag": 1})
-    for order in (("_prof", "_adaptive"), ("_adaptive", "_prof")):
-        w = object.__new__(W.DDTreeWorker)
+    for order in (("profiler", "controller"), ("controller", "profiler")):
+        pol, prof = RoundPolicy(8), RoundProfiler({"algo": "DDTREE-GPU"})
         for name in order:
-            w.__dict__[name] = RoundProfiler({"algo": "DDTREE-GPU"}) if name == "_prof" else ctl
-            w._attach_policy_snapshot()
-        assert w.__dict__["_prof"].extra is ctl.snapshot
-    w = object.__new__(W.DDTreeWorker)
+            pol.report_to(profiler=prof) if name == "profiler" else pol.start(ctl)
+        assert prof.extra is ctl.snapshot
     monkeypatch.delenv(profiling.ENV_FILE)
-    w.__dict__.update(_prof=RoundProfiler({"algo": "DDTREE-GPU"}), _adaptive=ctl)
-    w._attach_policy_snapshot()
-    assert w.__dict__["_prof"].extra is None          # profiling off: nothing attached
+    pol, prof = RoundPolicy(8), RoundProfiler({"algo": "DDTREE-GPU"})
+    pol.start(ctl)
+    pol.report_to(profiler=prof)
+    assert prof.extra is None          # profiling off: nothing attached
 
 
 def test_requests_pin_the_budget_narrowest_wins_and_stays_lossless(world):
@@ -683,7 +683,7 @@ def test_requests_pin_the_budget_narrowest_wins_and_stays_lossless(world):
         else:
             assert r["drafted"] and r["budget"] == want - 1
     assert_lossless(wd)
-    assert wd.w._adaptive.chosen == {8: 2, 4: 2, 1: 2, 16: 2}
+    assert wd.w._policy.controller.chosen == {8: 2, 4: 2, 1: 2, 16: 2}
 
 
 def test_request_rounds_past_max_new_tokens_are_not_counted(world):
@@ -696,7 +696,7 @@ def test_request_rounds_past_max_new_tokens_are_not_counted(world):
     env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd = make_worker(world, env)
     wd.req_limits = [(5, 1), (5, 4), (5, None)]
-    ctl = wd.w._adaptive
+    ctl = wd.w._policy.controller
     edges = ctl.cfg.age_edges
     assert edges == AC.DEFAULT_AGE_EDGES
     ctl.window = CounterfactualWindow(ctl.window.budgets, device="cpu", every=1, lag=0, age_edges=edges)

@@ -7,12 +7,13 @@ import types
 import pytest
 import torch
 
-from sglang_ddtree import adaptive_config as AC
+from sglang_ddtree.policy import adaptive_config as AC
 from sglang_ddtree import ddtree as DT
 from sglang_ddtree import verify_states as VS
 from sglang_ddtree import plain_decode as P
 from sglang_ddtree import switches
-from sglang_ddtree.budget_policy import NO_SPEC
+from sglang_ddtree.policy import RoundPolicy
+from sglang_ddtree.policy.budget_policy import NO_SPEC
 
 
 class FakeArgs:
@@ -210,7 +211,7 @@ def _fake_worker(W, cfg, mr):
     mr.model_config = types.SimpleNamespace(vocab_size=VOCAB_FAKE)
     w = object.__new__(W.DDTreeWorker)
     w.__dict__.update(algo_name="DDTREE-GPU", device="cpu", gpu_id=0, ps=types.SimpleNamespace(tp_rank=0),
-                      _adaptive_cfg=cfg, _adaptive=None, _verify_states=None,
+                      _adaptive_cfg=cfg, _policy=RoundPolicy(cfg.widest if cfg else 8), _verify_states=None,
                       _target_worker=types.SimpleNamespace(model_runner=mr),
                       draft_model_runner=types.SimpleNamespace(decode_cuda_graph_runner=None))
     return w
@@ -259,7 +260,7 @@ def test_fixed_budget_builds_no_extra_state(fake_startup):
     W.DDTreeWorker.init_cuda_graphs(w)
     assert len(fake_startup.super_calls) == 1                       # DFLASH's own capture still runs
     assert mr.built == [] and mr.server_args.log == [] and fake_startup.timed == []
-    assert w._adaptive is None and w._verify_states is None
+    assert w._policy.controller is None and w._verify_states is None
     assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
 
 
@@ -288,9 +289,9 @@ def test_adaptive_startup_builds_each_extra_width_and_the_cost_table(fake_startu
     assert (mr.attn_backend, mr.decode_cuda_graph_runner) == home
     # every captured (width, bs) timed once; the policy got that table
     assert sorted(fake_startup.timed) == sorted((wd, bs) for wd in (1, 8, 32) for bs in (1, 2, 4, 8))
-    table = w._adaptive.policy.costs
+    table = w._policy.controller.policy.costs
     assert table.widths == [8, 32] and table.base_ms[4] == pytest.approx(1.4)
-    assert w._adaptive.policy.allow_no_spec
+    assert w._policy.controller.policy.allow_no_spec
 
 
 def test_adaptive_without_graphs(fake_startup):
@@ -303,14 +304,14 @@ def test_adaptive_without_graphs(fake_startup):
     w = _fake_worker(W, AC.parse_config({}, budget=31, algo="DDTREE-GPU"), mr)
     w.budget = 31
     W.DDTreeWorker.init_cuda_graphs(w)
-    assert w._adaptive is None and w._adaptive_cfg is None and w._verify_states is None and mr.built == []
+    assert w._policy.controller is None and w._adaptive_cfg is None and w._verify_states is None and mr.built == []
     # the forced cycle (the GPU lossless check) needs no cost table: eager states
     cfg = AC.parse_config({"SGLANG_DDTREE_BUDGETS": "0,7,31"}, budget=31, algo="DDTREE-GPU",
                          sw=switches.Switches(budget_cycle=(7, 31)))
     mr = FakeModelRunner(32, graphs=False)
     w = _fake_worker(W, cfg, mr)
     W.DDTreeWorker.init_cuda_graphs(w)
-    assert w._verify_states.states[8].graph_runner is None and w._adaptive.policy is None
+    assert w._verify_states.states[8].graph_runner is None and w._policy.controller.policy is None
     assert fake_startup.timed == []
 
 
@@ -340,8 +341,8 @@ def test_default_set_stops_building_widths_when_memory_runs_short(fake_startup, 
     AC.register_served("DDTREE-GPU", 31, cfg)
     W.DDTreeWorker.init_cuda_graphs(w)
     assert sorted(w._verify_states.states) == [1, 32]                 # widths 8 and 16 not built
-    assert w._adaptive.cfg.widths == (1, 32) and w._adaptive_cfg.budgets == (31,)
-    assert w._adaptive.policy.costs.widths == [32]
+    assert w._policy.controller.cfg.widths == (1, 32) and w._adaptive_cfg.budgets == (31,)
+    assert w._policy.controller.policy.costs.widths == [32]
     assert AC.allowed_request_budgets(31, w._adaptive_cfg) == [0, 31]
     assert AC.request_budget_error({AC.REQUEST_BUDGET_KEY: 7}) is not None
     # an explicit set: built whatever the free memory says

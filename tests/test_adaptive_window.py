@@ -10,12 +10,12 @@ import types
 import pytest
 import torch
 
-from sglang_ddtree import adaptive as A
-from sglang_ddtree import adaptive_config as AC
+from sglang_ddtree.policy import adaptive as A
+from sglang_ddtree.policy import adaptive_config as AC
 from sglang_ddtree import ddtree, tree_ops
 from sglang_ddtree import switches as S
-from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
-from sglang_ddtree.round_stats import CounterfactualWindow
+from sglang_ddtree.policy.budget_policy import NO_SPEC, BudgetPolicy, CostTable
+from sglang_ddtree.policy.round_stats import CounterfactualWindow
 
 from helpers import Clock as _Clock, drafter_logits, logprobs_from_logits
 

@@ -1,4 +1,4 @@
-"""sglang_ddtree.budget_policy: the per-round verify width from a cost table and counterfactual
+"""sglang_ddtree.policy.budget_policy: the per-round verify width from a cost table and counterfactual
 acceptance (issue 17 item 3, host-side decision; not wired into the worker yet).
 
 The cost table below is the H200 measurement at the Qwen3-8B shape
@@ -13,7 +13,7 @@ import torch
 
 from helpers import drafter_logits, logprobs_from_logits
 from sglang_ddtree import ddtree, tree_ops
-from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp
+from sglang_ddtree.policy.budget_policy import NO_SPEC, BudgetPolicy, CostTable, _interp
 
 H200_8B = CostTable(verify_ms={17: {1: 8.25, 8: 11.30, 32: 31.02}, 33: {1: 8.42, 8: 13.48, 32: 44.91}},
                     base_ms={1: 5.23, 8: 5.62, 32: 7.15})
@@ -255,7 +255,7 @@ def test_synced_tokens_left_counts_the_waves_plain_decoding_would_finish_in():
     """Synced: at most max(1, bs // 4) distinct numbers of tokens left, every request with a limit;
     then the mean tokens left, else None."""
     from types import SimpleNamespace as NS
-    from sglang_ddtree.adaptive import synced_tokens_left as left_of
+    from sglang_ddtree.policy.adaptive import synced_tokens_left as left_of
 
     def reqs(lefts, limit=256):
         return [NS(sampling_params=NS(max_new_tokens=limit), output_ids=[0] * (limit - x)) for x in lefts]

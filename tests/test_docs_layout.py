@@ -25,7 +25,7 @@ def _modules(folder):
 def test_the_readme_layout_names_every_module_kernel_and_patch():
     layout = _section("README.md", "Layout")
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)/`[^|]* \| (.*) \|$", layout, re.M)}
-    for folder in ("sglang_ddtree", "kernels", "patches"):
+    for folder in ("sglang_ddtree", "sglang_ddtree/policy", "kernels", "patches"):
         named = set(re.findall(r"`([A-Za-z0-9_]+\.py)`", rows[folder]))
         have = set(_modules(folder))
         assert have <= named, (folder, sorted(have - named))
@@ -91,7 +91,8 @@ def test_architecture_names_every_private_sglang_name_the_code_reads():
 
 def test_the_runtime_mutation_table_names_functions_that_exist():
     """Each row of section 4 starts with where the change is made: ``module.function`` (or
-    ``module.Class.method``, ``patches/<file>``); every one of them exists in the code."""
+    ``module.Class.method``, ``package.module.function`` for a module of a subpackage,
+    ``patches/<file>``); every one of them exists in the code."""
     section = _section(os.path.join("docs", "architecture.md"), "Every point where the plugin touches SGLang")
     table = section[section.index("### 4."):section.index("### 5.")]
     rows = re.findall(r"^\| ([^|]+) \|", table, re.M)[2:]          # after the header and the rule
@@ -102,7 +103,11 @@ def test_the_runtime_mutation_table_names_functions_that_exist():
                 assert os.path.exists(os.path.join(ROOT, ref + ".py")), ref
                 continue
             mod, *names = ref.split(".")
-            path = os.path.join(ROOT, "sglang_ddtree", mod + ".py")
+            folder = os.path.join(ROOT, "sglang_ddtree")
+            while names and os.path.isdir(os.path.join(folder, mod)):     # a subpackage: policy.x.f
+                folder = os.path.join(folder, mod)
+                mod, *names = names
+            path = os.path.join(folder, mod + ".py")
             assert os.path.exists(path), ref
             defined = {n.name for n in ast.walk(ast.parse(open(path).read()))
                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}

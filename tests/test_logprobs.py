@@ -192,7 +192,7 @@ def test_admission_hook_refuses_a_budget_the_server_does_not_run(monkeypatch):
     (adaptive_config.register_served); SGLang's own refusals still apply to the others."""
     from sglang.srt import runtime_context
     from sglang.srt.speculative.dflash_utils import validate_dflash_request
-    from sglang_ddtree import adaptive_config
+    from sglang_ddtree.policy import adaptive_config
     monkeypatch.setattr(runtime_context, "get_server_args",
                         lambda: types.SimpleNamespace(speculative_algorithm="DDTREE-GPU"))
     monkeypatch.setattr(adaptive_config, "_SERVED", None)

@@ -21,8 +21,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sglang_ddtree import profiling, round_stats, switches
-from sglang_ddtree.round_stats import AcceptanceStats, make_round_observers
+from sglang_ddtree import profiling, switches
+from sglang_ddtree.policy import round_stats
+from sglang_ddtree.policy.round_stats import AcceptanceStats, make_round_observers
 
 prometheus_client = pytest.importorskip("prometheus_client")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,8 +86,9 @@ SCRIPT = FAKES + '''
 import json, os, sys, types
 assert "prometheus_client" not in sys.modules
 torch.cuda.Event = FakeEvent
-from sglang_ddtree import adaptive_config, ddtree, round_stats
-from sglang_ddtree.round_stats import make_round_observers
+from sglang_ddtree import ddtree
+from sglang_ddtree.policy import adaptive_config, round_stats
+from sglang_ddtree.policy.round_stats import make_round_observers
 
 out = {}
 mp_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
@@ -308,19 +310,20 @@ def test_records_read_nothing_on_the_host(guarded):
 def _worker_rounds(world, env, monkeypatch, registry, metrics: bool, n=8, cycle=None):
     wd = make_worker(world, env, sw=switches.Switches(budget_cycle=cycle))
     w = wd.w
-    w._stats, w._prof = make_round_observers(
+    stats, w._prof = make_round_observers(
         types.SimpleNamespace(enable_metrics=metrics), algo="DDTREE-GPU", budget=15, block_size=6,
         topk=12, tp_rank=0, device="cpu", adaptive_cfg=w._adaptive_cfg, registry=registry)
+    w._policy.report_to(stats=stats, profiler=w._prof)
     calls = []
-    if w._stats is not None:
-        real_record = w._stats.record
+    if stats is not None:
+        real_record = stats.record
 
         def guarded_record(*a, **k):
             calls.append(k.get("width"))
             with NoHostRead():
                 return real_record(*a, **k)
 
-        w._stats.record = guarded_record
+        stats.record = guarded_record
     for name in ("begin", "mark", "end"):
         real = getattr(w._prof, name)
 
@@ -378,7 +381,7 @@ def test_worker_round_metrics_off_does_nothing(guarded, world, monkeypatch):
     monkeypatch.setattr(round_stats._Prometheus, "__init__", boom)
     env = {"SGLANG_DDTREE_BUDGETS": "0,3,15"}
     wd, widths, calls = _worker_rounds(world, env, monkeypatch, guarded, False, n=4, cycle=(15, 3))
-    assert wd.w._stats is None and not wd.w._prof.enabled and calls == []
+    assert wd.w._policy.stats is None and not wd.w._prof.enabled and calls == []
     assert FakeEvent.made == 0 and round_stats._Prometheus._made is None
     assert list(guarded.collect()) == []
 
@@ -389,7 +392,7 @@ def test_stats_file_carries_each_budgets_predicted_acceptance(guarded, world, mo
     window's ``predicted`` is their sum over request-rounds, next to the exact ``counterfactual``.
     The fake drafter's log-probs are random, so only the bookkeeping is checked here (the estimate
     itself: tests/test_accept_estimate.py)."""
-    from sglang_ddtree import accept_estimate as AE
+    from sglang_ddtree.policy import accept_estimate as AE
 
     out = tmp_path / "stats.jsonl"
     monkeypatch.setenv(round_stats.ENV_FILE, str(out))
@@ -403,7 +406,7 @@ def test_stats_file_carries_each_budgets_predicted_acceptance(guarded, world, mo
 
     monkeypatch.setattr(AE, "expected_accept", spy)
     wd, widths, calls = _worker_rounds(world, {"SGLANG_DDTREE_ADAPTIVE": "0"}, monkeypatch, guarded, False, n=8)
-    wd.w._stats.flush()
+    wd.w._policy.stats.flush()
     recs = [json.loads(line) for line in open(out)]
     assert [r["rounds"] for r in recs] == [4, 4] and recs[0]["budgets"] == [7, 15]
     assert all(ws == [8, 16] for _, ws in seen) and len(seen) == 8          # both budgets, every round

@@ -8,7 +8,7 @@ request-round is then ``R[w] * P[w]``.  A policy that does what the design says 
 follows a change of ``P`` within a window or two, where the counts alone take many windows."""
 import pytest
 
-from sglang_ddtree.budget_policy import NO_SPEC, BudgetPolicy, CostTable
+from sglang_ddtree.policy.budget_policy import NO_SPEC, BudgetPolicy, CostTable
 
 WIDTHS = (8, 16, 32)
 R = {8: 0.55, 16: 0.7, 32: 0.8}                  # exact / predicted, per width (the truth)
@@ -150,8 +150,8 @@ def test_past_the_tree_widths_graphs_only_plain_decoding_is_a_choice():
     would run eagerly and the table, clamped at 64, would price it as a bs-64 graph; the policy then
     runs plain decoding however well the trees accept, and the controller neither starts wide nor
     probes there.  Within the graphs the choice is unchanged."""
-    from sglang_ddtree import adaptive as A
-    from sglang_ddtree import adaptive_config as AC
+    from sglang_ddtree.policy import adaptive as A
+    from sglang_ddtree.policy import adaptive_config as AC
 
     t = CostTable(verify_ms={8: {1: 5.0, 64: 9.0}, 16: {1: 6.0, 64: 12.0}}, base_ms={1: 4.0, 64: 7.0, 256: 12.0},
                   draft_ms={1: 1.0, 64: 2.0})

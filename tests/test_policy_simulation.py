@@ -13,9 +13,9 @@ per millisecond of the best fixed width (plain decoding included) of each phase.
 import pytest
 import torch
 
-from sglang_ddtree import adaptive as A
-from sglang_ddtree import adaptive_config as AC
-from sglang_ddtree.budget_policy import BudgetPolicy, CostTable
+from sglang_ddtree.policy import adaptive as A
+from sglang_ddtree.policy import adaptive_config as AC
+from sglang_ddtree.policy.budget_policy import BudgetPolicy, CostTable
 
 BUDGETS = (7, 15, 31, 60)
 D = 15                                             # drafter depth (block 16)

@@ -1,4 +1,4 @@
-"""sglang_ddtree.round_stats: device accumulators of acceptance, the accepted-length histogram and
+"""sglang_ddtree.policy.round_stats: device accumulators of acceptance, the accepted-length histogram and
 the counterfactual acceptance of every smaller budget, read back without a host sync, published to
 Prometheus counters and a JSON-lines file (issue 17 items 1 and 4).  CPU: the same code with CPU
 tensors; the counterfactual counts are checked against a brute-force replay (a tree of each smaller
@@ -11,7 +11,7 @@ import torch
 
 from helpers import drafter_logits, logprobs_from_logits
 from sglang_ddtree import ddtree
-from sglang_ddtree.round_stats import AcceptanceStats, CounterfactualWindow, RoundCounterfactual, default_budgets
+from sglang_ddtree.policy.round_stats import AcceptanceStats, CounterfactualWindow, RoundCounterfactual, default_budgets
 
 
 def _round(bs, D, V, budget, rng):

@@ -17,7 +17,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 from conftest import DEVICE  # noqa: E402
 from helpers import env_without_checkout  # noqa: E402
-from sglang_ddtree import adaptive_config as AC  # noqa: E402
+from sglang_ddtree.policy import adaptive_config as AC  # noqa: E402
+from sglang_ddtree.policy import RoundPolicy  # noqa: E402
 from sglang_ddtree import switches  # noqa: E402
 from sglang_ddtree import verify_attn_hook as VA  # noqa: E402
 from sglang_ddtree import verify_backend as VB  # noqa: E402
@@ -193,6 +194,7 @@ def test_each_adaptive_width_backend_gets_its_own_state(hooked, rng, monkeypatch
     w._target_worker.model_runner = mr
     cfg = AC.parse_config({AC.ENV_BUDGETS: "3,7"}, budget=7, algo="DDTREE-GPU",
                          sw=switches.Switches(budget_cycle=(7, 3)))
+    w._policy = RoundPolicy(8)           # what __init__ makes before SGLang builds the graphs
     w._init_adaptive(cfg)
     assert [VA.state_of(be).num_verify for be in made] == [4]
     assert VA.state_of(made[0]).mask_words.shape[1:] == (4, 1)

@@ -136,7 +136,7 @@ def extra_checks(base, perm, serves_logprobs, num_draft=None):
         "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
     r["healthy_after_bad_input"] = d.get("output_ids") == chain(perm, p, 40)
     r["budget_pin_ok"] = True
-    if serves_logprobs:   # a DDTREE server: custom_params.ddtree_budget (sglang_ddtree/adaptive.py)
+    if serves_logprobs:   # a DDTREE server: custom_params.ddtree_budget (sglang_ddtree/policy/adaptive.py)
         r.update(pin_checks(base, perm, p, num_draft))
     print("extra checks", json.dumps({k: r.get(k) for k in EXTRA_KEYS}), flush=True)
     return r

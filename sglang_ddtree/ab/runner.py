@@ -126,13 +126,13 @@ def _arm_record(arm: dict, cmd: List[str], env: dict) -> dict:
 
 def pinned_prompts(prompts: List[dict], arm: dict) -> List[dict]:
     """The prompts as a pinned arm sends them: every request carries ``custom_params.ddtree_budget``
-    (sglang_ddtree/adaptive.py: the server runs that budget for its rounds)."""
+    (sglang_ddtree/policy/adaptive.py: the server runs that budget for its rounds)."""
     if arm.get("pin") is None:
         return prompts
     return [dict(p, custom_params={PIN_KEY: int(arm["pin"])}) for p in prompts]
 
 
-PIN_KEY = "ddtree_budget"   # == sglang_ddtree.adaptive_config.REQUEST_BUDGET_KEY (this package runs alone)
+PIN_KEY = "ddtree_budget"   # == sglang_ddtree.policy.adaptive_config.REQUEST_BUDGET_KEY (this package runs alone)
 
 
 def measure_arm(arm: dict, cmd: List[str], env: dict, base_url: str, prompts: List[dict], levels: List[int],

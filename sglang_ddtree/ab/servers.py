@@ -54,7 +54,7 @@ def parse_arm(name: str) -> dict:
     {name, kind, algo, budget, num_draft_tokens[, auto, env]}.  ``ddtree``: DDTREE-GPU as a user launches
     it, with no DDTree setting (the adaptive default); ``ddtree_b<B>``: budget B fixed
     (``SGLANG_DDTREE_ADAPTIVE=0``).  ``ddtree_auto``: the adaptive budget
-    (sglang_ddtree/adaptive.py) over the budgets given (default 7, 15, 31) plus "no speculation",
+    (sglang_ddtree/policy/adaptive.py) over the budgets given (default 7, 15, 31) plus "no speculation",
     served at the widest budget; its ``env`` goes to the server's environment.  A DDTree arm may end
     in ``_vattn`` (e.g. ``ddtree_b16_vattn``): its target verify must run our tree-verify attention
     (``SGLANG_DDTREE_VERIFY_ATTN=ddtree``; the server refuses to start where it does not cover), or

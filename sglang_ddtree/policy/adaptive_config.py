@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Mapping, Optional, Tuple
 
-from . import switches
+from .. import switches
 from .budget_policy import check_age_edges
-from .config import MAX_BUDGET, MIN_BUDGET
+from ..config import MAX_BUDGET, MIN_BUDGET
 
 ENV_BUDGETS = "SGLANG_DDTREE_BUDGETS"
 CYCLE_SWITCH = "switch budget_cycle"           # switches.Switches.budget_cycle, named in messages

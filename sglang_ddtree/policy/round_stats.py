@@ -40,9 +40,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import tree_ops
+from .. import tree_ops
 from .budget_policy import check_age_edges
-from .profiling import STAGES, RoundProfiler
+from ..profiling import STAGES, RoundProfiler
 
 ENV_FILE = "SGLANG_DDTREE_STATS_FILE"
 ENV_EVERY = "SGLANG_DDTREE_STATS_EVERY"
@@ -184,7 +184,7 @@ class AcceptanceStats:
         self.budgets = list(budgets) if budgets is not None else default_budgets(self.budget)
         if not self.budgets or any(b < 1 or b > self.budget for b in self.budgets):
             raise ValueError(f"budgets must be in [1, {self.budget}], got {self.budgets}")
-        from .env_vars import positive_int
+        from ..env_vars import positive_int
 
         self.every = int(every) if every is not None else positive_int(os.environ, ENV_EVERY, 64)
         if self.every < 1:
