@@ -83,3 +83,16 @@ def test_uncapped_default_leaves_the_running_requests_to_the_server():
         os.environ.pop("DDTREE_STAGE_UNCAPPED", None)
         with pytest.raises(ValueError, match="uncapped"):
             ST.parse_name(bad)
+
+
+def test_mem_fraction_override_for_a_shared_gpu(monkeypatch):
+    """A trainer in the same group (run_stages.sh exports DDTREE_STAGE_MEM_FRACTION=0.9): the engines'
+    memory fraction follows it; without it the test bed's 0.5 stays (control)."""
+    monkeypatch.delenv("DDTREE_STAGE_MEM_FRACTION", raising=False)
+    *_, kw = ST.stage_kwargs("gqa_ddtree_graph_default", "/m", 30000)
+    assert kw["mem_fraction_static"] == 0.5
+    monkeypatch.setenv("DDTREE_STAGE_MEM_FRACTION", "0.9")
+    *_, kw = ST.stage_kwargs("gqa_ddtree_graph_default", "/m", 30000)
+    assert kw["mem_fraction_static"] == 0.9 and kw["max_total_tokens"] == 32768
+    sh = open(os.path.join(os.path.dirname(ST.__file__), "run_stages.sh")).read()
+    assert 'export DDTREE_STAGE_MEM_FRACTION=0.9' in sh and '*" codepair_train "*' in sh

@@ -416,6 +416,9 @@ for grp in "${GRPS[@]}"; do
   if [ $left -lt 60 ]; then echo "SKIP group '$grp' (deadline)" | tee -a $S; continue; fi
   lim=$left; [ $lim -gt $cap ] && lim=$cap
   echo "-- group [$grp] at $(el)s, limit ${lim}s, gpu mem used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)" | tee -a $S
+  # a trainer beside the engines (codepair_train next to the lossless gate): the engines' memory check
+  # must not count the trainer's tens of GB against them (stage.py, DDTREE_STAGE_MEM_FRACTION)
+  unset DDTREE_STAGE_MEM_FRACTION; [[ " $grp " == *" codepair_train "* ]] && export DDTREE_STAGE_MEM_FRACTION=0.9
   for st in $grp; do
     i=$((i+1)); run_stage $st $((30000 + 100*i)) $lim &
   done

@@ -145,6 +145,11 @@ def stage_kwargs(name, models, port):
         nccl_port=port + 7,
     )
     kw.update(PAIR_ENGINE.get(pair, {}))
+    if os.environ.get("DDTREE_STAGE_MEM_FRACTION"):
+        # run_stages.sh sets it when a trainer shares the group: SGLang sizes the pool from what is free
+        # less (1 - fraction) x the card, so 0.5 refuses to start once a trainer holds half an H100;
+        # the pool stays max_total_tokens either way
+        kw["mem_fraction_static"] = float(os.environ["DDTREE_STAGE_MEM_FRACTION"])
     if os.environ.get("DDTREE_STAGE_TP"):
         kw["tp_size"] = int(os.environ["DDTREE_STAGE_TP"])
     if os.environ.get("DDTREE_STAGE_MOE_BACKEND"):
