@@ -120,16 +120,14 @@ def test_report_text_divergence_run13_mixed_request_recomputes():
     check_run13_mixed_request7(REPO, None)
 
 
-@reads(f"{RES}/text_divergence_h200_run16.json", f"{RAW}/worker_h200_run16.jsonl.gz")
-def check_run16_default_near_ties(root, tmp):
-    """Run 16 (the adaptive default after session 27's policy, 2026-12-05): every bs-16 divergence of
-    text_ddtree_graph_default from the plain target is a near tie; the two closest to the threshold
-    recomputed on this CPU."""
-    div = json.load(open(resolve(root, f"{RES}/text_divergence_h200_run16.json")))
+def _default_near_ties(root, div_rel, raw_name):
+    """Every bs-16 divergence of text_ddtree_graph_default from the plain target is a near tie; the two
+    closest to the threshold recomputed on this CPU."""
+    div = json.load(open(resolve(root, div_rel)))
     rows = [v for v in div["divergences"] if v["stage"] == "text_ddtree_graph_default" and v["check"] == "bs16"]
     assert rows and all(v["near_tie"] for v in rows), rows
     picks = sorted(rows, key=lambda v: -v["below_top"])[:2]
-    below = _refit_text_divergences(root, picks, ["worker_h200_run16.jsonl.gz"], "below_top")
+    below = _refit_text_divergences(root, picks, [raw_name], "below_top")
     thr = div["tie_threshold_logits"]
     for row, b in zip(picks, below):
         assert abs(b - row["below_top"]) <= AD.GAP_ATOL, (row, b)
@@ -137,8 +135,24 @@ def check_run16_default_near_ties(root, tmp):
             assert b <= thr, (row, b)
 
 
+@reads(f"{RES}/text_divergence_h200_run16.json", f"{RAW}/worker_h200_run16.jsonl.gz")
+def check_run16_default_near_ties(root, tmp):
+    """Run 16 (the adaptive default after session 27's policy, 2026-12-05)."""
+    _default_near_ties(root, f"{RES}/text_divergence_h200_run16.json", "worker_h200_run16.jsonl.gz")
+
+
 def test_report_text_divergence_run16_default_recomputes():
     check_run16_default_near_ties(REPO, None)
+
+
+@reads(f"{RES}/text_divergence_h100_run19.json", f"{RAW}/worker_h100_run19.jsonl.gz")
+def check_run19_default_near_ties(root, tmp):
+    """Run 19 (H100, 2026-12-06: the worker after the s33 split and s34's policy/ plan-observe)."""
+    _default_near_ties(root, f"{RES}/text_divergence_h100_run19.json", "worker_h100_run19.jsonl.gz")
+
+
+def test_report_text_divergence_run19_default_recomputes():
+    check_run19_default_near_ties(REPO, None)
 
 
 def _check_ab_text_run(root, run_id):
@@ -210,6 +224,9 @@ CONTROLS = {
         "below_top", by=-5 * AD.GAP_ATOL)),
     "run16_default_near_ties": (check_run16_default_near_ties, _moved(
         f"{RES}/text_divergence_h200_run16.json",
+        lambda r: r["stage"] == "text_ddtree_graph_default" and r["check"] == "bs16", "below_top")),
+    "run19_default_near_ties": (check_run19_default_near_ties, _moved(
+        f"{RES}/text_divergence_h100_run19.json",
         lambda r: r["stage"] == "text_ddtree_graph_default" and r["check"] == "bs16", "below_top")),
 }
 
