@@ -99,7 +99,8 @@ def main():
                     "serves other stages meanwhile, leaves the next call the whole budget for the target")
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start: the greedy data and the "
                     "drafter are cut so that evaluation and writing end by then")
-    ap.add_argument("--reserve", type=float, default=45, help="seconds kept for evaluation + writing")
+    ap.add_argument("--reserve", type=float, default=60, help="seconds kept for evaluation + writing (the "
+                    "chain's and the tree's offline walks, ~10 s each estimated on the GPU, the folders)")
     # corpus
     ap.add_argument("--root", action="append", default=None, help="corpus roots (codecorpus.py; default its DEFAULT_ROOTS)")
     ap.add_argument("--vocab", type=int, default=None)
@@ -247,7 +248,7 @@ def main():
     by_len, checks = {}, []
     for p in prompts:
         by_len.setdefault(p["len"], []).append(p["input_ids"])
-    acc, trees = {}, {}
+    acc, trees, tree_s = {}, {}, 0.0
     tot_tokens = tot_rounds = 0
     for plen, ids in sorted(by_len.items()):
         x = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -257,7 +258,9 @@ def main():
         sim.update(prompts=len(ids), bf16_tie_frac_greedy=round(ties / max(1, n), 5))
         acc[str(plen)] = sim
         if a.tree_budgets:
+            t_tree = time.time()
             trees[str(plen)] = L.tree_sim(Db, Tb, seqs, feats, plen, a.tree_budgets)
+            tree_s += time.time() - t_tree
         tot_tokens += sim["dflash_tokens_per_round"] * sim["rounds"]
         tot_rounds += sim["rounds"]
         for i in range(min(len(ids), a.check_prompts - len(checks))):
@@ -295,7 +298,7 @@ def main():
                      "gain_over_chain": round(tpr / max(1e-9, res["offline_acceptance"]["dflash_tokens_per_round"]), 3)}
             log(f"offline DDTree budget {b}: {tr[b]['tokens_per_round']} tokens/round "
                 f"({tr[b]['gain_over_chain']}x the chain), a sibling won in {100 * tr[b]['sibling_win_round_frac']:.1f}% of rounds")
-        res["offline_tree"] = {"per_prompt_len": trees, "all": tr, "how": "pairlib.tree_sim: the project's best-first "
+        res["offline_tree"] = {"per_prompt_len": trees, "all": tr, "seconds": round(tree_s, 1), "how": "pairlib.tree_sim: the project's best-first "
                                "tree (top-b per depth) walked against the same greedy continuations; budget 15 verifies "
                                "16 tokens, as the block-16 chain"}
     res["checks"] = checks
