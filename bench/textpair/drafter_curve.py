@@ -18,15 +18,8 @@ def served_accept(doc, name):
     return {} if arm is None else {str(lv["concurrency"]): lv.get("accept_length") for lv in arm["levels"]}
 
 
-def served_dflash(ab_path):
-    """{concurrency: accept length} of the A/B's dflash arm, and the report's date / commit."""
-    doc = json.load(open(ab_path))
-    return served_accept(doc, "dflash"), doc["meta"].get("date"), doc["meta"].get("git_commit")
-
-
-def served_trees(ab_path):
+def served_trees(doc):
     """{budget: {concurrency: accept length}} of the A/B's fixed-budget DDTree arms (ddtree_b<N>)."""
-    doc = json.load(open(ab_path))
     out = {}
     for a in doc["arms"]:
         n = a["name"]
@@ -49,9 +42,11 @@ def point(name, log_path, ab_path=None):
          "offline_dflash_tokens_per_round": sim.get("dflash_tokens_per_round"),
          "device": log.get("device")}
     if ab_path:
-        p["served_dflash_accept"], p["ab_date"], p["ab_commit"] = served_dflash(ab_path)
+        doc = json.load(open(ab_path))
+        p["served_dflash_accept"] = served_accept(doc, "dflash")
+        p["ab_date"], p["ab_commit"] = doc["meta"].get("date"), doc["meta"].get("git_commit")
         p["ab"] = ab_path
-        trees = served_trees(ab_path)
+        trees = served_trees(doc)
         if trees:
             p["served_ddtree_accept"] = trees
     if log.get("offline_tree"):   # the code pair's recipe: the tree walked beside the chain

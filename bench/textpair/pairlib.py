@@ -168,6 +168,26 @@ def drafter_loss(D, T, seqs, feats, n):
     return ce, (lg.argmax(-1) == tgt)
 
 
+def _walk_rounds(acc, p, L, flag=None):
+    """The server's rounds over per-anchor accepted lengths acc [S, L] (host): first root at position
+    p, a round commits acc[s, n] drafts + the bonus, rounds while the whole block fits. Returns
+    (rounds, tokens, rounds whose anchor is set in flag [S, L] bool (0 without one), tokens per
+    round of each sequence)."""
+    B = C.BLOCK_SIZE
+    rounds = toks = flagged = 0
+    per_seq = []
+    for s in range(acc.shape[0]):
+        n, r0, t0 = p, rounds, toks
+        while n <= L - B:
+            a = int(acc[s, n])
+            rounds += 1
+            toks += a + 1
+            flagged += 0 if flag is None else int(flag[s, n])
+            n += a + 1
+        per_seq.append((toks - t0) / max(1, rounds - r0))
+    return rounds, toks, flagged, per_seq
+
+
 @torch.no_grad()
 def dflash_sim(D, T, seqs, feats, p, batch=256):
     """Offline DFLASH on greedy sequences seqs [S, p+G] (prompt length p): for every anchor n in
@@ -188,16 +208,7 @@ def dflash_sim(D, T, seqs, feats, p, batch=256):
         ok = torch.cat(ok_all)
         depth_ok += ok.float().sum(0)
         acc[:, n] = ok.long().cumprod(1).sum(1)
-    rounds, toks = 0, 0
-    per_seq = []
-    for s in range(S):
-        n, r0, t0 = p, rounds, toks
-        while n <= L - B:
-            a = int(acc[s, n])
-            rounds += 1
-            toks += a + 1
-            n += a + 1
-        per_seq.append((toks - t0) / max(1, rounds - r0))
+    rounds, toks, _, per_seq = _walk_rounds(acc, p, L)
     anchor_mean = acc[:, p:L - B + 1].float().mean().item() + 1
     return {"depth_top1": [round(v, 3) for v in (depth_ok / (S * len(anchors))).tolist()],
             "accept_per_anchor": round(anchor_mean, 3),
@@ -248,15 +259,7 @@ def tree_sim(D, T, seqs, feats, p, budgets, batch=256):
                 sib[b][i:i + batch, n] = hit.any(1).cpu()
     out = {}
     for b in budgets:
-        rounds = toks = sib_rounds = 0
-        for s in range(S):
-            n = p
-            while n <= L - B:
-                x = int(acc[b][s, n])
-                rounds += 1
-                toks += x + 1
-                sib_rounds += int(sib[b][s, n])
-                n += x + 1
+        rounds, toks, sib_rounds, _ = _walk_rounds(acc[b], p, L, sib[b])
         out[str(b)] = {"tokens_per_round": round(toks / max(1, rounds), 3), "rounds": rounds,
                        "accept_per_anchor": round(acc[b][:, p:L - B + 1].float().mean().item() + 1, 3),
                        "sibling_win_round_frac": round(sib_rounds / max(1, rounds), 4)}
