@@ -1,15 +1,22 @@
-"""Issue 12 item 2: training time vs DFLASH acceptance of the text pair's drafters, from committed files.
+"""Drafter training against DFLASH acceptance (issue 12 item 2, the code pair of issue 51), from committed files.
 
-Each point is a bench/textpair/train.py run (its log.json: drafter shape, steps, seconds, the offline
-held-out DFLASH simulation) and, where one exists, an A/B report that served it under stock DFLASH
-(accepted tokens per verify round at each concurrency, as SGLang reports them).
+Each point is a bench/textpair/train.py or bench/codepair/recipe.py run (its log: drafter shape, steps,
+seconds, the offline held-out DFLASH simulation) and, where one exists, an A/B report that served it
+under stock DFLASH (accepted tokens per verify round at each concurrency, as SGLang reports them).
 
 usage: python bench/textpair/drafter_curve.py OUT_PREFIX NAME=LOG_JSON[:AB_JSON] ...
-Writes OUT_PREFIX.json and OUT_PREFIX.md.
+(either file may be gzip: .gz). Writes OUT_PREFIX.json and OUT_PREFIX.md.
 """
+import gzip
 import json
 import os
 import sys
+
+
+def load(path):
+    """A JSON file, gzip when its name ends in .gz."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
+        return json.load(fh)
 
 
 def served_accept(doc, name):
@@ -29,7 +36,7 @@ def served_trees(doc):
 
 
 def point(name, log_path, ab_path=None):
-    log = json.load(open(log_path))
+    log = load(log_path)
     cfg = log.get("drafter_config") or {}
     sim = log.get("dflash_sim_heldout") or {}
     block = (cfg.get("dflash_config") or {}).get("block_size") or log["args"].get("block_size") or 8
@@ -42,8 +49,9 @@ def point(name, log_path, ab_path=None):
          "offline_dflash_tokens_per_round": sim.get("dflash_tokens_per_round"),
          "device": log.get("device")}
     if ab_path:
-        doc = json.load(open(ab_path))
+        doc = load(ab_path)
         p["served_dflash_accept"] = served_accept(doc, "dflash")
+        p["ab_gpu"] = ((doc["meta"].get("gpu") or ["?"])[0]).split(",")[0]
         p["ab_date"], p["ab_commit"] = doc["meta"].get("date"), doc["meta"].get("git_commit")
         p["ab"] = ab_path
         trees = served_trees(doc)
@@ -88,11 +96,11 @@ def main(argv):
                           for p in pts)}
     json.dump(doc, open(out + ".json", "w"), indent=1)
     f = (lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v)))
-    md = ["# Text-pair drafters: training time vs DFLASH acceptance (issue 12 item 2)\n",
-          "Produced by `bench/textpair/drafter_curve.py` from the committed train.py logs and A/B reports. "
-          "Offline = train.py's held-out DFLASH simulation (bf16 weights, fp32 forward, 256 held-out "
-          "windows x 128 greedy tokens); served = stock DFLASH's accepted tokens per verify round in "
-          "an A/B on the H200 (SGLang 0.5.16).\n",
+    md = ["# Drafters: training time vs DFLASH acceptance (issue 12 item 2, issue 51)\n",
+          "Produced by `bench/textpair/drafter_curve.py` from the committed training logs and A/B reports. "
+          "Offline = the trainer's held-out DFLASH simulation (bf16 weights, fp32 forward; text pair: 256 "
+          "held-out windows x 128 greedy tokens, code pair: 64 held-out prompts x 256); served = stock "
+          "DFLASH's accepted tokens per verify round in an A/B (SGLang 0.5.16; the GPU in the last column).\n",
           "| drafter | block | layers x MLP | params | steps | train s | drafter data (greedy tokens) | "
           "offline depth-1 top-1 | offline DFLASH tokens/round | served DFLASH accept (c: value) | A/B |",
           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -101,7 +109,7 @@ def main(argv):
         md.append(f"| {p['name']} | {p['block_size']} | {p['layers']} x {p['intermediate']} | {f(p['params'])} | "
                   f"{p['steps']} | {f(p['train_seconds'])} | {f(p['drafter_data_tokens'])} | "
                   f"{f(p['offline_depth1_top1'])} | {f(p['offline_dflash_tokens_per_round'])} | {served} | "
-                  f"{'`' + os.path.basename(p['ab']) + '`' if p.get('ab') else '-'} |")
+                  f"{'`' + os.path.basename(p['ab']) + '`, ' + p['ab_gpu'] if p.get('ab') else '-'} |")
     md.append(f"\nStock DFLASH reaches >= 3 tokens per round: {'yes' if doc['reached'] else '**no**'}.")
     if any(p.get("offline_ddtree") or p.get("served_ddtree_accept") for p in pts):
         md += tree_table(pts, f)

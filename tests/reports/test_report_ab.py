@@ -184,7 +184,9 @@ def test_report_int4_logits_h200():
 
 
 @reads("bench/textpair/runs/gpu_run1_log.json", "bench/textpair/runs/gpu_b16_run1_log.json",
-       f"{RES}/scale_ab_qwen3-8b_h200.json", f"{RAW}/ab_text_b16drafter_h200.json", f"{RES}/drafter_curve_h200.md")
+       f"{RES}/scale_ab_qwen3-8b_h200.json", f"{RAW}/ab_text_b16drafter_h200.json", f"{RES}/drafter_curve_h200.md",
+       f"{RES}/codepair_train_h100_run1.json.gz", f"{RES}/codepair_train_h100.json.gz",
+       f"{RES}/ab_h100_codepair_curve.json.gz")
 def check_drafter_curve(root, tmp):
     """bench/results/drafter_curve_h200.md: training time vs served DFLASH acceptance of the text pair's
     drafters; stock DFLASH does not reach 3 tokens per round with the block-16 drafter."""
@@ -193,13 +195,22 @@ def check_drafter_curve(root, tmp):
                 "shipped b8 (gpu_run1; served on its Qwen3-8B-shape copy)="
                 "bench/textpair/runs/gpu_run1_log.json:bench/results/scale_ab_qwen3-8b_h200.json",
                 "b16 4x768 (gpu_b16_run1)="
-                "bench/textpair/runs/gpu_b16_run1_log.json:bench/results/raw/ab_text_b16drafter_h200.json"],
+                "bench/textpair/runs/gpu_b16_run1_log.json:bench/results/raw/ab_text_b16drafter_h200.json",
+                "code pair, drafter 62 s (s35 call 1)=bench/results/codepair_train_h100_run1.json.gz",
+                "code pair, drafter 229 s (s35 call 2)="
+                "bench/results/codepair_train_h100.json.gz:bench/results/ab_h100_codepair_curve.json.gz"],
                cwd=root, timeout=120)
     assert open(out + ".md").read() == open(resolve(root, f"{RES}/drafter_curve_h200.md")).read()
     doc = json.load(open(out + ".json"))
     assert not doc["reached"]
     b16 = doc["points"][1]
     assert b16["block_size"] == 16 and b16["served_dflash_accept"]["1"] < 3
+    # the code pair (issue 51): served DFLASH short of 3; every served tree accepts more than the chain
+    code = doc["points"][3]
+    assert code["served_dflash_accept"]["1"] < 3
+    for b, by_c in code["served_ddtree_accept"].items():
+        for c, v in by_c.items():
+            assert v > code["served_dflash_accept"][c], (b, c)
 
 
 def test_report_drafter_curve(tmp_path):
