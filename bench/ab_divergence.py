@@ -1,6 +1,6 @@
-"""Classify the A/B benchmark's output mismatches on the text pair (CPU, fp32 reference forward).
+"""Classify the A/B benchmark's output mismatches on the text pair or a code pair (CPU, fp32 reference forward).
 
-    python bench/ab_divergence.py AB_JSON [--prompts-python PY] [--ids-out RAW.json.gz]
+    python bench/ab_divergence.py AB_JSON [--prompts-python PY] [--ids-out RAW.json.gz] [--pair-dir TARGET_DIR]
 
 AB_JSON is an ``ab_serve.py`` result written with ``--save-output-ids`` (``output_ids[arm][c]``)
 on the text pair (``--pair text``).  For every request whose output differs from the reference
@@ -69,11 +69,17 @@ class Target:
     calibration), with a cache of the last-position logits of classified prefixes: several arms and
     concurrencies often leave the reference at the same prompt and index."""
 
-    def __init__(self):
+    def __init__(self, pair_dir: str = None):
+        """pair_dir: a code pair's target folder (bench/codepair; its weights live only on the machine
+        that trained them), whose config must be one of codeconfig's presets; else the text pair."""
         import torch
-        import pairlib as PL
-        from materialize import load_pair
-        T, _ = load_pair()
+        if pair_dir:
+            T = load_code_target(pair_dir)
+            import pairlib as PL
+        else:
+            import pairlib as PL
+            from materialize import load_pair
+            T, _ = load_pair()
         self.T = {k: v.float() for k, v in T.items()}
         self.T16 = None  # built on the first bf16 forward
         self.PL, self.torch = PL, torch
@@ -128,6 +134,23 @@ class Target:
                     below_top=round(mx - min(float(lg[ref_tok]), float(lg[out_tok])), 4),
                     top5=top.indices.tolist(), top2_gap=round(float(top.values[0] - top.values[1]), 4),
                     near_tie=tie)
+
+
+def load_code_target(pair_dir: str) -> dict:
+    """The target state dict of a code pair folder (config.json + model.safetensors), after pointing
+    the text pair's forward (common / pairlib) at its preset (bench/codepair/codeconfig.install: this
+    process only).  A folder of no preset's shape is refused."""
+    sys.path.insert(0, os.path.join(HERE, "codepair"))
+    import codeconfig as K
+    from safetensors.torch import load_file
+    cfg = json.load(open(os.path.join(pair_dir, "config.json")))
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "rope_theta")
+    name = next((n for n, p in K.PRESETS.items() if all(K.configs(p)[0][k] == cfg.get(k) for k in keys)), None)
+    if name is None:
+        raise SystemExit(f"{pair_dir}: its config matches no code pair preset ({', '.join(K.PRESETS)})")
+    K.install(name)
+    return load_file(os.path.join(pair_dir, "model.safetensors"))
 
 
 def classify_pairs(pairs, prompt_ids, target, noise) -> dict:
@@ -310,6 +333,8 @@ def main(argv=None):
     ap.add_argument("--prompts-python", default=sys.executable)
     ap.add_argument("--prompts-file", default=None, help="the run's prompts as JSON lines with input_ids "
                                                          "(ab_serve.py --save-prompts), checked by sha256")
+    ap.add_argument("--pair-dir", default=None, help="a code pair's target folder (bench/codepair): its fp32 "
+                                                     "forward is the reference instead of the text pair's")
     ap.add_argument("--ids-out", default=None, help="gzip JSON for output_ids / prompt_ids (default: AB_JSON "
                                                     "with .ids.json.gz)")
     a = ap.parse_args(argv)
@@ -319,8 +344,9 @@ def main(argv=None):
     if not a.ab_json:
         ap.error("AB_JSON is required")
     doc = json.load(open(a.ab_json))
-    if doc.get("settings", {}).get("pair") != "text":
-        raise SystemExit("only the text pair has an fp32 reference here (the toy pairs are checked exactly)")
+    if doc.get("settings", {}).get("pair") != "text" and not a.pair_dir:
+        raise SystemExit("only the text pair (or a code pair's --pair-dir) has an fp32 reference here "
+                         "(the toy pairs are checked exactly)")
     if "output_ids" not in doc:
         raise SystemExit(f"{a.ab_json} has no output_ids: run ab_serve.py with --save-output-ids")
     if doc.get("prompt_ids"):
@@ -333,7 +359,7 @@ def main(argv=None):
             raise SystemExit(f"{a.prompts_file} has sha256 {got}, the run's prompts {doc['prompts']['sha256_16']}")
     else:
         prompt_ids = regenerate_prompt_ids(doc, a.prompts_python)
-    cls = classify_doc(doc, prompt_ids, Target())
+    cls = classify_doc(doc, prompt_ids, Target(a.pair_dir))
     doc["identity"]["classification"] = cls
     base = a.ab_json[:-5] if a.ab_json.endswith(".json") else a.ab_json
     ids_out = a.ids_out or base + ".ids.json.gz"

@@ -286,3 +286,80 @@ def test_import_run_keeps_the_returned_files_small(run, tmp_path):
     assert gzip.decompress((cp / "heldout_prompts.json.gz").read_bytes()) == (d / "out" / "heldout_prompts.json").read_bytes()
     log = json.loads(gzip.decompress((tmp_path / "repo" / "bench" / "results" / "codepair_train_t.json.gz").read_bytes()))
     assert log["offline_acceptance"] and log["corpus_meta"]["vocab"] == K.PRESETS["smoke"]["vocab"]
+
+
+def test_encode_stream_runs_the_tokenizer_in_parallel(monkeypatch):
+    """run_stages.sh exports TOKENIZERS_PARALLELISM=false for the servers; the corpus encoding must
+    still use every core (146 s single-threaded on the H100 host, s35), and put the setting back.
+    A fake tokenizer records what the library would read at each encode_batch call."""
+    import codecorpus
+    seen = []
+
+    class Enc:
+        def __init__(self, t):
+            self.ids = [5 + len(t)]
+
+    class Tok:
+        def encode_batch(self, texts, add_special_tokens):
+            seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+            return [Enc(t) for t in texts]
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    out = codecorpus.encode_stream(Tok(), ["ab", "cde"] * 1500)    # two batches of <= 2048 texts
+    assert seen == ["true", "true"]
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert out.tolist()[:4] == [7, K.EOS, 8, K.EOS] and out.numel() == 6000
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    codecorpus.encode_stream(Tok(), ["x"])
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
+
+
+_CLASSIFY = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import ab_divergence as D
+checks, pair_dir = json.load(open(sys.argv[2]))["checks"], sys.argv[3]
+t = D.Target(pair_dir)
+prompt_ids = [c["prompt_ids"] for c in checks]
+base = [c["greedy"] for c in checks]
+j = 5
+lg = t.logits(__import__("torch").tensor([prompt_ids[0] + base[0][:j]]))[0, -1]
+worst = int(lg.argmin())
+arm = [list(x) for x in base]
+arm[0] = base[0][:j] + [worst] + base[0][j + 1:]
+doc = {"settings": {"reference_arm": "base"}, "output_ids": {"base": {"1": base}, "arm": {"1": arm},
+                                                              "same": {"1": [list(x) for x in base]}}}
+out = {"calibrated": D.classify_doc(doc, prompt_ids, t), "wide": D.classify_doc(doc, prompt_ids, t, noise=1e9)}
+print(json.dumps(out))
+"""
+
+
+def test_ab_divergence_classifies_on_the_code_pairs_folder(run):
+    """bench/ab_divergence.py --pair-dir: the code pair's own folder (its weights never leave the GPU
+    host) is the fp32 reference.  It reproduces the trainer's greedy tokens (each kept token is the
+    folder's top-1), a token from the bottom of the logits is an error, the unchanged arm is not
+    diverged; the control: with a bound wider than every logit gap the same row is a near tie."""
+    d, _ = run
+    r = subprocess.run([sys.executable, "-c", _CLASSIFY, os.path.join(REPO, "bench"),
+                        str(d / "out" / "codepair_log.json"), str(d / "models" / "code_target")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    cal, wide = res["calibrated"], res["wide"]
+    assert cal["noise_logits"] > 0 and cal["calibration"]["positions"] > 0
+    arm, same = cal["arms"]["arm"], cal["arms"]["same"]
+    assert same["compared"] == arm["compared"] >= 2 and same["diverged"] == 0
+    assert (arm["diverged"], arm["error"], arm["near_tie"]) == (1, 1, 0)
+    row = arm["rows"][0]
+    assert row["pos"] == 5 and row["top5"][0] == row["ref_tok"]      # the trainer's greedy = the folder's top-1
+    assert (wide["arms"]["arm"]["near_tie"], wide["arms"]["arm"]["error"]) == (1, 0)
+
+
+def test_ab_divergence_refuses_a_folder_of_no_preset(tmp_path):
+    sys.path.insert(0, CP)
+    cfg = dict(K.configs(K.PRESETS["full"])[0], hidden_size=768)     # the full preset but 768 wide
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import ab_divergence as D; "
+                        "D.Target(sys.argv[2])", os.path.join(REPO, "bench"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "matches no code pair preset" in r.stderr

@@ -99,3 +99,38 @@ def test_kv_cached_greedy_is_the_full_recompute_in_fp32():
     prompts = torch.randint(5, 2048, (6, 20), generator=g)
     a, b = PL.greedy(T, prompts, 16), PL.greedy_cached(T, prompts, 16)
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def _budget_run(rechecks, seconds=390.0, calib=(200, 400), slow=(0.099, 400), fast=0.05):
+    """StepBudget driven by a fake clock: steps before ``slow[1]`` take ``slow[0]`` s, later ones
+    ``fast`` s (the code pair drafter's measured 99 ms / ~50 ms).  Returns (steps run, seconds)."""
+    sys.path.insert(0, os.path.join(REPO, "bench", "textpair"))
+    import train as T
+    now = [0.0]
+    b = T.StepBudget(0, seconds, calib, rechecks, clock=lambda: now[0])
+    step, steps = 0, 0
+    while step < (steps or 10 ** 9):
+        now[0] += slow[0] if step < slow[1] else fast
+        step += 1
+        steps = b.update(step)
+    return step, now[0], b.fixes
+
+
+def test_step_budget_spends_the_budget_after_a_slow_start():
+    """Fixed once at step 400 from the slow start, the count stops the drafter at ~60 % of its
+    budget (the control, rechecks off); re-fixed at 25 / 50 / 75 % it ends within 3 % of it."""
+    steps, secs, fixes = _budget_run(rechecks=(0.25, 0.5, 0.75))
+    assert 0.97 * 390 <= secs <= 1.01 * 390, (steps, secs, fixes)
+    assert len(fixes) == 4 and fixes[0][0] == 400
+    steps0, secs0, fixes0 = _budget_run(rechecks=())
+    assert secs0 < 0.7 * 390 and len(fixes0) == 1, (steps0, secs0)
+    # a steady speed: the rechecks change nothing that matters
+    steps1, secs1, _ = _budget_run(rechecks=(0.25, 0.5, 0.75), slow=(0.05, 0))
+    assert abs(secs1 - 390) <= 0.5 and abs(steps1 - 7800) <= 10, (steps1, secs1)
+
+
+def test_step_budget_fixed_count_is_kept():
+    sys.path.insert(0, os.path.join(REPO, "bench", "textpair"))
+    import train as T
+    b = T.StepBudget(123, 5.0, clock=lambda: 0.0)
+    assert [b.update(s) for s in (1, 20, 60, 100)] == [123] * 4 and b.fixes == []

@@ -190,11 +190,25 @@ def tokenizer_sample(train_keys, texts, mb, seed):
 
 
 def encode_stream(tok, texts):
+    """The texts' ids, each followed by ``</s>``, as one int16 stream.
+
+    ``encode_batch`` runs on all cores only while ``TOKENIZERS_PARALLELISM`` allows it, and
+    bench/device/run_stages.sh exports it false for the SGLang servers: on the H100 host that
+    made the corpus phase 146 s (s35, ``codepair_train_h100_run1.json.gz``), single-threaded
+    (here, 2 cores: 10.4 s vs 5.9 s for 19 MB).  It is switched on for the call and put back."""
     import torch
     parts, eos = [], torch.tensor([K.EOS], dtype=torch.int16)
-    for i in range(0, len(texts), 2048):   # encode_batch runs on all cores
-        for e in tok.encode_batch(texts[i:i + 2048], add_special_tokens=False):
-            parts += [torch.tensor(e.ids, dtype=torch.int16), eos]   # vocab < 2^15
+    was = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        for i in range(0, len(texts), 2048):
+            for e in tok.encode_batch(texts[i:i + 2048], add_special_tokens=False):
+                parts += [torch.tensor(e.ids, dtype=torch.int16), eos]   # vocab < 2^15
+    finally:
+        if was is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = was
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int16)
 
 

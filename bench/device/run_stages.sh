@@ -374,14 +374,22 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
           ccl=(--client bench_serving --workload ${AB_WORKLOAD:-natural}); carms=${AB_ARMS:-base,dflash,ddtree}
           cout=$(serving_out serving_h200_codepair ${AB_WORKLOAD:-natural})
         fi
-        timeout -k 10 $lim python3 -P -m sglang_ddtree.ab "${cpa[@]}" --arms $carms "${ccl[@]}" \
+        # CODEPAIR_CLASSIFY_S (default 90) seconds are kept for bench/ab_divergence.py: the mismatches
+        # against base classified (near tie / error) on the pair's own fp32 forward, here, because
+        # the pair never leaves this machine; 0: not classified
+        local ccs=${CODEPAIR_CLASSIFY_S:-90}
+        timeout -k 10 $((lim - ccs)) python3 -P -m sglang_ddtree.ab "${cpa[@]}" --arms $carms "${ccl[@]}" \
           --concurrency ${AB_CONCURRENCY:-1,16} --num-prompts ${AB_PROMPTS:-64} --max-new-tokens ${AB_NEW:-256} \
-          ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} --deadline $((lim-20)) --port $port --workdir /tmp/abw_codepair \
+          ${AB_SERVER_ARGS:+--server-args "$AB_SERVER_ARGS"} --deadline $((lim-20-ccs)) --port $port --workdir /tmp/abw_codepair \
           --out $OUT/$cout --save-output-ids --no-progress ${AB_EXTRA:-} > $LOG/$st.log 2>&1; rc=$?
+        if [ "$ccs" -gt 0 ] && [ -f $OUT/$cout.json ]; then
+          timeout -k 5 $((ccs - 5)) python3 -P $REPO/bench/ab_divergence.py $OUT/$cout.json \
+            --pair-dir /tmp/models/code_target >> $LOG/$st.log 2>&1 || echo "codepair_ab: classification failed or timed out" >> $LOG/$st.log
+        fi
         cp /tmp/models/code_pair.json $OUT/code_pair.json
       fi
       [ -d /tmp/abw_codepair ] && tar -czf $OUT/ab_logs_codepair.tgz -C /tmp abw_codepair 2>/dev/null
-      grep -a -E "^\[|wrote|Error|codepair_ab:" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
+      grep -a -E "^\[|wrote|Error|codepair_ab:|compared .*, diverged|vs itself at" $LOG/$st.log | tail -40 | cut -c1-400 > $LOG/$st.res ;;
     *)
       timeout -k 5 $lim python3 $DEV/stage.py $st /tmp/models $R $port > $LOG/$st.log 2>&1; rc=$?
       grep -a STAGE_RESULT $LOG/$st.log | cut -c1-1800 > $LOG/$st.res ;;

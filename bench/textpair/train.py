@@ -88,17 +88,45 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def timed_steps(step, t_start, steps, seconds, calib=(20, 60)):
-    """Auto step count: after calib[1] steps, fix steps = what fits in `seconds`."""
-    if steps == 0 and step in calib:
+class StepBudget:
+    """How many steps fit in ``seconds`` (``steps`` > 0: that many, fixed).
+
+    Auto (``steps`` == 0): after ``calib[1]`` steps the count is fixed from the speed since
+    ``calib[0]``, then fixed again at each fraction in ``rechecks`` of it from the speed since the
+    last fix, so a slow start does not end the run early: the code pair's drafter ran its steps
+    200-400 at 99 ms and the rest at ~50 ms, and a count fixed once stopped it at 229 s of its
+    390 s (s35, ``bench/results/codepair_train_h100.json.gz``).  ``update(step)`` after each step
+    returns the count (0 while unknown)."""
+
+    def __init__(self, steps, seconds, calib=(20, 60), rechecks=(0.25, 0.5, 0.75), clock=time.time):
+        self.steps, self.seconds, self.calib, self.clock = steps, seconds, calib, clock
+        self.auto = steps == 0
+        self.t0 = self.t_mark = clock()
+        self.step_mark = 0
+        self.rechecks = sorted(rechecks)
+        self.fixes = []          # [step, steps] at each fix
+
+    def _fix(self, step):
         _sync()
-    if steps == 0 and step == calib[1]:
-        dt = (time.time() - t_start[1]) / (calib[1] - calib[0])
-        steps = max(calib[1] + 1, int((seconds - (time.time() - t_start[0])) / dt) + calib[1])
-        log(f"  timing: {dt*1e3:.1f} ms/step -> {steps} steps")
-    if step == calib[0]:
-        t_start[1] = time.time()
-    return steps
+        now = self.clock()
+        dt = (now - self.t_mark) / max(1, step - self.step_mark)
+        self.steps = max(step + 1, step + int((self.seconds - (now - self.t0)) / dt))
+        self.t_mark, self.step_mark = now, step
+        self.fixes.append([step, self.steps])
+        log(f"  timing: {dt*1e3:.1f} ms/step -> {self.steps} steps")
+
+    def update(self, step):
+        if not self.auto:
+            return self.steps
+        if step == self.calib[0]:
+            _sync()
+            self.t_mark, self.step_mark = self.clock(), step
+        elif step == self.calib[1]:
+            self._fix(step)
+        elif self.steps and self.rechecks and self.rechecks[0] * self.steps <= step < self.steps:
+            self.rechecks.pop(0)
+            self._fix(step)
+        return self.steps
 
 
 def set_up_torch(a) -> torch.device:
@@ -120,7 +148,7 @@ def train_target(a, train, held, dev, res):
     opt = L.adamw(list(T.values()), a.target_lr, 0.1, dev.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(a.seed + 2)
     steps, step, t0, curve = a.target_steps, 0, time.time(), []
-    ts = [t0, t0]
+    budget = StepBudget(steps, a.target_seconds)
     est = steps or 10 ** 9
     while step < (steps or 10 ** 9):
         starts = rint(0, train.numel() - a.seq - 1, (a.batch,), g).to(dev)
@@ -130,7 +158,7 @@ def train_target(a, train, held, dev, res):
         lr = L.cosine_lr(step, est, a.target_lr, a.warmup)
         optimizer_step(opt, loss, T.values(), lr)
         step += 1
-        new = timed_steps(step, ts, steps, a.target_seconds)
+        new = budget.update(step)
         if new != steps:
             steps = est = new
         if step % a.log_every == 0 or step == steps:
@@ -272,7 +300,7 @@ def train_drafter(a, Tb, buckets, dev, res):
     opt = L.adamw(list(D.values()), a.drafter_lr, 0.0, dev.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(a.seed + 4)
     steps, step, t0, curve = a.drafter_steps, 0, time.time(), []
-    ts = [t0, t0]
+    budget = StepBudget(steps, a.drafter_seconds, (200, 400))
     est = steps or 10 ** 9
     B = C.BLOCK_SIZE
     while step < (steps or 10 ** 9):
@@ -285,7 +313,7 @@ def train_drafter(a, Tb, buckets, dev, res):
         lr = L.cosine_lr(step, est, a.drafter_lr, a.warmup // 2)
         optimizer_step(opt, loss, D.values(), lr)
         step += 1
-        new = timed_steps(step, ts, steps, a.drafter_seconds, (200, 400))
+        new = budget.update(step)
         if new != steps:
             steps = est = new
         if step % a.log_every == 0 or step == steps:
@@ -293,7 +321,7 @@ def train_drafter(a, Tb, buckets, dev, res):
             curve.append([step, round(loss.item(), 4)] + [round(v, 3) for v in acc])
             log(f"  drafter step {step}/{steps} t={time.time()-t0:.0f}s loss {loss.item():.3f} acc/depth "
                 + " ".join(f"{v:.2f}" for v in acc))
-    res["drafter"] = {"steps": step, "seconds": round(time.time() - t0, 1), "curve": curve,
+    res["drafter"] = {"steps": step, "seconds": round(time.time() - t0, 1), "curve": curve, "step_fixes": budget.fixes,
                       "params": C.n_params(D)}
     return {k: v.detach() for k, v in D.items()}
 
