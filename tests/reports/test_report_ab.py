@@ -217,6 +217,42 @@ def test_report_drafter_curve(tmp_path):
     check_drafter_curve(REPO, tmp_path)
 
 
+def _tput(doc, arm, c):
+    a = next(a for a in doc["arms"] if a["name"] == arm and a.get("status") == "ok")
+    return next(lv["output_throughput"] for lv in a["levels"] if lv["concurrency"] == c)
+
+
+@reads(f"{RES}/ab_h100_codepair_curve.json.gz", f"{RES}/ab_h100_codepair_curve.md",
+       f"{RES}/ab_h100_codepair_default.json.gz", f"{RES}/ab_h100_codepair_default.md", "README.md")
+def check_codepair_ab(root, tmp):
+    """The code pair's two A/Bs (s35, H100): each .md is the renderer's output of its JSON; the
+    README's "What to expect" rows carry the JSON's ratios to base; and the claims they make: served
+    DFLASH short of 3, every fixed tree accepting more than the chain, the default below base."""
+    from sglang_ddtree.ab import report as R
+    docs = {}
+    for n in ("curve", "default"):
+        with RAWIO.open_maybe_gz(resolve(root, f"{RES}/ab_h100_codepair_{n}.json.gz")) as f:
+            docs[n] = json.load(f)
+        assert R.render_markdown(docs[n]) == open(resolve(root, f"{RES}/ab_h100_codepair_{n}.md")).read(), n
+        assert "H100" in docs[n]["meta"]["gpu"][0]
+    readme = open(resolve(root, "README.md")).read()
+    rows = {"`ab_h100_codepair_curve.md` |": ("curve", "dflash"), "same run | DDTREE-GPU fixed budget 15": ("curve", "ddtree_b15"),
+            "`ab_h100_codepair_default.md` |": ("default", "ddtree")}
+    for key, (n, arm) in rows.items():
+        line = next(x for x in readme.splitlines() if key in x)
+        want = " | ".join(f"{_tput(docs[n], arm, c) / _tput(docs[n], 'base', c):.2f}x" for c in (1, 16))
+        assert want in line, (key, want, line)
+    acc = {a["name"]: {lv["concurrency"]: lv["accept_length"] for lv in a["levels"]} for a in docs["curve"]["arms"]}
+    assert all(v < 3 for v in acc["dflash"].values())
+    for b in ("ddtree_b15", "ddtree_b31", "ddtree_b63"):
+        assert all(acc[b][c] > acc["dflash"][c] for c in (1, 16)), b
+    assert all(_tput(docs["default"], "ddtree", c) < _tput(docs["default"], "base", c) for c in (1, 16))
+
+
+def test_report_codepair_ab():
+    check_codepair_ab(REPO, None)
+
+
 # ------------------------------------------------------------------------------- the checks can fail
 
 def _arm_differs(rel, pair, arm, field="mismatched"):
@@ -291,6 +327,9 @@ CONTROLS = {
     "int4_logits": (check_int4_logits, set_json(f"{RES}/int4_logits_h200.json",
                                                 ["distance_from_fp32", "int4_ddtree", "median"], 0.3)),
     "drafter_curve": (check_drafter_curve, _dflash_accept(f"{RAW}/ab_text_b16drafter_h200.json", 1, 3.2)),
+    "codepair_ab_readme": (check_codepair_ab, _throughput(f"{RES}/ab_h100_codepair_default.json.gz", "ddtree", 16, 1.2)),
+    "codepair_ab_rerendered": (check_codepair_ab, rerendered(f"{RES}/ab_h100_codepair_curve", _dflash_accept(
+        f"{RES}/ab_h100_codepair_curve.json.gz", 1, 3.1))),
     "ab_h200_rerendered": (check_ab_h200, rerendered(f"{RES}/ab_h200", _arm_differs(f"{RES}/ab_h200.json", "gqa",
                                                                                     "ddtree_b16"), AB.render_markdown)),
     "kimicost_chain_identity_rerendered": (check_kimicost_chain_runs, rerendered(
