@@ -6,7 +6,9 @@ interval between launches as the round's overhead, and feeds the policy the coun
 ``round_stats.CounterfactualWindow``.  Switch ``probe_every`` (default 16): at most every k-th round
 runs a wider tree than the chosen one (a probe, paid from 5 % of the rounds' cost) so the
 counterfactual acceptance of wider widths stays measured; a no-speculation stretch pays draft-only
-probes (the drafter block and the widest tree for the tree's own estimate, ``accept_estimate.py``).
+probes (the drafter block and the widest tree for the tree's own estimate, ``accept_estimate.py``),
+and a tree stretch pays plain probes (a plain round) while plain decoding's estimate is stale (cold
+samples of the warm-up, or aged out: ``WidthController._recent``, ``_plain_probe``).
 The settings are ``adaptive_config.py``; the target states per width and the start-up cost table
 ``verify_states.py``; the no-speculation round's tree ``ddtree.root_only_tree``.  CPU-tested with
 fakes for cost and acceptance (``tests/test_adaptive_*.py``, ``tests/test_policy_simulation.py``).
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 PREDICT_EVERY = 4        # a tree round narrower than the widest predicts every width on every k-th round
 DRAFT_PROBE_SHARE = 0.005  # a no-speculation stretch pays draft-only probes from 0.5 % of its rounds' time
 CLOSE_DRAFT_PROBE_SHARE = 0.01   # ... 1 % while a tree width could win at PROBE_OPTIMISM x its estimate
+PLAIN_PROBE_SHARE = 0.04  # while plain decoding's estimate is stale, a tree stretch pays plain probes
+                          # (one plain round each) from 4 % of its rounds' time (WidthController._plain_probe)
 
 
 
@@ -56,7 +60,9 @@ class WidthController:
     ``bench/results/raw/ab_h200_kimicost_chain_run1_auto_server_log.txt``); probing it every 16th
     round, as this class did, made the mean round at c = 64 about 65 % longer than the median
     (16.9 vs 10.2 ms, ``raw/ab_h200_kimicost_chain_run1_profile_auto.jsonl``).  No probe is needed
-    while the widest width is the choice.
+    while the widest width is the choice.  The reverse, a plain probe, keeps plain decoding's cost
+    measured while trees run (:meth:`_plain_probe`), and estimates are made from fresh samples
+    (:meth:`_recent`: past the warm-up, at most FRESH_ROUNDS old) once there are enough of them.
 
     The round overhead (``BudgetPolicy.observe_interval``): the host clock between consecutive batch
     launches (``next_width`` for a round, :meth:`interrupt` for any other batch: the worker calls it
@@ -78,9 +84,12 @@ class WidthController:
     def __init__(self, cfg: AdaptiveConfig, *, policy: Optional[BudgetPolicy], device,
                  window_every: int = 8, window_lag: int = 4, probe_share: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter,
-                 share: Optional[Callable[[dict], dict]] = None, lag: int = 0):
+                 share: Optional[Callable[[dict], dict]] = None, lag: int = 0,
+                 plain_probe_share: float = PLAIN_PROBE_SHARE):
         if not 0.0 <= probe_share < 1.0:
             raise ValueError(f"probe_share must be in [0, 1), got {probe_share}")
+        if not 0.0 <= plain_probe_share < 1.0:
+            raise ValueError(f"plain_probe_share must be in [0, 1), got {plain_probe_share}")
         if lag not in (0, 1):
             raise ValueError(f"lag must be 0 (no overlap scheduling) or 1 (overlap), got {lag}")
         self.cfg = cfg
@@ -94,6 +103,13 @@ class WidthController:
         self.probe_share = float(probe_share)
         self.probe_credit = 0.0
         self._since_probe = 0
+        # plain probes: a no-speculation round instead of the chosen tree (:meth:`_plain_probe`)
+        self.plain_probe_share = float(plain_probe_share)
+        self.plain_probes = 0
+        self.plain_credit = 0.0
+        self._since_plain = 0
+        # rank 0's fresh no-speculation samples at the last window (shared; None: none ever taken)
+        self.plain_fresh: Optional[int] = None
         # this round hands the policy the tree's own estimate of every width (``predict``); in a
         # no-speculation round that is a draft-only probe (the drafter block and the widest tree, no
         # verify), paid from ``draft_credit``
@@ -113,6 +129,8 @@ class WidthController:
         self._local_overhead_plain = deque(maxlen=int((policy or BudgetPolicy).overhead_window))
         # ... and per choice, with the batch's KV length: [(residual ms, K thousand KV tokens)]
         self._local_width: Dict[int, Deque[Tuple[float, float]]] = {}
+        # the round (``self.round``) each of those samples was taken at, ring by ring (:meth:`_recent`)
+        self._taken: Dict[int, Deque[int]] = {}
         self._kv_k: Optional[float] = None     # this round's batch KV tokens / 1000 (next_width)
         self.intervals = {"observed": 0, "ignored": 0, "other_batch": 0}
         # admissions, from the wall clock: this window's sums (host ms between launches, the table
@@ -141,6 +159,8 @@ class WidthController:
                 cost = self.policy.costs.cost(bs, w)
                 ring = self._local_overhead_plain if w == NO_SPEC else self._local_overhead
                 ok = self.policy.observe_interval(bs, w, ms, into=ring)
+                if ok:
+                    self._stamp(ring)
                 self.intervals["observed" if ok else "ignored"] += 1
                 if K is not None:
                     est = self.policy.width_overhead(w, K)
@@ -181,6 +201,42 @@ class WidthController:
         if len(ring) >= 4 and residual > 4.0 * max(statistics.median(r for r, _ in ring), 0.0) + 20.0:
             return
         ring.append((float(residual), float(K)))
+        self._stamp(ring)
+
+    WARM_ROUNDS = 64       # samples of the controller's first rounds are cold (see _recent)
+    FRESH_ROUNDS = 1024    # ... and samples older than this many rounds stale
+
+    def _stamp(self, ring: Deque) -> None:
+        """The sample just appended to ``ring`` was taken at this round."""
+        taken = self._taken.setdefault(id(ring), deque(maxlen=ring.maxlen))
+        taken.append(self.round)
+
+    def _fresh_from(self) -> int:
+        """The first round whose samples are fresh: past the warm-up and at most FRESH_ROUNDS old."""
+        return max(self.WARM_ROUNDS, self.round - self.FRESH_ROUNDS)
+
+    def _fresh_count(self, ring: Deque) -> int:
+        cut = self._fresh_from()
+        return sum(1 for r in self._taken.get(id(ring), ()) if r >= cut)
+
+    def _recent(self, ring: Deque) -> list:
+        """The samples of ``ring`` an estimate is made from: its fresh ones (:meth:`_fresh_from`) once
+        there are ``width_min_samples`` of them, else all it holds.  Why: a choice that stops running
+        keeps its last samples for good, and if they were taken cold (the server's first requests,
+        JIT, first allocations) its estimate stays wrong and nothing runs it again.  Measured on the
+        H100 (code pair, c = 1 and 16, ``bench/results/raw/codepair_default_h100_profile_ddtree.jsonl.gz``):
+        plain decoding's 8 samples of the first ~30 rounds read 7.4 ms over the table (a plain round
+        took 2.5 ms of GPU time then) and stayed the estimate for 2300+ intervals; the widest width's
+        first fit read 7.7 ms where its later ones read 3.4-4.0.  A fresh estimate replaces the old
+        one whole rather than being blended into its median (8 cold samples outvote 7 fresh ones);
+        until it has enough samples the old one stands."""
+        cut = self._fresh_from()
+        taken = self._taken.get(id(ring), ())
+        if len(taken) != len(ring):          # a ring filled without stamps (tests): all of it
+            return list(ring)
+        fresh = [x for x, r in zip(ring, taken) if r >= cut]
+        n = self.policy.width_min_samples if self.policy is not None else 4
+        return fresh if len(fresh) >= n else list(ring)
     _ACC_KEYS = ("host", "table", "measured_rounds", "measured_plain", "prefills", "flagged", "rounds", "tokens")
 
     def _close_window(self) -> Dict[str, Optional[float]]:
@@ -197,8 +253,8 @@ class WidthController:
         records of 16 rounds at bs ~60: GPU 17.5 ms, wall 29.3 ms, 12 prefills), the intervals
         attributed to prefills read 7.5 ms (median) where the wall clock says ~15.7."""
         acc, adm, d = self._acc, self._adm, self.policy.ema
-        over = self.policy.overhead_of(self._local_overhead)
-        over_plain = self.policy.overhead_of(self._local_overhead_plain)
+        over = self.policy.overhead_of(self._recent(self._local_overhead))
+        over_plain = self.policy.overhead_of(self._recent(self._local_overhead_plain))
         for k in adm:
             adm[k] *= d
         if acc["prefills"] > 0:
@@ -210,7 +266,10 @@ class WidthController:
         self._acc = dict.fromkeys(self._ACC_KEYS, 0.0)
         out = {"overhead_ms": over, "overhead_plain_ms": over_plain, "prefill_ms": None, "finish_rate": None}
         if self._local_width:    # the context axis (rounds told their batch's KV tokens)
-            out["width_fit"] = {c: BudgetPolicy.fit_width_overhead(list(r)) for c, r in self._local_width.items() if r}
+            out["width_fit"] = {c: BudgetPolicy.fit_width_overhead(self._recent(r))
+                                for c, r in self._local_width.items() if r}
+        if self._local_overhead_plain:   # plain decoding's fresh samples (shared: the plain probes' rate)
+            out["plain_fresh"] = float(self._fresh_count(self._local_overhead_plain))
         if adm["prefills"] > 0:
             out["prefill_ms"] = max(0.0, adm["excess"] / adm["prefills"])
         if adm["rounds"] >= 8 and adm["tokens"] > 0:
@@ -236,7 +295,12 @@ class WidthController:
         weights (decayed request-round counts), the shared
         overhead and this rank's sample count, the rounds per width, probes and the interval counts."""
         out = {"chosen": {str(w): n for w, n in sorted(self.chosen.items())}, "probes": self.probes,
-               "draft_probes": self.draft_probes, "intervals": dict(self.intervals), "lag": self.lag}
+               "draft_probes": self.draft_probes, "plain_probes": self.plain_probes,
+               "intervals": dict(self.intervals), "lag": self.lag}
+        taken = self._taken.get(id(self._local_overhead_plain))
+        if taken:   # plain decoding's estimate: rounds since its newest sample, its fresh samples
+            out["plain_age"] = self.round - taken[-1]
+            out["plain_fresh"] = self._fresh_count(self._local_overhead_plain)
         if self.policy is not None:
             pol = self.policy
             out["accept"] = {str(w): round(a, 4) for w, a in sorted(pol.accept.items())}
@@ -298,18 +362,59 @@ class WidthController:
         self.draft_probes += 1
         return True
 
-    def _paid(self, credit: str, share: float, bs: int, w: int, cost: float) -> bool:
+    def _paid(self, credit: str, share: float, bs: int, w: int, cost: float, gap: str = "_since_probe") -> bool:
         """One round at choice ``w``: the credit named ``credit`` earns ``share`` of the round's
         predicted wall time (table + overhead + admission, not its GPU time alone), capped at the
         probe's ``cost`` (no burst of probes after a long stretch).  True, the credit paid and the gap
-        restarted, when ``probe_every`` rounds have passed since the last probe and it covers ``cost``."""
-        self._since_probe += 1
+        (the counter named ``gap``) restarted, when ``probe_every`` rounds have passed since the last
+        probe and it covers ``cost``."""
+        since = getattr(self, gap) + 1
+        setattr(self, gap, since)
         earned = min(getattr(self, credit) + share * self.policy.round_ms(bs, w), cost)
         setattr(self, credit, earned)
-        if self._since_probe < self.cfg.probe_every or earned < cost - 1e-9:
+        if since < self.cfg.probe_every or earned < cost - 1e-9:
             return False
         setattr(self, credit, earned - cost)
-        self._since_probe = 0
+        setattr(self, gap, 0)
+        return True
+
+    def _plain_probe(self, bs: int, w: int) -> bool:
+        """A tree width ``w`` chosen by the policy: True when this round should run plain decoding
+        instead (a plain probe) because plain decoding's estimate is stale: fewer than
+        ``width_min_samples`` fresh samples (:meth:`_recent`: none since the warm-up, or all older
+        than FRESH_ROUNDS).  Nothing else measures plain decoding while trees run (probes only go
+        wider, :meth:`_probe_target`), and an estimate that read high once froze it out for good: on
+        the H100 (code pair, c = 1 and 16,
+        ``bench/results/raw/codepair_default_h100_profile_ddtree.jsonl.gz``) its 8 samples of the
+        first ~30 rounds read 7.4 ms over its table cost against 3.5-4.2 ms for the tree widths, and
+        the policy ran trees in 99 % of the rounds where plain decoding (SGLang's) served 1.4x /
+        2.2x their tokens per second (the A/B at c = 1 / 16).  A plain round is lossless.  A plain
+        decoding never measured is not probed: the policy prices it from the tree widths' line
+        (``BudgetPolicy.width_overhead``), which errs cheap, and runs it itself.
+
+        Paid as the other probes (:meth:`_paid`, its own credit and gap): the credit earns
+        ``plain_probe_share`` (default :data:`PLAIN_PROBE_SHARE`, 4 %) of each tree round's predicted
+        time and a probe costs the predicted time of the tree round it replaces, not the plain
+        round's own (that is the estimate in doubt, and a high one would make probes rarer).  So a
+        stale estimate is replaced (``width_min_samples`` = 4 probes) within ~100 rounds, and once
+        fresh no probe runs until its samples age: over any FRESH_ROUNDS rounds at most ~4 plain
+        probes (0.4 % of 1024 rounds; a few more if their intervals are filtered out), and never
+        more than 4 % of the rounds' time.  What one costs is less than the tree round it replaces
+        (a plain round takes less time, for fewer tokens), so where trees win the throughput lost
+        is below those shares.  Off in the warm-up (a probe would measure the same cold server),
+        without overhead measurement (switch ``round_overhead``: nothing would be learnt) and where
+        plain decoding is no choice.  Staleness is rank 0's count at the last window
+        (``plain_fresh``), so every TP rank probes at the same rounds."""
+        if (self.plain_probe_share <= 0.0 or self.plain_fresh is None or not self.cfg.overhead
+                or self.round <= self.WARM_ROUNDS or NO_SPEC not in self.policy.candidates(bs)):
+            return False
+        if self.plain_fresh >= self.policy.width_min_samples:
+            self._since_plain, self.plain_credit = 0, 0.0
+            return False
+        if not self._paid("plain_credit", self.plain_probe_share, bs, w, self.policy.round_ms(bs, w),
+                          gap="_since_plain"):
+            return False
+        self.plain_probes += 1
         return True
 
     def _probe_or(self, bs: int, w: int) -> int:
@@ -320,6 +425,8 @@ class WidthController:
         if w == NO_SPEC and self.policy.costs.draft_cost(bs) is not None:
             self.predict = self._draft_probe(bs)
             return w
+        if w != NO_SPEC and self._plain_probe(bs, w):
+            return NO_SPEC
         target = self._probe_target(bs, w)
         if target is None:              # no wider width could win: nothing worth measuring
             self._since_probe, self.probe_credit = 0, 0.0
@@ -375,7 +482,10 @@ class WidthController:
                 self.policy.update_window([dict(zip(ws, x)) for x in sums], [dict(zip(ws, x)) for x in counts],
                                           [dict(zip(ws, x)) for x in below], pred=by_width)
                 local = self._close_window()
-                shared = self._share(local) if self._share else local
+                shared = dict(self._share(local) if self._share else local)
+                fresh = shared.pop("plain_fresh", None)
+                if fresh is not None:
+                    self.plain_fresh = int(fresh)
                 for key, val in shared.items():
                     if val is not None:
                         setattr(self.policy, key, dict(val) if isinstance(val, dict) else float(val))
