@@ -194,11 +194,14 @@ def drafter_logits_blocks(D, T, feats, roots, anchors):
 def drafter_loss_multi(D, T, seqs, feats, anchors, gamma=None):
     """N blocks per sequence in one forward: seqs [b, S] greedy sequences, feats [b, S, F] their
     target features, anchors [b, N] long (a block at anchor a: root seqs[a], context features
-    0..a-1, labels seqs[a+1 .. a+B-1], so a <= S - B). Only the context up to the largest anchor is
-    projected. Returns (loss, ok [b, N, B-1] bool); with gamma None the loss is the mean CE over
-    all b x N x (B-1) labels = the mean of drafter_loss over the same blocks."""
+    0..a-1, labels seqs[a+1 .. a+B-1], so a <= S - B). Only the context up to the largest anchor
+    (rounded up to 16) is projected. Returns (loss, ok [b, N, B-1] bool: argmax == label); with
+    gamma None the loss is the mean CE over all b x N x (B-1) labels = the mean of drafter_loss over
+    the same blocks; gamma: block_ce's per-position weights."""
     B = C.BLOCK_SIZE
-    n_ctx = int(anchors.max())
+    # the context up to the largest anchor, rounded up to 16 keys (the kernels' alignment; the extra
+    # positions are masked for every block)
+    n_ctx = min(seqs.shape[1], -(-int(anchors.max()) // 16) * 16)
     roots = torch.gather(seqs, 1, anchors)
     lg = drafter_logits_blocks(D, T, feats[:, :n_ctx].float(), roots, anchors)
     idx = anchors.unsqueeze(-1) + torch.arange(1, B, device=anchors.device)
