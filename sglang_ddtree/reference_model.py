@@ -136,3 +136,63 @@ def drafter_forward(P, cfg, block_size, mask_id, E, W, feats, root, n):
         x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
     hN = rms(x, P["norm.weight"])[:, 1:]
     return hN @ W.T
+
+
+def dflash_blocks_mask(anchors, n_ctx, block_size):
+    """The multi-block training mask: bool [b, 1, N*L, n_ctx + N*L] (True = attend) for anchors
+    [b, N] long.  Query block j (rows j*L .. j*L+L-1) sees the context positions kv < anchors[:, j]
+    (what drafter_forward's context of n = anchor holds) and its own L block positions, all of
+    them (non-causal), nothing of the other blocks."""
+    b, N = anchors.shape
+    L = block_size
+    qb = torch.arange(N * L, device=anchors.device) // L                  # query row -> block
+    kv = torch.arange(n_ctx, device=anchors.device)
+    ctx = kv.view(1, 1, -1) < anchors.repeat_interleave(L, 1).unsqueeze(-1)  # [b, N*L, n_ctx]
+    own = (qb.view(-1, 1) == qb.view(1, -1)).expand(b, -1, -1)             # [b, N*L, N*L]
+    return torch.cat([ctx, own], -1).unsqueeze(1)
+
+
+def drafter_forward_blocks(P, cfg, block_size, mask_id, E, W, feats, roots, anchors, mask=None):
+    """N DFlash blocks per sequence in one forward (training): the same logits as drafter_forward
+    run once per block, with the context projected once.  feats [b, n_ctx, len(target_layer_ids) * H]
+    (n_ctx >= every anchor): target features of positions 0..n_ctx-1; roots [b, N]: each block's
+    first token; anchors [b, N] long: block j sits at positions anchors[:, j] .. + L-1 and sees the
+    context positions < anchors[:, j] (dflash_blocks_mask; ``mask`` [b, 1, N*L, n_ctx + N*L] bool
+    replaces it, for tests).  Context K/V use RoPE positions 0..n_ctx-1.
+    Returns logits [b, N, L-1, V] for block positions 1..L-1."""
+    L = block_size
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    b, N = anchors.shape
+    n_ctx = feats.shape[1]
+    dev = roots.device
+    ctx = rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"])  # [b, n_ctx, H]
+    block = torch.full((b, N, L), mask_id, dtype=torch.long, device=dev)
+    block[:, :, 0] = roots
+    x = E[block.view(b, N * L)]                                    # [b, N*L, H]
+    cos_c, sin_c = rope_cos_sin(torch.arange(n_ctx, device=dev), hd, cfg["rope_theta"])
+    pos_b = (anchors.unsqueeze(-1) + torch.arange(L, device=dev)).view(b, N * L)
+    cos_b, sin_b = rope_cos_sin(pos_b, hd, cfg["rope_theta"])       # [b, N*L, hd]
+    if mask is None:
+        mask = dflash_blocks_mask(anchors, n_ctx, L)
+    rep = nq // nkv
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, P[p + "input_layernorm.weight"])
+        Wq, Wk, Wv = P[p + "self_attn.q_proj.weight"], P[p + "self_attn.k_proj.weight"], P[p + "self_attn.v_proj.weight"]
+        qn, kn = P[p + "self_attn.q_norm.weight"], P[p + "self_attn.k_norm.weight"]
+        q = apply_rope(rms((h @ Wq.T).view(b, N * L, nq, hd), qn), cos_b, sin_b)
+        kb = apply_rope(rms((h @ Wk.T).view(b, N * L, nkv, hd), kn), cos_b, sin_b)
+        vb = (h @ Wv.T).view(b, N * L, nkv, hd)
+        kc = apply_rope(rms((ctx @ Wk.T).view(b, n_ctx, nkv, hd), kn), cos_c, sin_c)
+        vc = (ctx @ Wv.T).view(b, n_ctx, nkv, hd)
+        k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
+        v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask)
+        x = x + a.transpose(1, 2).reshape(b, N * L, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
+        h = rms(x, P[p + "post_attention_layernorm.weight"])
+        g = h @ P[p + "mlp.gate_proj.weight"].T
+        u = h @ P[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
+    hN = rms(x, P["norm.weight"]).view(b, N, L, -1)[:, :, 1:]
+    return hN @ W.T

@@ -167,6 +167,9 @@ def test_log_has_perplexity_and_acceptance(run):
     assert 1.0 <= acc["dflash_tokens_per_round"] <= 16.0
     assert all(len(v["depth_top1"]) == 15 for v in acc["per_prompt_len"].values())
     assert log["drafter_config"]["block_size"] == 16
+    dr = log["drafter"]   # the smoke preset trains on the multi-anchor path, with the loss decay
+    assert (dr["anchors_per_seq"], dr["seqs_per_step"], dr["blocks_per_step"], dr["loss_decay_gamma"]) == (4, 4, 16, 7.0)
+    assert all(len(c) == 2 + 15 for c in dr["curve"])   # step, loss, accuracy at each of the 15 depths
     assert len(log["dflash_sim_heldout"]["depth_top1"]) == 15
     assert log["dflash_sim_heldout"]["dflash_tokens_per_round"] == acc["dflash_tokens_per_round"]
     tree = log["offline_tree"]["all"]   # the smoke preset's budgets; tests/test_tree_sim.py checks the walk
@@ -255,6 +258,8 @@ f = L.features(T, seqs)
 assert f.shape == (2, 28, 5 * 512)
 loss, ok = L.drafter_loss(D, T, seqs, f, 10)
 assert ok.shape == (2, 15) and torch.isfinite(loss)
+loss2, ok2 = L.drafter_loss_multi(D, T, seqs, f, torch.tensor([[10, 7, 12], [12, 10, 10]]))
+assert ok2.shape == (2, 3, 15) and torch.equal(ok2[0, 0], ok[0]) and torch.equal(ok2[1, 1], ok[1])
 print("FULL_OK")
 """
 
@@ -262,7 +267,8 @@ print("FULL_OK")
 def test_full_preset_runs_the_trainer_pieces():
     """The GPU preset's shapes through the trainer's pieces at a few tokens (CPU, ~5 s): the seeded
     init has the planned parameter counts, the training forward equals the reference, the KV-cache
-    greedy equals the full recompute, features are 5 x 512 wide, the block-16 drafter loss runs."""
+    greedy equals the full recompute, features are 5 x 512 wide, the block-16 drafter loss runs (one
+    anchor, and several per sequence with the same argmax at the same anchors)."""
     r = subprocess.run([sys.executable, "-c", FULL_CHECK, CP], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "FULL_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 

@@ -134,3 +134,16 @@ def test_step_budget_fixed_count_is_kept():
     import train as T
     b = T.StepBudget(123, 5.0, clock=lambda: 0.0)
     assert [b.update(s) for s in (1, 20, 60, 100)] == [123] * 4 and b.fixes == []
+
+
+def test_multi_anchor_flags_reach_the_drafter_step(tmp_path):
+    """--anchors-per-seq 2 --loss-decay-gamma 7: 8 // 2 = 4 sequences x 2 anchors a step, logged;
+    more anchors than a sequence holds (gen 20 - block 16 + 2 = 6) is refused."""
+    _streams(tmp_path / "data", 11)
+    r = _train(tmp_path / "data", tmp_path / "out", "--anchors-per-seq", "2", "--loss-decay-gamma", "7")
+    assert r.returncode == 0, r.stderr[-3000:]
+    dr = json.load(open(tmp_path / "out" / "log.json"))["drafter"]
+    assert (dr["anchors_per_seq"], dr["seqs_per_step"], dr["blocks_per_step"], dr["loss_decay_gamma"]) == (2, 4, 8, 7.0)
+    assert dr["steps"] == 6 and all(len(c) == 2 + 15 for c in dr["curve"])
+    r = _train(tmp_path / "data", tmp_path / "out2", "--anchors-per-seq", "7")
+    assert r.returncode != 0 and "--anchors-per-seq 7: needs <= 6" in r.stdout + r.stderr

@@ -12,7 +12,8 @@ bench/codepair/codeconfig.py, and the causal training forward of fastlm.py; time
 --target-seconds, the step count fixed after 60 timed steps); 3. drafter data (train.py's
 make_drafter_data: greedy continuations of train windows with a KV cache, then the target's features
 after target_layer_ids, bf16 on the device); 4. drafter (train.py's train_drafter, block 16;
-bounded by --drafter-seconds and --deadline); 5. offline acceptance on the held-out prompts
+bounded by --drafter-seconds and --deadline; by default 16 anchors in each of 16 sequences a step, one
+forward: --anchors-per-seq, --loss-decay-gamma); 5. offline acceptance on the held-out prompts
 (pairlib.greedy_cached in fp32, pairlib.dflash_sim: accepted length against the target's greedy
 continuation, per prompt length) and held-out perplexity (bf16 weights, fp32 forward);
 6. MODELS/code_target, MODELS/code_drafter (bench/textpair/materialize.py's writer), MODELS/
@@ -51,7 +52,7 @@ def settings(a):
         eval_windows=a.eval_windows, prompt_lens=a.prompt_lens, gen=a.gen, gen_seqs=a.gen_seqs,
         gen_batch=a.gen_batch, gen_cache=True, load_data="", save_data="", data_only=False, gen_max_batches=0,
         drafter_batch=a.drafter_batch, drafter_lr=a.drafter_lr, drafter_steps=a.drafter_steps,
-        drafter_seconds=a.drafter_seconds)
+        drafter_seconds=a.drafter_seconds, anchors_per_seq=a.anchors_per_seq, loss_decay_gamma=a.loss_decay_gamma)
     return s
 
 
@@ -129,7 +130,21 @@ def main():
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--gen-seqs", type=int, default=2048, help="greedy sequences per prompt length")
     ap.add_argument("--gen-batch", type=int, default=1024)
-    ap.add_argument("--drafter-batch", type=int, default=256)
+    ap.add_argument("--drafter-batch", type=int, default=256, help="blocks a drafter step (with --anchors-per-seq "
+                    "N > 1: drafter-batch // N sequences x N anchors)")
+    # Multi-anchor default (full: 16 anchors x 16 sequences = 256 blocks a step, as the one-anchor
+    # path's batch). Memory at the largest bucket (S = 512 + 256 = 768 tokens; keys n_ctx + N*16 <=
+    # 768 + 256 = 1024, queries N*16 = 256): attention scores [16, 12 heads, 256, 1024] fp32 = 201 MB
+    # a layer, 1.0 GB for 5 layers (2.0 GB if a math SDPA path keeps scores and probabilities for
+    # backward; the memory-efficient kernel keeps neither); the mask [16, 1, 256, 1024] bool 4 MB;
+    # logits [16, 240, 8192]: 63 MB bf16, 126 MB fp32 for the CE, 126 MB its gradient. A step's
+    # activations are < 3 GB beside the ~28 GB of features: far inside an H100's 80 GB.
+    ap.add_argument("--anchors-per-seq", type=int, default=None, help="anchors a sequence per drafter step, one "
+                    "forward (pairlib.drafter_loss_multi); 1: train.py's one anchor per batch (the s35 lease's "
+                    "run). Default: full 16, smoke 4")
+    ap.add_argument("--loss-decay-gamma", type=float, default=None, help="weight the label at block position k "
+                    "by exp(-(k-1)/gamma) (z-lab's block-16 recipe: 7); default: the plain mean (smoke: 7, to run "
+                    "the path; 0 there: the plain mean)")
     ap.add_argument("--drafter-lr", type=float, default=1.5e-3)
     ap.add_argument("--drafter-steps", type=int, default=0, help="0: as many as fit in --drafter-seconds")
     ap.add_argument("--drafter-seconds", type=float, default=150)
@@ -148,6 +163,10 @@ def main():
         a.drafter_batch, a.drafter_steps, a.eval_windows, a.ppl_windows = 16, a.drafter_steps or 30, 4, 8
         a.prompt_lens_eval, a.prompts_per_len, a.eval_new, a.tok_sample_mb = [16, 32], 2, 24, 2
         a.tree_budgets = [3, 7] if a.tree_budgets == [15, 31, 63] else a.tree_budgets
+        # 4 sequences x 4 anchors = 16 blocks (of 10 anchors a sequence: gen 24 - block 16 + 2)
+        a.anchors_per_seq = a.anchors_per_seq or 4
+        a.loss_decay_gamma = 7.0 if a.loss_decay_gamma is None else a.loss_decay_gamma
+    a.anchors_per_seq = a.anchors_per_seq or 16
     a.vocab = a.vocab or K.PRESETS[a.preset]["vocab"]
     if a.vocab != K.PRESETS[a.preset]["vocab"]:
         K.PRESETS[a.preset] = dict(K.PRESETS[a.preset], vocab=a.vocab)
@@ -237,7 +256,9 @@ def main():
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         torch.save({k: v.to(torch.bfloat16).cpu() for k, v in D.items()}, dp)
-        log(f"drafter: {res['drafter']['steps']} steps in {res['drafter']['seconds']}s")
+        log(f"drafter: {res['drafter']['steps']} steps in {res['drafter']['seconds']}s, "
+            f"{res['drafter']['blocks_per_step']} blocks a step ({res['drafter']['anchors_per_seq']} anchors x "
+            f"{res['drafter']['seqs_per_step']} sequences), loss decay gamma {res['drafter']['loss_decay_gamma']}")
     Db = L.bf16_round(D)
     del D
     dump(res_path, res)

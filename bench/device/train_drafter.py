@@ -57,6 +57,12 @@ def drafter_forward(P, E, W, feats, root, n):
     return RM.drafter_forward(P, M.DRAFTER, M.BLOCK_SIZE, M.MASK_ID, E, W, feats, root, n)
 
 
+def drafter_forward_blocks(P, E, W, feats, roots, anchors, mask=None):
+    """N blocks per sequence in one forward (RM.drafter_forward_blocks with mk_models' config):
+    feats [b, n_ctx, F], roots / anchors [b, N] -> logits [b, N, L-1, V]."""
+    return RM.drafter_forward_blocks(P, M.DRAFTER, M.BLOCK_SIZE, M.MASK_ID, E, W, feats, roots, anchors, mask)
+
+
 def chain(perm, root, D):
     out, t = [], root
     for _ in range(D):

@@ -161,11 +161,52 @@ def drafter_logits(D, T, feats, root, n):
     return TD.drafter_forward(D, E, E, feats, root, n)
 
 
-def drafter_loss(D, T, seqs, feats, n):
+def decay_weights(n, gamma, device=None):
+    """Per in-block label weights [n] for block positions k = 1..n: exp(-(k - 1) / gamma) (the
+    DFlash recipe's: early positions decide acceptance)."""
+    return torch.exp(-torch.arange(n, dtype=torch.float32, device=device) / gamma)
+
+
+def block_ce(lg, tgt, gamma=None):
+    """Mean CE of logits lg [..., B-1, V] on labels tgt [..., B-1]; gamma: each label weighted by
+    decay_weights over its in-block position (weighted mean). gamma None: the plain mean."""
+    ce = F.cross_entropy(lg.float().reshape(-1, C.VOCAB), tgt.reshape(-1), reduction="none" if gamma else "mean")
+    if not gamma:
+        return ce
+    w = decay_weights(tgt.shape[-1], gamma, tgt.device).expand(tgt.shape).reshape(-1)
+    return (ce * w).sum() / w.sum()
+
+
+def drafter_loss(D, T, seqs, feats, n, gamma=None):
+    """One block per sequence at anchor n (seqs [b, S], feats [b, S', F] with S' >= n): (loss,
+    ok [b, B-1] bool: argmax == label). gamma: block_ce's per-position weights."""
     lg = drafter_logits(D, T, feats[:, :n].float(), seqs[:, n], n)
     tgt = seqs[:, n + 1:n + C.BLOCK_SIZE]
-    ce = F.cross_entropy(lg.float().reshape(-1, C.VOCAB), tgt.reshape(-1))
+    ce = block_ce(lg, tgt, gamma)
     return ce, (lg.argmax(-1) == tgt)
+
+
+def drafter_logits_blocks(D, T, feats, roots, anchors):
+    E = T["model.embed_tokens.weight"]
+    return TD.drafter_forward_blocks(D, E, E, feats, roots, anchors)
+
+
+def drafter_loss_multi(D, T, seqs, feats, anchors, gamma=None):
+    """N blocks per sequence in one forward: seqs [b, S] greedy sequences, feats [b, S, F] their
+    target features, anchors [b, N] long (a block at anchor a: root seqs[a], context features
+    0..a-1, labels seqs[a+1 .. a+B-1], so a <= S - B). Only the context up to the largest anchor
+    (rounded up to 16) is projected. Returns (loss, ok [b, N, B-1] bool: argmax == label); with
+    gamma None the loss is the mean CE over all b x N x (B-1) labels = the mean of drafter_loss over
+    the same blocks; gamma: block_ce's per-position weights."""
+    B = C.BLOCK_SIZE
+    # the context up to the largest anchor, rounded up to 16 keys (the kernels' alignment; the extra
+    # positions are masked for every block)
+    n_ctx = min(seqs.shape[1], -(-int(anchors.max()) // 16) * 16)
+    roots = torch.gather(seqs, 1, anchors)
+    lg = drafter_logits_blocks(D, T, feats[:, :n_ctx].float(), roots, anchors)
+    idx = anchors.unsqueeze(-1) + torch.arange(1, B, device=anchors.device)
+    tgt = torch.gather(seqs, 1, idx.view(seqs.shape[0], -1)).view(idx.shape)
+    return block_ce(lg, tgt, gamma), (lg.argmax(-1) == tgt)
 
 
 def _walk_rounds(acc, p, L, flag=None):

@@ -28,7 +28,10 @@ tied head. Drafter data: prompts = random train windows of lengths --prompt-lens
 greedily for --gen tokens by the bf16-rounded target; features after TARGET_LAYER_IDS of the whole
 sequence (bf16). Drafter step: one anchor position n for the batch (SGLang's block: root = token n,
 context = features of 0..n-1, mask x (B-1) at n+1..n+B-1), loss = CE on the target's greedy tokens
-n+1..n+B-1, with n drawn so the labels are greedy tokens. --block-size / --drafter-layers /
+n+1..n+B-1, with n drawn so the labels are greedy tokens. --anchors-per-seq N > 1: --drafter-batch // N
+sequences a step, N distinct anchors in each (the same range), all blocks in one forward with the
+context projected once per sequence (pairlib.drafter_loss_multi); --loss-decay-gamma weights the
+label at block position k by exp(-(k-1)/gamma). --block-size / --drafter-layers /
 --drafter-intermediate train another drafter shape (log.json records its config as
 "drafter_config"; the shipped one is block 8, 2 layers, 256). The drafter's final norm starts from the
 target's final norm (it feeds the same tied head).
@@ -72,6 +75,13 @@ def rint(lo, hi, shape, g):
     """Seeded integers from a CPU generator whatever the default device is."""
     with torch.device("cpu"):
         return torch.randint(lo, hi, shape, generator=g)
+
+
+def draw_anchors(g, rows, n, lo, hi):
+    """[rows, n] long: n distinct anchors in [lo, hi] per row (a random permutation's first n; CPU
+    generator g)."""
+    with torch.device("cpu"):
+        return torch.rand((rows, hi - lo + 1), generator=g).argsort(1)[:, :n] + lo
 
 
 def cpu_init(fn, seed):
@@ -303,13 +313,28 @@ def train_drafter(a, Tb, buckets, dev, res):
     budget = StepBudget(steps, a.drafter_seconds, (200, 400))
     est = steps or 10 ** 9
     B = C.BLOCK_SIZE
+    per_seq = getattr(a, "anchors_per_seq", 1)
+    gamma = getattr(a, "loss_decay_gamma", None)
+    n_seqs = a.drafter_batch // per_seq if per_seq > 1 else a.drafter_batch
+    if per_seq > 1:
+        span = min(s.shape[1] - B - p + 2 for p, s, _ in buckets)   # anchors p-1 .. S-B of a bucket
+        if per_seq > span or n_seqs < 1:
+            raise SystemExit(f"--anchors-per-seq {per_seq}: needs <= {span} (the anchors of a sequence) "
+                             f"and <= --drafter-batch {a.drafter_batch}")
     while step < (steps or 10 ** 9):
         b = int(rint(0, len(buckets), (1,), g))
         p, seqs, feats = buckets[b]
-        n = int(rint(p - 1, seqs.shape[1] - B + 1, (1,), g))
-        sel = rint(0, seqs.shape[0], (a.drafter_batch,), g).to(dev)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
-            loss, ok = L.drafter_loss(D, Tb, seqs[sel], feats[sel], n)
+        if per_seq == 1:      # one anchor n for the whole batch (the committed pairs' path)
+            n = int(rint(p - 1, seqs.shape[1] - B + 1, (1,), g))
+            sel = rint(0, seqs.shape[0], (a.drafter_batch,), g).to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+                loss, ok = L.drafter_loss(D, Tb, seqs[sel], feats[sel], n, gamma)
+        else:                 # per_seq distinct anchors in [p-1, S-B] for each of n_seqs sequences
+            sel = rint(0, seqs.shape[0], (n_seqs,), g).to(dev)
+            anchors = draw_anchors(g, n_seqs, per_seq, p - 1, seqs.shape[1] - B).to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+                loss, ok = L.drafter_loss_multi(D, Tb, seqs[sel], feats[sel], anchors, gamma)
+            ok = ok.reshape(-1, B - 1)
         lr = L.cosine_lr(step, est, a.drafter_lr, a.warmup // 2)
         optimizer_step(opt, loss, D.values(), lr)
         step += 1
@@ -322,7 +347,10 @@ def train_drafter(a, Tb, buckets, dev, res):
             log(f"  drafter step {step}/{steps} t={time.time()-t0:.0f}s loss {loss.item():.3f} acc/depth "
                 + " ".join(f"{v:.2f}" for v in acc))
     res["drafter"] = {"steps": step, "seconds": round(time.time() - t0, 1), "curve": curve, "step_fixes": budget.fixes,
-                      "params": C.n_params(D)}
+                      "params": C.n_params(D), "anchors_per_seq": per_seq, "seqs_per_step": n_seqs,
+                      "blocks_per_step": n_seqs * per_seq, "loss_decay_gamma": gamma,
+                      "how": ("one anchor per step for the whole batch (pairlib.drafter_loss)" if per_seq == 1 else
+                              "distinct random anchors per sequence, one forward (pairlib.drafter_loss_multi)")}
     return {k: v.detach() for k, v in D.items()}
 
 
@@ -346,6 +374,13 @@ def main():
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--drafter-batch", type=int, default=256)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--anchors-per-seq", type=int, default=1,
+                    help="N > 1: each step takes --drafter-batch // N sequences of one prompt length, N distinct "
+                    "random anchors in each, all blocks in one forward (pairlib.drafter_loss_multi: the context "
+                    "projected once per sequence); 1: one anchor for the whole batch (the committed pairs)")
+    ap.add_argument("--loss-decay-gamma", type=float, default=None,
+                    help="weight the label at block position k by exp(-(k-1)/gamma) (weighted mean; "
+                    "z-lab's block-16 recipe: 7); default: the plain mean")
     ap.add_argument("--drafter-steps", type=int, default=769, help="0: as many as fit in --drafter-seconds")
     ap.add_argument("--drafter-seconds", type=float, default=100)
     ap.add_argument("--deadline", type=float, default=400,
