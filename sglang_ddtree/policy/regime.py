@@ -12,18 +12,18 @@ intervals between launches longer than ``MAX_GAP_S`` are idle, left out.  Per wi
 tokens ``E``, busy seconds ``T``, occupancy ``O = sum bs x dt`` (request-seconds); the figure kept
 is the per-slot rate ``q = E / O`` (tokens per request-second), a decayed mean per key.
 
-The key of a window is ``(regime, bucket(bs), synced)`` of the batch it OPENS with; a decision
-compares the two regimes' estimates under the key of the batch at hand (the next window's opening
-batch).  ``synced`` is ``adaptive.synced_tokens_left``'s verdict (requests that plain decoding
-finishes in a few waves).  Why the sync state is in the key: plain decoding of a synced batch pays
-one batched admission a wave, of a spread batch one per finish; a spec stretch spreads the
-finishes and nothing re-syncs them until a new level of requests arrives (lock-step does not come
-back by itself), so a plain window measured after a spec stretch is the spread rate, and compared
-with the synced plain rate the server left it favours speculation (the s34 attempt, design
-section 6).  Keyed so, a synced batch compares synced plain against speculation started from a
-synced batch (its window holds the spreading it causes), and a spread batch compares like with
-like.  Keying by the opening batch (not the window's mean bs) makes a measurement land on the key
-that asked for it.
+A window is keyed by the batch it OPENS with: its bs bucket and, for plain decoding only, its
+``synced`` verdict (``adaptive.synced_tokens_left``: requests that plain decoding finishes in a few
+waves); a decision compares the two regimes' estimates under the state of the batch at hand (the
+next window's opening batch).  Why plain decoding's estimate carries the sync state: plain decoding
+of a synced batch pays one batched admission a wave, of a spread batch one per finish, and a spec
+stretch spreads the finishes until a new level of requests arrives (lock-step does not come back by
+itself), so a plain window measured after a spec stretch is the spread rate; compared with the
+synced rate the server left it favours speculation (the s34 attempt, design section 6).  Why
+speculation's does not: a spec stretch is spread after its first wave whatever state it started
+in, so its windows measure one rate.  A window also closes when the batch leaves its bucket; one
+shorter than ``t_min_s`` or without an admission inside its busy time (a level's drain) measures
+nothing, but the decision is taken (a new level's first batch is such a close).
 
 Two kinds of spec time besides a chosen stretch:
 - a plain *trip*: in speculation with no plain estimate for the key, the controller goes plain to
