@@ -8,6 +8,8 @@ Modules:
   ``RoundEstimate``, ``RoundOutcome``);
 - ``adaptive.py``: ``WidthController``, the per-round choice (forced cycle, pinned budgets,
   probes, draft-only probes, the measured round overheads and admissions);
+- ``regime.py``: ``RegimeController``, plain decoding or speculation per window of wall time
+  (``docs/plain_regime_design.md``; owned by ``RoundPolicy``, not yet called by serving code);
 - ``budget_policy.py``: ``BudgetPolicy``, the choice from the start-up cost table, the overheads
   and the acceptance per request-age bucket; ``NO_SPEC`` (width 1, no speculation);
 - ``adaptive_config.py``: the adaptive settings (``SGLANG_DDTREE_BUDGETS`` / ``_ADAPTIVE``, the

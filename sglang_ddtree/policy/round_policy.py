@@ -19,6 +19,12 @@ Besides the round the worker calls :meth:`RoundPolicy.interrupt` for every other
 :meth:`RoundPolicy.report_to` (the statistics and the round profiler), in whichever order SGLang
 builds them.
 
+The regime (plain decoding or speculation, ``regime.py``, design ``docs/plain_regime_design.md``):
+the scheduler hook (not built yet) will ask :meth:`RoundPolicy.regime` at every decode launch and
+call :meth:`RoundPolicy.regime_switched` after making a pending switch; without a controller
+(:meth:`RoundPolicy.start_regime`, which nothing calls yet) the answer is always speculation, so
+serving is unchanged.
+
 Shapes: ``bs`` requests, drafter depth ``D``, verify width ``N`` (budget ``N - 1``), top-``K``.
 """
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from . import accept_estimate, adaptive_config
 from .budget_policy import NO_SPEC
+from .regime import SPEC, RegimeController, RegimeDecision, SchedView
 from .round_stats import RoundCounterfactual
 
 
@@ -128,6 +135,7 @@ class RoundPolicy:
         self.stats = None          # round_stats.AcceptanceStats (opt-in)
         self._profiler = None      # profiling.RoundProfiler: the controller's snapshot in its records
         self._counterfactual: Optional[RoundCounterfactual] = None
+        self.regime_controller: Optional[RegimeController] = None
 
     # ------------------------------------------------------------------ start-up
     def start(self, controller) -> None:
@@ -148,6 +156,39 @@ class RoundPolicy:
         prof, ctl = self._profiler, self.controller
         if prof is not None and ctl is not None and prof.enabled:
             prof.extra = ctl.snapshot
+
+    def start_regime(self, controller: RegimeController) -> None:
+        """The regime controller (``regime.RegimeController``; its ``optimistic`` bound is usually
+        :meth:`optimistic_spec_ratio`)."""
+        self.regime_controller = controller
+
+    # ------------------------------------------------------------------ regime (per decode launch)
+    def regime(self, view: SchedView) -> RegimeDecision:
+        """The regime of the decode batch being launched and a pending switch (host values only);
+        always speculation without a regime controller."""
+        ctl = self.regime_controller
+        return RegimeDecision(SPEC) if ctl is None else ctl.observe(view)
+
+    def regime_switched(self) -> None:
+        """The scheduler hook made the pending switch (drain, conversion, rebuild done)."""
+        self.regime_controller.switched()
+
+    def optimistic_spec_ratio(self, bs: int) -> Optional[float]:
+        """What speculation could serve over plain decoding at ``bs`` by the width controller's model
+        (``BudgetPolicy.tokens_per_ms``: the start-up cost table, the measured overheads and
+        admissions) if every tree width accepted ``WidthController.PROBE_OPTIMISM`` x its last
+        estimate: the best tree width's tokens per ms over plain decoding's.  The regime controller's
+        excursion bound (design section 4 (ii)); None without a controller or a tree width at ``bs``."""
+        ctl = self.controller
+        pol = None if ctl is None else ctl.policy
+        if pol is None:
+            return None
+        trees = [w for w in pol.candidates(bs) if w != NO_SPEC]
+        if not trees:
+            return None
+        best = max(bs * (1.0 + ctl.PROBE_OPTIMISM * (pol.tokens_per_request(w) - 1.0)) / pol.round_ms(bs, w)
+                   for w in trees)
+        return best / pol.tokens_per_ms(bs, NO_SPEC)
 
     # ------------------------------------------------------------------ per batch
     def interrupt(self) -> None:

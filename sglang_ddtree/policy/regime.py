@@ -1,0 +1,324 @@
+"""The regime choice (issue 52 item 1, ``docs/plain_regime_design.md`` section 4): :class:`RegimeController`.
+
+Whether the server decodes plainly (SGLang's own decode path, step 2 of the design's plan) or
+speculates, decided on windows of host-clock time that contain the admissions a regime causes (no
+device reads).  ``RoundPolicy.regime`` owns one; nothing in the serving path calls it yet (the
+scheduler hook is step 3).
+
+A window opens at a regime entry (after its drain and rebuild) or at the previous window's close
+and closes at a decode launch when every request running at its opening has finished and at least
+one admission happened (one wave), or after ``t_max_s`` of busy time, never before ``t_min_s``;
+intervals between launches longer than ``MAX_GAP_S`` are idle, left out.  Per window: emitted
+tokens ``E``, busy seconds ``T``, occupancy ``O = sum bs x dt`` (request-seconds); the figure kept
+is the per-slot rate ``q = E / O`` (tokens per request-second), a decayed mean per key.
+
+A window is keyed by the batch it OPENS with: its bs bucket and, for plain decoding only, its
+``synced`` verdict (``adaptive.synced_tokens_left``: requests that plain decoding finishes in a few
+waves); a decision compares the two regimes' estimates under the state of the batch at hand (the
+next window's opening batch).  Why plain decoding's estimate carries the sync state: plain decoding
+of a synced batch pays one batched admission a wave, of a spread batch one per finish, and a spec
+stretch spreads the finishes until a new level of requests arrives (lock-step does not come back by
+itself), so a plain window measured after a spec stretch is the spread rate; compared with the
+synced rate the server left it favours speculation (the s34 attempt, design section 6).  Why
+speculation's does not: a spec stretch is spread after its first wave whatever state it started
+in, so its windows measure one rate.  A window also closes when the batch leaves its bucket; one
+shorter than ``t_min_s`` or without an admission inside its busy time (a level's drain) measures
+nothing, but the decision is taken (a new level's first batch is such a close).
+
+Two kinds of spec time besides a chosen stretch:
+- a plain *trip*: in speculation with no plain estimate for the key, the controller goes plain to
+  measure it (plain decoding is the floor, measuring it costs no credit) and, if speculation has no
+  estimate for the key it then meets, goes back.  At most one trip per key (the bs buckets times
+  two sync states), whether its measurement lands or not (a level's drain passes through buckets
+  it never measures); plain estimates do not age;
+- an *excursion*: in plain, nothing measures speculation; when the key has no fresh spec estimate,
+  an optimistic bound says speculation could win, and the credit covers the expected cost, one
+  window of speculation runs.  Credit: ``credit_rate`` of busy time, capped at two excursions; an
+  excursion spends its whole wall time (switches and rebuild included) whatever its outcome, so
+  explored time <= ``credit_rate`` x busy time + the starting credit + one excursion.  Starting
+  credit: none from a spec start (speculation is measured by running), one excursion from a plain
+  start.  No excursion leaves a synced batch but a plain start's first: there one costs more than
+  its wall time (the finishes stay spread until the next level of requests, which the credit does
+  not price; on the tests' lock-step levels three excursions from synced batches in 300 s cost
+  the auto server 1.6-2.5 % against forced plain), so a synced batch is left for speculation only
+  on a fresh spec estimate (measured on spread batches, the rate a spec stretch settles at).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Dict, Hashable, Optional, Sequence, Tuple
+
+from .adaptive import synced_tokens_left
+
+PLAIN = "plain"
+SPEC = "spec"
+
+Key = Tuple[int, bool]    # (bs bucket, synced)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedView:
+    """One decode batch being launched (either regime), host values only.
+
+    ``rids``: its requests' ids (bs = len); ``emitted``: tokens emitted by the decode batch whose
+    result was processed since the previous launch; ``admitted``: requests admitted (prefilled)
+    since the previous launch; ``reqs``: its SGLang requests, for the sync verdict (None: unsynced);
+    ``no_spec``: in the spec regime, the width controller ran this batch at ``NO_SPEC``."""
+    rids: Sequence[Hashable]
+    emitted: float = 0.0
+    admitted: int = 0
+    reqs: Optional[Sequence] = None
+    no_spec: bool = False
+
+    @property
+    def bs(self) -> int:
+        return len(self.rids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegimeDecision:
+    """The regime the batch at hand runs in, and the switch the scheduler hook must make before it
+    (None: none; the hook drains, converts, then calls ``switched``).  ``excursion``: the pending
+    switch into speculation is exploration."""
+    regime: str
+    pending: Optional[str] = None
+    excursion: bool = False
+
+
+def bucket(bs: float) -> int:
+    """The power of two nearest ``bs`` in log scale (at least 1): a full batch's window that dips
+    by a request or two stays in its bucket, a level's drain (the batch emptying, no admissions:
+    a high per-slot rate at a low load) falls in a lower one."""
+    return 1 << max(0, round(math.log2(max(float(bs), 1.0))))
+
+
+def synced(view: SchedView) -> bool:
+    """``adaptive.synced_tokens_left``'s verdict on the batch (False without requests)."""
+    return synced_tokens_left(view.reqs) is not None
+
+
+class _Window:
+    """One window's sums: busy s, occupancy (request-s), tokens, admissions, rounds, NO_SPEC rounds;
+    ``synced``: its opening batch's verdict; ``cohort``: the requests of that batch not yet
+    finished."""
+
+    def __init__(self, view: SchedView):
+        self.bucket = bucket(view.bs)
+        self.synced = synced(view)
+        self.cohort = set(view.rids)
+        self.busy = self.occ = self.emitted = 0.0
+        self.admitted = self.rounds = self.no_spec = 0
+
+
+@dataclasses.dataclass
+class _Excursion:
+    start: float                    # clock s at the decision
+    key: Key                        # the state it measures speculation in
+    q_spec: Optional[float] = None  # its window's rate
+    q_plain: Optional[float] = None  # plain's estimate for that key then
+
+
+class RegimeController:
+    """Chooses the regime from measured windows (module docstring).  ``clock()`` (seconds) is its
+    only time source.  Per decode batch launch :meth:`observe`; after a pending switch is made,
+    :meth:`switched` (the time between the two is the switch's).
+
+    ``h``: the other regime must beat the current one by this fraction; ``credit_rate``: the share
+    of busy time exploration earns; ``spec_max_bs``: the tree graphs' largest batch (None: no
+    limit), above which speculation is not run; ``optimistic(bs)``: an upper bound of speculation's
+    rate over plain decoding's at ``bs`` (a ratio; None or a None result: no bound), which an
+    excursion must clear by ``h``."""
+
+    T_MIN_S = 0.5        # design section 4: shorter than a few admission prefills is noise
+    T_MAX_S = 4.0        # ... a wave longer than this is cut: the choice must follow the load
+    MAX_GAP_S = 0.25     # as WidthController.MAX_GAP_MS: a longer gap between launches is idle
+    H = 0.03             # design section 4's hysteresis
+    MIN_WINDOWS = 2      # no switch within two windows of the last
+    NOSPEC_EXIT = 0.95   # spec -> plain when the width controller ran NO_SPEC this share of a window
+    ALPHA = 0.3          # a window's weight in its key's estimate (a change followed in ~3 windows)
+    SPEC_STALE_S = 60.0  # a spec estimate older than this is unknown (design section 4)
+    CREDIT_RATE = 0.01   # exploration's share of busy time
+    CREDIT_CAP = 2.0     # credit kept, in expected excursions
+    EXCURSION_S = 5.0    # first guess of an excursion's wall time: one T_MAX_S window plus the
+                         # switches (the rebuild is a design assumption, 0.3-0.8 s); then measured
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, start: str = SPEC,
+                 h: float = H, credit_rate: float = CREDIT_RATE, t_min_s: float = T_MIN_S,
+                 t_max_s: float = T_MAX_S, spec_max_bs: Optional[int] = None,
+                 optimistic: Optional[Callable[[int], Optional[float]]] = None):
+        if start not in (PLAIN, SPEC):
+            raise ValueError(f"start must be {PLAIN!r} or {SPEC!r}, got {start!r}")
+        if h < 0 or not 0.0 <= credit_rate < 1.0:
+            raise ValueError(f"h must be >= 0 and credit_rate in [0, 1), got {h}, {credit_rate}")
+        self._clock = clock
+        self.regime = start
+        self.pending: Optional[str] = None
+        self.h, self.credit_rate = float(h), float(credit_rate)
+        self.t_min_s, self.t_max_s = float(t_min_s), float(t_max_s)
+        self.spec_max_bs = spec_max_bs
+        self._optimistic = optimistic
+        self.est: Dict[Tuple[str, int, Optional[bool]], Tuple[float, float]] = {}   # _slot -> (q, clock s)
+        self._win: Optional[_Window] = None
+        self._t_last: Optional[float] = None
+        self._bs_last = 0
+        self._since_switch = self.MIN_WINDOWS     # the start is no switch
+        self._t_pending: Optional[float] = None
+        self._trip = False                        # plain only to measure it (module docstring)
+        self._tripped: set = set()                # the states a trip was taken in
+        self._excursion: Optional[_Excursion] = None
+        self.expected_excursion_s = self.EXCURSION_S
+        self.credit = self.expected_excursion_s if start == PLAIN else 0.0
+        self._first_free = start == PLAIN         # the starting excursion may leave a synced batch
+        self.time_s = {PLAIN: 0.0, SPEC: 0.0, "switching": 0.0}
+        self.switches = self.excursions = self.windows = 0
+        self.explore_s = self.explore_loss_s = 0.0
+
+    # ------------------------------------------------------------------ measurement
+    def observe(self, view: SchedView) -> RegimeDecision:
+        """A decode batch is being launched now: the interval since the previous launch (the batch
+        that ran in it, ``view.emitted`` its tokens) goes into the window; at a window's close,
+        decide.  While a switch is pending nothing is counted (the time is the switch's)."""
+        now = self._clock()
+        if self.pending is not None:
+            return self._decision()
+        w = self._win
+        if w is None:
+            w = self._win = _Window(view)
+        elif self._t_last is not None:
+            dt = now - self._t_last
+            if 0.0 < dt <= self.MAX_GAP_S:       # else idle: its admissions' prefill is not in the window
+                w.busy += dt
+                w.occ += self._bs_last * dt
+                w.emitted += float(view.emitted)
+                w.admitted += int(view.admitted)
+            w.cohort.intersection_update(view.rids)
+        self._t_last, self._bs_last = now, view.bs
+        w.rounds += 1
+        w.no_spec += bool(view.no_spec)
+        if ((w.busy >= self.t_min_s and ((not w.cohort and w.admitted > 0) or w.busy >= self.t_max_s))
+                or bucket(view.bs) != w.bucket):
+            self._close(view, now)
+        return self._decision()
+
+    def _decision(self) -> RegimeDecision:
+        return RegimeDecision(self.regime, self.pending,
+                              self.pending == SPEC and self._excursion is not None)
+
+    def switched(self) -> None:
+        """The pending switch was made (drain, conversion, rebuild done): the new regime's first
+        window runs from now, with the batch the switch was decided at."""
+        now = self._clock()
+        self.time_s["switching"] += now - self._t_pending
+        self.regime, self.pending, self._t_pending = self.pending, None, None
+        self._since_switch = 0
+        self._t_last = now
+        if self.regime == PLAIN and self._excursion is not None:
+            self._end_excursion(now)
+
+    @staticmethod
+    def _slot(regime: str, key: Key) -> Tuple[str, int, Optional[bool]]:
+        """Where ``regime``'s estimate for state ``key`` is kept: plain decoding's per bucket and
+        sync verdict, speculation's per bucket (module docstring)."""
+        return (regime, key[0], key[1] if regime == PLAIN else None)
+
+    def estimate(self, regime: str, key: Key) -> Optional[float]:
+        """The decayed per-slot rate (tokens per request-second) of ``regime`` in state ``key``;
+        None when never measured, or (speculation) older than ``SPEC_STALE_S``."""
+        e = self.est.get(self._slot(regime, key))
+        if e is None or (regime == SPEC and self._clock() - e[1] > self.SPEC_STALE_S):
+            return None
+        return e[0]
+
+    # ------------------------------------------------------------------ decision
+    def _close(self, view: SchedView, now: float) -> None:
+        w, self._win = self._win, _Window(view)
+        self.time_s[self.regime] += w.busy
+        self.credit = min(self.credit + self.credit_rate * w.busy, self.CREDIT_CAP * self.expected_excursion_s)
+        # closed by a bucket change, a window too short or without an admission inside (a level's
+        # drain: a high per-slot rate at a falling load, which no regime sustains) measures nothing;
+        # the decision is still taken (a new level's first batch is such a close)
+        measured = w.busy >= self.t_min_s and w.occ > 0 and (w.admitted > 0 or w.busy >= self.t_max_s)
+        q = None
+        if measured:
+            self.windows += 1
+            self._since_switch += 1
+            q = w.emitted / w.occ
+            wk = (w.bucket, w.synced)
+            old = self.estimate(self.regime, wk)
+            self.est[self._slot(self.regime, wk)] = (q if old is None else (1 - self.ALPHA) * old + self.ALPHA * q, now)
+        exc = self._excursion
+        if exc is not None:
+            if not measured:
+                return
+            # its one window is measured: keep speculation or go back
+            exc.q_spec, exc.q_plain = q, self.estimate(PLAIN, exc.key)
+            s = self.estimate(SPEC, exc.key)
+            if exc.q_plain is not None and s is not None and s >= (1 + self.h) * exc.q_plain:
+                self._end_excursion(now)       # speculation won: a switch, no longer exploration
+                self.switches += 1
+            else:
+                self._switch(PLAIN, now)       # spent at ``switched``
+            return
+        if self._since_switch < self.MIN_WINDOWS:
+            return
+        k = (self._win.bucket, self._win.synced)
+        p, s = self.estimate(PLAIN, k), self.estimate(SPEC, k)
+        over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
+        if self.regime == SPEC:
+            if over or (w.rounds and w.no_spec >= self.NOSPEC_EXIT * w.rounds) or (
+                    p is not None and s is not None and p >= (1 + self.h) * s):
+                self._switch(PLAIN, now, count=True)
+            elif p is None and k not in self._tripped:   # a trip: measure plain decoding in this state
+                self._tripped.add(k)           # once per state, whether the measurement lands or not
+                self._trip = True
+                self._switch(PLAIN, now, count=True)
+        elif over:
+            return
+        elif s is not None:
+            if p is not None and s >= (1 + self.h) * p:
+                self._switch(SPEC, now, count=True)
+            elif p is not None:
+                self._trip = False             # plain decoding chosen on a comparison
+        elif self._trip:                       # left only to measure plain: speculation's own state
+            self._switch(SPEC, now, count=True)
+        elif (p is not None and (not k[1] or self._first_free) and self.credit >= self.expected_excursion_s
+              and self._may_win(view.bs, p)):
+            self._first_free = False
+            self._excursion = _Excursion(start=now, key=k)
+            self.excursions += 1
+            self._switch(SPEC, now)
+
+    def _may_win(self, bs: int, p: float) -> bool:
+        """The optimistic bound lets speculation beat plain decoding by ``h`` (no bound: yes)."""
+        ratio = None if self._optimistic is None else self._optimistic(int(bs))
+        return ratio is None or ratio >= 1 + self.h
+
+    def _switch(self, to: str, now: float, count: bool = False) -> None:
+        self.pending, self._t_pending = to, now
+        if to == SPEC:
+            self._trip = False
+        if count:
+            self.switches += 1
+
+    def _end_excursion(self, now: float) -> None:
+        """The excursion is over (back in plain, or kept): its whole wall time is spent."""
+        exc, self._excursion = self._excursion, None
+        wall = now - exc.start
+        self.credit -= wall
+        self.explore_s += wall
+        self.expected_excursion_s = (1 - self.ALPHA) * self.expected_excursion_s + self.ALPHA * wall
+        if exc.q_spec is not None and exc.q_plain:
+            self.explore_loss_s += wall * max(0.0, 1.0 - exc.q_spec / exc.q_plain)
+
+    def report(self) -> dict:
+        """Host values: the regime, busy s per regime and switching (closed windows), decided
+        switches (excursions not counted unless kept), excursions, ``explore_s`` (their wall time),
+        ``explore_share`` (of that busy time), ``explore_loss_s = sum wall x max(0, 1 - q_spec /
+        q_plain)``, the credit (s)."""
+        busy = sum(self.time_s.values())
+        return {"regime": self.regime, "time_s": dict(self.time_s), "switches": self.switches,
+                "excursions": self.excursions, "windows": self.windows, "explore_s": self.explore_s,
+                "explore_share": self.explore_s / busy if busy > 0 else 0.0,
+                "explore_loss_s": self.explore_loss_s, "credit_s": self.credit}

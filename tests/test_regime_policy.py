@@ -1,0 +1,264 @@
+"""The regime controller (``policy/regime.py``; ``docs/plain_regime_design.md`` section 5, first three
+bullets) on simulated servers whose truth is hidden from it: it sees only the launches (request
+ids, the requests' token counts, tokens emitted, admissions) and the simulated clock.  Each test
+runs its control, which must fail the test's bar.
+
+:class:`Levels`, the two-regime lock-step server (``tests/test_policy_simulation.py::run_waves``
+with two regimes, a switch cost and a rebuild cost): a level is ``waves x bs`` requests of
+``out_len`` tokens, ``bs`` at a time; a finished request's successor is admitted in a prefill batch
+after the round (``F + u x n`` ms for ``n``), the level's last requests drain, then after an idle
+gap the next level starts, all its first ``bs`` requests admitted together.  A plain round costs
+``plain_ms`` and emits one token per request, so a level stays in lock-step (one prefill per
+wave); a spec round costs ``spec_ms`` and emits ``1 + Binomial(4, (m - 1) / 4)`` per request, so
+the finishes spread and every finish pays its own prefill.  Nothing re-syncs a spread batch but a
+new level: plain decoding after a spec stretch keeps the spread.  A switch costs ``switch_ms`` (the
+drain), one into speculation ``rebuild_ms`` more (the drafter's rebuild, design section 3)."""
+import math
+
+import numpy as np
+
+from sglang_ddtree.policy import RoundPolicy
+from sglang_ddtree.policy.regime import PLAIN, SPEC, RegimeController, SchedView
+
+
+class _Req:
+    """What the controller reads of an SGLang request (``adaptive.synced_tokens_left``)."""
+    __slots__ = ("rid", "sampling_params", "output_ids")
+
+    def __init__(self, rid, out_len):
+        self.rid = rid
+        self.sampling_params = _SP(out_len)
+        self.output_ids = range(0)
+
+
+class _SP:
+    __slots__ = ("max_new_tokens",)
+
+    def __init__(self, n):
+        self.max_new_tokens = n
+
+
+class Levels:
+    def __init__(self, bs=16, out_len=256, waves=16, plain_ms=5.0, spec_ms=8.3, m=2.0, F=25.0, u=6.0,
+                 switch_ms=2.0, rebuild_ms=300.0, gap_ms=1000.0, seed=0):
+        self.bs, self.out_len, self.waves = bs, out_len, waves
+        self.plain_ms, self.spec_ms, self.p = plain_ms, spec_ms, (m - 1) / 4
+        self.F, self.u, self.switch_ms, self.rebuild_ms, self.gap_ms = F, u, switch_ms, rebuild_ms, gap_ms
+        self.rng = np.random.default_rng(seed)
+        self.now = self.busy = 0.0          # ms: the clock, and the clock less the idle gaps
+        self.tokens = 0
+        self.next_rid = 0
+        self.reqs = []
+        self.admitted = 0                   # since the last round
+        self._new_level()
+
+    def _admit(self, n):
+        for _ in range(n):
+            self.reqs.append(_Req(self.next_rid, self.out_len))
+            self.next_rid += 1
+        self.left -= n
+        self.admitted = n
+        if n:
+            self._spend(self.F + self.u * n)
+
+    def _spend(self, ms):
+        self.now += ms
+        self.busy += ms
+
+    def _new_level(self):
+        self.left = self.waves * self.bs
+        self._admit(self.bs)
+
+    def round(self, regime):
+        """One decode round in ``regime`` and the admissions after it -> (tokens emitted, prefill ms)."""
+        self._spend(self.plain_ms if regime == PLAIN else self.spec_ms)
+        n = len(self.reqs)
+        emit = [1] * n if regime == PLAIN else (1 + self.rng.binomial(4, self.p, n)).tolist()
+        got, keep = 0, []
+        for r, e in zip(self.reqs, emit):
+            have = len(r.output_ids)
+            e = min(e, self.out_len - have)
+            r.output_ids = range(have + e)
+            got += e
+            if have + e < self.out_len:
+                keep.append(r)
+        done = n - len(keep)
+        self.reqs = keep
+        self.tokens += got
+        t0 = self.now
+        self._admit(min(done, self.left))
+        if not self.reqs:                  # the level is over: idle, then the next one
+            self.now += self.gap_ms
+            self._new_level()
+        return got, self.now - t0
+
+    def switch(self, to):
+        self._spend(self.switch_ms + (self.rebuild_ms if to == SPEC else 0.0))
+
+
+def serve(world, seconds, regime=None, per_round=False, _log=None, **ctl_kw):
+    """Run ``world`` for ``seconds`` of busy time; ``regime``: forced (no controller).  ``per_round``:
+    the control's one-round view (a window per launch, the prefills' time outside the controller's
+    clock).  ``_log``: a list that receives the regime each measured window ran in.
+    -> (tokens per busy second, controller or None, the excursions' wall time (s) summed
+    here, the largest)."""
+    seen = [0.0]                                   # the controller's clock, ms
+    ctl = None
+    if regime is None:
+        kw = dict(t_min_s=0.0, t_max_s=0.0) if per_round else {}
+        ctl = RegimeController(clock=lambda: seen[0] / 1e3, **{**kw, **ctl_kw})
+    cur = regime or ctl.regime
+    got = 0
+    explore, largest, start = 0.0, 0.0, None
+    while world.busy < seconds * 1e3:
+        if ctl is not None:
+            n = ctl.windows
+            d = ctl.observe(SchedView(rids=[r.rid for r in world.reqs], emitted=got,
+                                      admitted=world.admitted, reqs=world.reqs))
+            if _log is not None and ctl.windows > n:
+                _log.append(cur)
+            if d.pending:
+                t0 = world.now
+                if d.excursion:
+                    start = t0
+                world.switch(d.pending)
+                seen[0] += world.now - t0
+                ctl.switched()
+                cur = ctl.regime
+            if start is not None and ctl._excursion is None:   # over: back in plain, or kept
+                explore += (world.now - start) / 1e3
+                largest = max(largest, (world.now - start) / 1e3)
+                start = None
+        t0 = world.now
+        got, prefill = world.round(cur)
+        seen[0] += world.now - t0 - (prefill if per_round else 0.0)
+    return world.tokens / world.busy * 1e3, ctl, explore, largest
+
+
+def _forced(seed, **kw):
+    return {r: serve(Levels(seed=seed, **kw), 600, regime=r)[0] for r in (PLAIN, SPEC)}
+
+
+def test_where_plain_wins_the_controller_serves_099x_forced_plain():
+    """Lock-step levels where a spec round serves 1.2x a plain round's tokens per ms but spreads the
+    finishes, so forced plain beats forced speculation: the controller from either start, its
+    trips and excursions included, serves >= 0.99x forced plain on each of two seeds.  Control: the
+    one-round view (a window per round, no admissions inside: the per-round model) takes trees and
+    serves < 0.99x (it spends most of its time in speculation)."""
+    for seed in (0, 1):
+        forced = _forced(seed)
+        assert forced[SPEC] < 0.95 * forced[PLAIN], forced                  # the world: plain wins
+        for start in (SPEC, PLAIN):
+            got, ctl, _, _ = serve(Levels(seed=seed), 600, start=start)
+            assert got >= 0.99 * forced[PLAIN], (seed, start, got / forced[PLAIN], ctl.report())
+    got, ctl, _, _ = serve(Levels(seed=0), 300, per_round=True, start=PLAIN)
+    rep = ctl.report()
+    assert rep["time_s"][SPEC] > rep["time_s"][PLAIN], rep
+    assert got < 0.99 * _forced(0)[PLAIN], (got / _forced(0)[PLAIN], rep)
+
+
+TREES = dict(spec_ms=7.5, m=2.6)     # a spec round serves 1.73x a plain round's tokens per ms
+
+
+def test_where_trees_win_by_20_percent_the_controller_speculates_within_three_windows():
+    """The same levels where forced speculation serves >= 1.2x forced plain (spread finishes
+    included): from a plain start the controller is in speculation by its third window and, from
+    either start, serves >= 0.95x the better forced regime."""
+    forced = _forced(0, **TREES)
+    assert forced[SPEC] >= 1.2 * forced[PLAIN], forced
+    for start in (PLAIN, SPEC):
+        world = Levels(seed=0, **TREES)
+        got, ctl, _, _ = serve(world, 600, start=start)
+        assert got >= 0.95 * forced[SPEC], (start, got / forced[SPEC], ctl.report())
+    first = []
+    world = Levels(seed=0, **TREES)
+    serve(world, 15, start=PLAIN, _log=first)
+    assert SPEC in first[:3], first
+
+
+def drive(ctl, q, seconds, bs=4, round_s=0.05, rounds=20, switch_s=0.002, rebuild_s=0.3):
+    """A server whose per-slot rate is given: waves of ``bs`` requests that finish together every
+    ``rounds`` rounds of ``round_s`` (one window a wave, unsynced: no requests' lengths shown),
+    each round emitting ``bs x q(regime, t) x round_s`` tokens at clock ``t``.  The controller's
+    clock is this one.  -> (busy s, the excursions' wall time summed here, the largest)."""
+    now = [0.0]
+    ctl._clock = lambda: now[0]
+    rid, emitted, admitted = 0, 0.0, bs
+    explore, largest, start = 0.0, 0.0, None
+    while now[0] < seconds:
+        rids = tuple(range(rid, rid + bs))
+        for r in range(rounds):
+            d = ctl.observe(SchedView(rids=rids, emitted=emitted, admitted=admitted))
+            if d.pending:
+                t0 = now[0]
+                if d.excursion:
+                    start = t0
+                now[0] += switch_s + (rebuild_s if d.pending == SPEC else 0.0)
+                ctl.switched()
+            if start is not None and ctl._excursion is None:
+                explore += now[0] - start
+                largest = max(largest, now[0] - start)
+                start = None
+            emitted, admitted = bs * q(ctl.regime, now[0]) * round_s, 0
+            now[0] += round_s
+        rid, admitted = rid + bs, bs
+    return now[0], explore, largest
+
+
+PERIOD_S = 40.0    # > the decay window (ALPHA 0.3 a window of one 1 s wave: ~3 s), and each
+                   # half-period < SPEC_STALE_S
+
+
+def alternating(regime, t):
+    """Both regimes' rates move, in opposite directions, over a sine of PERIOD_S: spec / plain stays
+    within 1 +- 2 % (amplitudes 0.99 % each)."""
+    s = 0.0099 * math.sin(2 * math.pi * t / PERIOD_S)
+    return 100.0 * (1 + s) if regime == PLAIN else 100.0 * (1 - s)
+
+
+def test_hysteresis_holds_against_2_percent_noise_on_both_estimates():
+    """Measured ratios alternating within +-2 %, both estimates moving (the one a regime measures
+    while it runs, and the other's when it is re-measured): at most one switch in 600 s (a spec
+    start's trip to measure plain decoding).  Control: h = 0 switches at least ten times."""
+    ctl = RegimeController(clock=None)
+    drive(ctl, alternating, 600)
+    assert ctl.switches <= 1, ctl.report()
+    ctl0 = RegimeController(clock=None, h=0.0)
+    drive(ctl0, alternating, 600)
+    assert ctl0.switches >= 10, ctl0.report()
+
+
+def losing(regime, t):
+    return 100.0 if regime == PLAIN else 70.0
+
+
+def test_exploration_stays_within_its_credit():
+    """Speculation always loses (0.7x): over 10^4 simulated seconds the excursions spend at most 1 %
+    of busy time + the starting credit (none from a spec start, one expected excursion from a plain
+    start) + one excursion, and the report's ``explore_s`` is their wall time summed by the server.
+    Control: a 10 % credit rate breaks the bound."""
+    for start in (SPEC, PLAIN):
+        ctl = RegimeController(clock=None, start=start)
+        c0 = ctl.credit
+        assert c0 == (0.0 if start == SPEC else RegimeController.EXCURSION_S)
+        busy, explore, largest = drive(ctl, losing, 1e4)
+        rep = ctl.report()
+        assert rep["excursions"] >= 10 and rep["regime"] == PLAIN, rep
+        assert abs(rep["explore_s"] - explore) < 1e-6, (rep, explore)
+        assert explore <= 0.01 * busy + c0 + largest, (start, explore / busy, largest, rep)
+        assert abs(rep["explore_share"] - explore / sum(rep["time_s"].values())) < 1e-9, rep
+        assert rep["explore_loss_s"] > 0, rep
+    ctl = RegimeController(clock=None, credit_rate=0.1)
+    busy, explore, largest = drive(ctl, losing, 1e4)
+    assert explore > 0.01 * busy + largest, (explore / busy, largest, ctl.report())
+
+
+def test_round_policy_answers_speculation_without_a_regime_controller():
+    """Serving is unchanged until the scheduler hook exists: ``RoundPolicy.regime`` says speculation,
+    no switch, without a controller; with one it is the controller's answer (control: a plain
+    start answers plain)."""
+    pol = RoundPolicy(8)
+    d = pol.regime(SchedView(rids=(1, 2)))
+    assert d.regime == SPEC and d.pending is None and pol.optimistic_spec_ratio(2) is None
+    pol.start_regime(RegimeController(clock=lambda: 0.0, start=PLAIN))
+    assert pol.regime(SchedView(rids=(1, 2))).regime == PLAIN
