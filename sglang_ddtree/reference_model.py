@@ -106,8 +106,7 @@ def drafter_forward(P, cfg, block_size, mask_id, E, W, feats, root, n):
     feats [B, n, len(target_layer_ids) * H]: target features of the context; root [B]: the block's
     first token; the block sits at positions n..n+L-1 (L = block_size).
     Returns logits [B, L-1, V] for block positions 1..L-1."""
-    L = block_size
-    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    L, hd = block_size, cfg["head_dim"]
     B = root.shape[0]
     ctx = rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"])  # [B, n, H]
     block = torch.full((B, L), mask_id, dtype=torch.long, device=root.device)
@@ -115,27 +114,39 @@ def drafter_forward(P, cfg, block_size, mask_id, E, W, feats, root, n):
     x = E[block]
     cos_c, sin_c = rope_cos_sin(torch.arange(n, device=root.device), hd, cfg["rope_theta"])
     cos_b, sin_b = rope_cos_sin(torch.arange(n, n + L, device=root.device), hd, cfg["rope_theta"])
+    x = _drafter_layers(P, cfg, x, ctx, (cos_b, sin_b), (cos_c, sin_c))
+    hN = rms(x, P["norm.weight"])[:, 1:]
+    return hN @ W.T
+
+
+def _drafter_layers(P, cfg, x, ctx, rope_q, rope_c, mask=None):
+    """The DFlash drafter's decoder layers: queries x [b, T, H] (the block tokens), keys and values
+    of the projected context ctx [b, n, H] followed by the block's own; rope_q / rope_c: the
+    (cos, sin) of the block's and the context's positions; mask: SDPA's boolean attn_mask
+    [b, 1, T, n + T] (None: every query sees every key).  Returns x [b, T, H] before the final norm."""
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    b, T, n = x.shape[0], x.shape[1], ctx.shape[1]
     rep = nq // nkv
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         h = rms(x, P[p + "input_layernorm.weight"])
         Wq, Wk, Wv = P[p + "self_attn.q_proj.weight"], P[p + "self_attn.k_proj.weight"], P[p + "self_attn.v_proj.weight"]
         qn, kn = P[p + "self_attn.q_norm.weight"], P[p + "self_attn.k_norm.weight"]
-        q = apply_rope(rms((h @ Wq.T).view(B, L, nq, hd), qn), cos_b, sin_b)
-        kb = apply_rope(rms((h @ Wk.T).view(B, L, nkv, hd), kn), cos_b, sin_b)
-        vb = (h @ Wv.T).view(B, L, nkv, hd)
-        kc = apply_rope(rms((ctx @ Wk.T).view(B, n, nkv, hd), kn), cos_c, sin_c)
-        vc = (ctx @ Wv.T).view(B, n, nkv, hd)
+        q = apply_rope(rms((h @ Wq.T).view(b, T, nq, hd), qn), *rope_q)
+        kb = apply_rope(rms((h @ Wk.T).view(b, T, nkv, hd), kn), *rope_q)
+        vb = (h @ Wv.T).view(b, T, nkv, hd)
+        kc = apply_rope(rms((ctx @ Wk.T).view(b, n, nkv, hd), kn), *rope_c)
+        vc = (ctx @ Wv.T).view(b, n, nkv, hd)
         k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
         v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        x = x + a.transpose(1, 2).reshape(B, L, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask)
+        x = x + a.transpose(1, 2).reshape(b, T, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
         h = rms(x, P[p + "post_attention_layernorm.weight"])
         g = h @ P[p + "mlp.gate_proj.weight"].T
         u = h @ P[p + "mlp.up_proj.weight"].T
         x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
-    hN = rms(x, P["norm.weight"])[:, 1:]
-    return hN @ W.T
+    return x
 
 
 def dflash_blocks_mask(anchors, n_ctx, block_size):
@@ -160,8 +171,7 @@ def drafter_forward_blocks(P, cfg, block_size, mask_id, E, W, feats, roots, anch
     context positions < anchors[:, j] (dflash_blocks_mask; ``mask`` [b, 1, N*L, n_ctx + N*L] bool
     replaces it, for tests).  Context K/V use RoPE positions 0..n_ctx-1.
     Returns logits [b, N, L-1, V] for block positions 1..L-1."""
-    L = block_size
-    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    L, hd = block_size, cfg["head_dim"]
     b, N = anchors.shape
     n_ctx = feats.shape[1]
     dev = roots.device
@@ -174,25 +184,6 @@ def drafter_forward_blocks(P, cfg, block_size, mask_id, E, W, feats, roots, anch
     cos_b, sin_b = rope_cos_sin(pos_b, hd, cfg["rope_theta"])       # [b, N*L, hd]
     if mask is None:
         mask = dflash_blocks_mask(anchors, n_ctx, L)
-    rep = nq // nkv
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}."
-        h = rms(x, P[p + "input_layernorm.weight"])
-        Wq, Wk, Wv = P[p + "self_attn.q_proj.weight"], P[p + "self_attn.k_proj.weight"], P[p + "self_attn.v_proj.weight"]
-        qn, kn = P[p + "self_attn.q_norm.weight"], P[p + "self_attn.k_norm.weight"]
-        q = apply_rope(rms((h @ Wq.T).view(b, N * L, nq, hd), qn), cos_b, sin_b)
-        kb = apply_rope(rms((h @ Wk.T).view(b, N * L, nkv, hd), kn), cos_b, sin_b)
-        vb = (h @ Wv.T).view(b, N * L, nkv, hd)
-        kc = apply_rope(rms((ctx @ Wk.T).view(b, n_ctx, nkv, hd), kn), cos_c, sin_c)
-        vc = (ctx @ Wv.T).view(b, n_ctx, nkv, hd)
-        k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
-        v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask)
-        x = x + a.transpose(1, 2).reshape(b, N * L, nq * hd) @ P[p + "self_attn.o_proj.weight"].T
-        h = rms(x, P[p + "post_attention_layernorm.weight"])
-        g = h @ P[p + "mlp.gate_proj.weight"].T
-        u = h @ P[p + "mlp.up_proj.weight"].T
-        x = x + (F.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
+    x = _drafter_layers(P, cfg, x, ctx, (cos_b, sin_b), (cos_c, sin_c), mask)
     hN = rms(x, P["norm.weight"]).view(b, N, L, -1)[:, :, 1:]
     return hN @ W.T

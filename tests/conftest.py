@@ -40,3 +40,13 @@ def rng():
     print(f"DDTREE_TEST_SEED={seed}")
     g = torch.Generator().manual_seed(seed)
     return g
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny CPU forwards on one torch thread (two threads on a shared 2-core machine run them up to
+    200x slower); a module opts in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

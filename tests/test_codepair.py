@@ -46,13 +46,7 @@ def run(tmp_path_factory):
     return d, r
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny CPU forwards: one thread (two threads on a shared 2-core machine run 200x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _manifest(path):

@@ -21,12 +21,7 @@ CFG = dict(hidden_size=32, head_dim=8, num_attention_heads=4, num_key_value_head
 V, B, MASK_ID, NT = 64, 16, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _drafter(seed=0):

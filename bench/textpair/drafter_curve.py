@@ -7,15 +7,17 @@ under stock DFLASH (accepted tokens per verify round at each concurrency, as SGL
 usage: python bench/textpair/drafter_curve.py OUT_PREFIX NAME=LOG_JSON[:AB_JSON] ...
 (either file may be gzip: .gz). Writes OUT_PREFIX.json and OUT_PREFIX.md.
 """
-import gzip
 import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rawio import open_maybe_gz  # noqa: E402  (bench/rawio.py: gzip when the name ends in .gz)
+
 
 def load(path):
-    """A JSON file, gzip when its name ends in .gz."""
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
+    """A JSON file, plain or gzipped."""
+    with open_maybe_gz(path) as fh:
         return json.load(fh)
 
 
