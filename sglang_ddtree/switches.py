@@ -47,7 +47,10 @@ class Switches:
     the drafter's block forward through our kernel (``sglang`` off, ``auto`` where it covers,
     ``ddtree`` or a start-up error; A/B arm suffix ``_dattn``); draft_fast_plan: the drafter's
     flashinfer TARGET_VERIFY graphs re-plan with SGLang's sync-free ``fast_prefill_plan``
-    (``patches/flashinfer_draft_fast_plan.py``; A/B arm suffix ``_dfastplan``)."""
+    (``patches/flashinfer_draft_fast_plan.py``; A/B arm suffix ``_dfastplan``); regime: the regime
+    the server starts in and keeps (``regime_state.py``): ``spec`` (today's default: every batch on
+    the speculative path) or ``plain`` (every batch on SGLang's plain decode path: the floor of
+    issue 52 item 4; A/B arm suffix and stage suffix ``_regimeplain``)."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
     kv_commit: str = "remap"
@@ -60,6 +63,7 @@ class Switches:
     verify_attn_splits: Optional[int] = None
     draft_attn: str = "sglang"
     draft_fast_plan: bool = False
+    regime: str = "spec"
 
     def __post_init__(self):
         if self.budget_cycle is not None:
@@ -68,7 +72,7 @@ class Switches:
                 raise ValueError(f"budget_cycle must be a non-empty list of integers >= 0, got {cyc!r}")
             object.__setattr__(self, "budget_cycle", tuple(cyc))
         for name, allowed in (("kv_commit", ("remap", "move")), ("commit_ops", ("fused", "torch")),
-                              ("draft_attn", ("sglang", "auto", "ddtree"))):
+                              ("draft_attn", ("sglang", "auto", "ddtree")), ("regime", ("spec", "plain"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be " + " or ".join(map(repr, allowed))
                                  + f", got {getattr(self, name)!r}")

@@ -1,0 +1,82 @@
+"""The regime a DDTREE server's new batches are made in (issue 52 item 1, ``docs/plain_regime_design.md``).
+
+SGLang 0.5.16 takes the speculative or the plain decode path per batch, from
+``ScheduleBatch.spec_algorithm``.  A batch made while the regime is plain gets ``NONE`` there
+(``patches/regime_batch_algo.py``), so the scheduler prepares, runs and processes it as plain
+decoding does (one KV slot a step, no draft input, base's result path); the DDTree worker hands it
+to the target as base would (``DDTreeWorker._forward_plain_batch``).
+
+One :data:`STATE` per process (one scheduler and one worker per TP rank).  The worker enables it at
+start-up (:func:`enable`) when its adaptive set has the plain decode state; the ``regime`` switch
+(``switches.py``: ``spec`` today's default, ``plain`` forced plain regime for the floor A/B) picks
+the start.  ``pending`` is a switch the scheduler's transition hook is to make (drain, convert,
+then :func:`switched`); nothing sets it while the regime is forced."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+PLAIN = "plain"
+SPEC = "spec"
+
+
+@dataclasses.dataclass
+class RegimeState:
+    """enabled: this process's DDTREE worker serves the plain regime; regime: what new batches are
+    made in; pending: the regime a transition hook is to switch to (None: none); switches: made so
+    far."""
+
+    enabled: bool = False
+    regime: str = SPEC
+    pending: Optional[str] = None
+    switches: int = 0
+
+    def plain(self) -> bool:
+        return self.enabled and self.regime == PLAIN
+
+
+STATE = RegimeState()
+
+
+def enable(start: str) -> RegimeState:
+    """The worker's start-up call: the plain regime is served, starting in ``start``."""
+    if start not in (PLAIN, SPEC):
+        raise ValueError(f"regime must be {PLAIN!r} or {SPEC!r}, got {start!r}")
+    STATE.enabled, STATE.regime, STATE.pending, STATE.switches = True, start, None, 0
+    return STATE
+
+
+def disable() -> None:
+    """Back to the state of a process without a regime (tests; a server that cannot serve plain)."""
+    STATE.enabled, STATE.regime, STATE.pending, STATE.switches = False, SPEC, None, 0
+
+
+def request(to: str) -> None:
+    """Ask the transition hook to switch to ``to`` at its next safe point (no-op if already there)."""
+    if to not in (PLAIN, SPEC):
+        raise ValueError(f"regime must be {PLAIN!r} or {SPEC!r}, got {to!r}")
+    if not STATE.enabled:
+        raise RuntimeError("regime_state.request: the plain regime is not served in this process")
+    STATE.pending = None if to == STATE.regime else to
+
+
+def switched() -> None:
+    """The transition hook made the pending switch: new batches are made in it from now on."""
+    if STATE.pending is None:
+        raise RuntimeError("regime_state.switched: no switch was pending")
+    STATE.regime, STATE.pending = STATE.pending, None
+    STATE.switches += 1
+
+
+def batch_algorithm(spec_algorithm):
+    """The ``spec_algorithm`` a new ``ScheduleBatch`` gets: SGLang's ``NONE`` while the regime is
+    plain and the server's algorithm is a DDTREE one, else ``spec_algorithm`` unchanged."""
+    if not STATE.plain() or spec_algorithm is None:
+        return spec_algorithm
+    from .spec_algo import CPU_NAME, GPU_NAME
+
+    if getattr(spec_algorithm, "name", None) not in (GPU_NAME, CPU_NAME):
+        return spec_algorithm
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SpeculativeAlgorithm.NONE
