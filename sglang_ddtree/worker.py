@@ -61,7 +61,8 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from . import ddtree, logprobs, plain_decode, sampling, switches, tree_ops, verify_attn_hook, verify_states
+from . import (ddtree, logprobs, plain_decode, regime_state, sampling, switches, tree_ops, verify_attn_hook,
+               verify_states)
 from .draft_head import DDTreeDraftHead, check_target_lm_head
 from .policy import NO_SPEC, BatchView, RoundOutcome, RoundPolicy, adaptive, adaptive_config
 from .policy.budget_policy import BudgetPolicy
@@ -193,6 +194,7 @@ class DDTreeWorker(DFlashWorkerV2):
         super().init_cuda_graphs()
         if self._adaptive_cfg is not None:
             self._init_adaptive(self._adaptive_cfg)
+        self._start_regime()
         if torch.device(self.device).type == "cuda" and self.tree_backend == "triton":
             mr = self._target_worker.model_runner
             widths = self._adaptive_cfg.widths if self._adaptive_cfg is not None else (self.num_verify,)
@@ -215,6 +217,24 @@ class DDTreeWorker(DFlashWorkerV2):
                 logger.info("%s: per-round kernels warmed for verify widths %s, batch sizes %s (tree "
                             "widths %s) in %.2f s", self.algo_name, info["widths"], info["batch_sizes"],
                             info["tree_batch_sizes"], info["s"])
+
+    def _start_regime(self) -> None:
+        """The regime new batches are made in (``regime_state``): served when the plain decode state
+        exists (the adaptive set's no-speculation width), starting in the ``regime`` switch's
+        (``spec`` unless an A/B or test bed forces ``plain``).  ValueError when ``plain`` is asked
+        of a server without the plain state."""
+        start = switches.CURRENT.regime
+        plain_ok = self._verify_states is not None and NO_SPEC in self._verify_states.states
+        if start == regime_state.PLAIN and not plain_ok:
+            raise ValueError(f"{self.algo_name}: regime=plain needs the plain decode state (the "
+                             "adaptive budget with its no-speculation width and CUDA graphs)")
+        if plain_ok:
+            regime_state.enable(start)
+        else:
+            regime_state.disable()
+        if self.ps.tp_rank == 0 and plain_ok:
+            logger.info("%s regime: starts %s (plain batches on SGLang's decode path)", self.algo_name,
+                        start)
 
     def _init_adaptive(self, cfg: "adaptive_config.AdaptiveConfig") -> None:
         mr = self._target_worker.model_runner
@@ -387,6 +407,9 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # ------------------------------------------------------------------ the decode round
     def forward_batch_generation(self, batch, on_publish=None) -> GenerationBatchResult:
+        algo = getattr(batch, "spec_algorithm", None)
+        if algo is not None and algo.is_none():
+            return self._forward_plain_batch(batch)
         is_extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
         is_idle = batch.forward_mode.is_idle()
         if is_extend or is_idle:
@@ -405,6 +428,36 @@ class DDTreeWorker(DFlashWorkerV2):
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)
         return self._forward_tree_round(batch, on_publish)
+
+    def _forward_plain_batch(self, batch) -> GenerationBatchResult:
+        """A batch made in the plain regime (``regime_state``: its ``spec_algorithm`` is NONE, so the
+        scheduler prepared it and will process its result as plain decoding does): the target's own
+        forward and sampling, as a server without speculation runs it.  Prefill: the target's
+        extend without hidden capture and no drafter write (the drafter's context for these tokens
+        is not kept: stale drafter context only lowers a later tree's acceptance, never its
+        output).  Decode: one token a request on the plain decode state (SGLang's DECODE graphs on
+        the user's decode backend), its input the previous step's sampled token, which the
+        scheduler's resolve left in ``batch.input_ids`` (``patches/regime_forward_inputs.py``).
+        Returns SGLang's plain result (``next_token_ids`` [bs], no draft input)."""
+        self._policy.interrupt()               # a later tree round's interval does not span this batch
+        if self._catch_up is not None and self._catch_up.rows:
+            self._catch_up.flush()             # rows stashed by a spec-regime plain round, written now
+        mode = batch.forward_mode
+        if mode.is_decode():
+            if self._verify_states is None or NO_SPEC not in self._verify_states.states:
+                raise RuntimeError(f"{self.algo_name}: a plain-regime decode batch, but this server "
+                                   "built no plain decode state (the regime needs the adaptive set's "
+                                   "no-speculation width)")
+            if batch.input_ids is None:
+                raise RuntimeError(f"{self.algo_name}: a plain-regime decode batch without input ids "
+                                   "(patches/regime_forward_inputs.py not installed?)")
+            with self._verify_states.installed(NO_SPEC):
+                out = self.target_worker.forward_batch_generation(batch)
+        else:
+            out = self.target_worker.forward_batch_generation(batch)
+        if out.logits_output is not None and not getattr(batch, "return_hidden_states", False):
+            out.logits_output.hidden_states = None   # the plain state's graphs output them; unused
+        return out
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         """The prefill (extend) batch: the target's extend with its hidden states captured, then the

@@ -9,7 +9,8 @@ from sglang_ddtree import switches
 
 ST = load_bench("device/stage")
 KEYS = ("SGLANG_DDTREE_BUDGETS", switches.ENV,
-        "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED")
+        "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED",
+        "DDTREE_STAGE_REGIME_PLAIN")
 SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
 
@@ -96,3 +97,11 @@ def test_mem_fraction_override_for_a_shared_gpu(monkeypatch):
     assert kw["mem_fraction_static"] == 0.9 and kw["max_total_tokens"] == 32768
     sh = open(os.path.join(os.path.dirname(ST.__file__), "run_stages.sh")).read()
     assert 'export DDTREE_STAGE_MEM_FRACTION=0.9' in sh and '*" codepair_train "*' in sh
+
+
+def test_regimeplain_forces_the_plain_regime_on_the_default():
+    ST.parse_name("gqa_ddtree_graph_default_regimeplain_flashinfer")
+    assert _switches() == {"regime": "plain"} and os.environ["DDTREE_STAGE_REGIME_PLAIN"] == "1"
+    assert switches.CURRENT.regime == "plain"
+    with pytest.raises(ValueError, match="regimeplain needs default"):
+        ST.parse_name("gqa_ddtree_graph_b16_regimeplain")

@@ -1,0 +1,225 @@
+"""The plain regime's serving path (issue 52 item 1, design step 2): batches made while the regime
+is plain take SGLang's plain path and the DDTree worker hands them to the target as base would.
+
+Checked on SGLang 0.5.16's real objects where they run on the CPU (``ScheduleBatch.init_new``,
+``FutureMap``, ``resolve_forward_inputs``, the registered ``SpeculativeAlgorithm`` of DDTREE-GPU),
+the worker on fakes that record what it asked of the target; each case with a control that must
+come out the other way."""
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.managers.overlap_utils")
+
+from sglang_ddtree import plugin, regime_state, switches  # noqa: E402
+from sglang_ddtree import worker as W  # noqa: E402
+from sglang_ddtree.policy import NO_SPEC  # noqa: E402
+
+plugin.register()
+
+from sglang.srt.managers.overlap_utils import FutureMap, resolve_forward_inputs  # noqa: E402
+from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+from sglang_ddtree.patches import regime_batch_algo, regime_forward_inputs  # noqa: E402
+
+DDTREE = SpeculativeAlgorithm.from_string("DDTREE-GPU")
+DFLASH = SpeculativeAlgorithm.from_string("DFLASH")
+NONE = SpeculativeAlgorithm.NONE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    regime_state.disable()
+    yield
+    regime_state.disable()
+
+
+def _new_batch(algo):
+    """SGLang's own init_new through the hook (as HookRegistry chains it), on CPU stand-ins."""
+    return regime_batch_algo.init_new_in_regime(
+        ScheduleBatch.init_new.__func__, ScheduleBatch, [], types.SimpleNamespace(device="cpu"), None,
+        None, types.SimpleNamespace(vocab_size=100), False, algo)
+
+
+# ------------------------------------------------------------------ regime_state + batch creation
+def test_new_batches_take_the_plain_path_only_while_a_ddtree_server_is_plain():
+    assert _new_batch(DDTREE).spec_algorithm is DDTREE          # no regime served: SGLang's value
+    regime_state.enable(regime_state.SPEC)
+    assert _new_batch(DDTREE).spec_algorithm is DDTREE          # speculative regime
+    regime_state.request(regime_state.PLAIN)
+    assert _new_batch(DDTREE).spec_algorithm is DDTREE          # pending is not yet switched
+    regime_state.switched()
+    assert _new_batch(DDTREE).spec_algorithm.is_none()          # plain regime: SGLang's plain path
+    assert _new_batch(DFLASH).spec_algorithm is DFLASH          # another algorithm: never touched
+    assert _new_batch(NONE).spec_algorithm.is_none()
+    regime_state.request(regime_state.SPEC)
+    regime_state.switched()
+    assert _new_batch(DDTREE).spec_algorithm is DDTREE and regime_state.STATE.switches == 2
+
+
+def test_regime_state_refuses_bad_requests():
+    with pytest.raises(RuntimeError, match="not served"):
+        regime_state.request(regime_state.PLAIN)
+    with pytest.raises(ValueError, match="regime must be"):
+        regime_state.enable("fast")
+    regime_state.enable(regime_state.PLAIN)
+    regime_state.request(regime_state.PLAIN)                    # already there: nothing pending
+    assert regime_state.STATE.pending is None
+    with pytest.raises(RuntimeError, match="no switch was pending"):
+        regime_state.switched()
+
+
+# ------------------------------------------------------------------ the input ids of a plain decode
+def _future_map(algo, size=8):
+    fm = FutureMap(torch.device("cpu"), algo, types.SimpleNamespace(req_to_token=torch.zeros(size, 4)),
+                   False)
+    fm.output_tokens_buf.copy_(torch.arange(100, 100 + size))
+    return fm
+
+
+def _sched_batch(algo, mode=ForwardMode.DECODE):
+    return types.SimpleNamespace(prefill_input_ids_cpu=None, mix_running_indices=None, input_ids=None,
+                                 spec_algorithm=algo, forward_mode=mode, enable_overlap=False,
+                                 req_pool_indices=torch.tensor([3, 1, 6]))
+
+
+def test_a_plain_decode_batch_of_a_ddtree_server_gathers_its_input_ids():
+    hook = regime_forward_inputs.resolve_with_plain_batches
+    b = _sched_batch(NONE)
+    hook(resolve_forward_inputs, b, _future_map(DDTREE))
+    assert b.input_ids.tolist() == [103, 101, 106]              # the last step's relayed tokens
+    # control: SGLang's own function leaves it None on a DDTREE server's FutureMap (why the hook exists)
+    b = _sched_batch(NONE)
+    resolve_forward_inputs(b, _future_map(DDTREE))
+    assert b.input_ids is None
+    # a speculative batch takes its tokens from its draft input: untouched
+    b = _sched_batch(DDTREE)
+    hook(resolve_forward_inputs, b, _future_map(DDTREE))
+    assert b.input_ids is None
+    # a base server: SGLang's gather, once, the same values
+    b = _sched_batch(NONE)
+    hook(resolve_forward_inputs, b, _future_map(NONE))
+    assert b.input_ids.tolist() == [103, 101, 106]
+    # an idle plain batch gathers nothing
+    b = _sched_batch(NONE, ForwardMode.IDLE)
+    hook(resolve_forward_inputs, b, _future_map(DDTREE))
+    assert b.input_ids is None
+
+
+# ------------------------------------------------------------------ the worker's dispatch
+class FakeTarget:
+    """The target TpModelWorker: records each forward (the batch, its keyword arguments, which
+    target state was installed) and returns a plain result with hidden states set."""
+
+    def __init__(self, mr):
+        self.mr, self.calls = mr, []
+
+    def forward_batch_generation(self, batch, **kw):
+        self.calls.append((batch, kw, self.mr.attn_backend))
+        bs = len(batch.seq_lens)
+        return types.SimpleNamespace(logits_output=types.SimpleNamespace(hidden_states=torch.ones(bs, 2)),
+                                     next_token_ids=torch.zeros(bs, dtype=torch.long), next_draft_input=None)
+
+
+class FakeStates:
+    def __init__(self, mr, widths):
+        self.mr, self.states = mr, {w: f"backend_w{w}" for w in widths}
+
+    def installed(self, width):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            self.mr.attn_backend = self.states[width]
+            try:
+                yield
+            finally:
+                self.mr.attn_backend = "backend_widest"
+        return cm()
+
+
+class FakeCatchUp:
+    rows = 3
+
+    def flush(self):
+        self.rows = 0
+
+
+def _worker(widths=(NO_SPEC, 8, 16)):
+    w = W.DDTreeWorker.__new__(W.DDTreeWorker)
+    w.algo_name = "DDTREE-GPU"
+    mr = types.SimpleNamespace(attn_backend="backend_widest")
+    w._target_worker = FakeTarget(mr)
+    w._verify_states = FakeStates(mr, widths)
+    w._policy = types.SimpleNamespace(interrupts=0)
+    w._policy.interrupt = lambda: setattr(w._policy, "interrupts", w._policy.interrupts + 1)
+    w._catch_up = FakeCatchUp()
+    w.ps = types.SimpleNamespace(tp_rank=0)
+    w._forward_tree_round = lambda *a, **k: "tree round"
+    w._prefill = lambda *a, **k: "ddtree prefill"
+    return w
+
+
+def _batch(algo, mode, bs=3, input_ids="ids"):
+    return types.SimpleNamespace(spec_algorithm=algo, forward_mode=mode, is_extend_in_batch=mode.is_extend(),
+                                 seq_lens=torch.zeros(bs), input_ids=input_ids, return_hidden_states=False)
+
+
+def test_plain_batches_go_to_the_target_as_base_runs_them():
+    w = _worker()
+    out = w.forward_batch_generation(_batch(NONE, ForwardMode.DECODE), on_publish=None)
+    (batch, kw, backend), = w._target_worker.calls
+    assert backend == f"backend_w{NO_SPEC}"          # the plain decode state
+    assert kw == {}                        # SGLang's own sampling, no capture, no verify
+    assert out.logits_output.hidden_states is None and out.next_draft_input is None
+    assert w._catch_up.rows == 0 and w._policy.interrupts == 1
+    assert w._verify_states.mr.attn_backend == "backend_widest"              # restored
+    # a plain prefill: the target's extend on the server's own state, no hidden capture, no drafter write
+    out = w.forward_batch_generation(_batch(NONE, ForwardMode.EXTEND), on_publish=None)
+    batch, kw, backend = w._target_worker.calls[-1]
+    assert backend == "backend_widest" and kw == {}
+    # controls: a batch of the speculative regime never reaches the target this way
+    w2 = _worker()
+    assert w2.forward_batch_generation(_batch(DDTREE, ForwardMode.DECODE)) == "tree round"
+    assert w2.forward_batch_generation(_batch(DDTREE, ForwardMode.EXTEND)) == "ddtree prefill"
+    assert not w2._target_worker.calls
+
+
+def test_a_plain_decode_refuses_what_it_cannot_run():
+    w = _worker(widths=(8, 16))
+    with pytest.raises(RuntimeError, match="no plain decode state"):
+        w.forward_batch_generation(_batch(NONE, ForwardMode.DECODE))
+    w = _worker()
+    with pytest.raises(RuntimeError, match="without input ids"):
+        w.forward_batch_generation(_batch(NONE, ForwardMode.DECODE, input_ids=None))
+
+
+def test_the_worker_starts_the_regime_its_switch_names(monkeypatch):
+    w = _worker()
+    w._start_regime()
+    assert regime_state.STATE.enabled and regime_state.STATE.regime == regime_state.SPEC
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(regime="plain"))
+    w._start_regime()
+    assert regime_state.STATE.plain()
+    # without the plain decode state: refused at start-up, not at the first batch
+    w = _worker(widths=(8, 16))
+    with pytest.raises(ValueError, match="regime=plain needs the plain decode state"):
+        w._start_regime()
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches())
+    w._start_regime()
+    assert not regime_state.STATE.enabled          # spec only: new batches keep the server's algorithm
+    assert _new_batch(DDTREE).spec_algorithm is DDTREE
+
+
+def test_the_regime_switch_and_its_arm_and_stage_names():
+    assert switches.parse('{"regime": "plain"}').regime == "plain"
+    with pytest.raises(ValueError, match="regime must be"):
+        switches.parse('{"regime": "auto"}')
+    from sglang_ddtree.ab.servers import arm_switches, parse_arm
+
+    assert arm_switches(parse_arm("ddtree_regimeplain")) == {"regime": "plain"}
+    with pytest.raises(ValueError, match="only adaptive arms"):
+        parse_arm("ddtree_b16_regimeplain")
