@@ -9,12 +9,13 @@ to the target as base would (``DDTreeWorker._forward_plain_batch``).
 One :data:`STATE` per process (one scheduler and one worker per TP rank).  The worker enables it at
 start-up (:func:`enable`) when its adaptive set has the plain decode state; the ``regime`` switch
 (``switches.py``: ``spec`` today's default, ``plain`` forced plain regime for the floor A/B) picks
-the start.  ``pending`` is a switch the scheduler's transition hook is to make (drain, convert,
-then :func:`switched`); nothing sets it while the regime is forced."""
+the start, or ``cycle<k>`` a test-bed controller that asks for a switch every k decode launches.
+``pending`` is a switch the scheduler's transition hook is to make (drain, convert, then
+:func:`switched`); the worker sets it (:func:`request`) from its regime controller's decision."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, List, Optional
 
 PLAIN = "plain"
 SPEC = "spec"
@@ -30,6 +31,7 @@ class RegimeState:
     regime: str = SPEC
     pending: Optional[str] = None
     switches: int = 0
+    on_switch: List[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def plain(self) -> bool:
         return self.enabled and self.regime == PLAIN
@@ -38,17 +40,20 @@ class RegimeState:
 STATE = RegimeState()
 
 
-def enable(start: str) -> RegimeState:
-    """The worker's start-up call: the plain regime is served, starting in ``start``."""
+def enable(start: str, on_switch: Optional[Callable[[], None]] = None) -> RegimeState:
+    """The worker's start-up call: the plain regime is served, starting in ``start``;
+    ``on_switch()`` is called after every switch made (the worker's regime controller)."""
     if start not in (PLAIN, SPEC):
         raise ValueError(f"regime must be {PLAIN!r} or {SPEC!r}, got {start!r}")
     STATE.enabled, STATE.regime, STATE.pending, STATE.switches = True, start, None, 0
+    STATE.on_switch = [on_switch] if on_switch is not None else []
     return STATE
 
 
 def disable() -> None:
     """Back to the state of a process without a regime (tests; a server that cannot serve plain)."""
     STATE.enabled, STATE.regime, STATE.pending, STATE.switches = False, SPEC, None, 0
+    STATE.on_switch = []
 
 
 def request(to: str) -> None:
@@ -66,6 +71,8 @@ def switched() -> None:
         raise RuntimeError("regime_state.switched: no switch was pending")
     STATE.regime, STATE.pending = STATE.pending, None
     STATE.switches += 1
+    for fn in STATE.on_switch:
+        fn()
 
 
 def batch_algorithm(spec_algorithm):

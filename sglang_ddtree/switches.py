@@ -50,7 +50,9 @@ class Switches:
     (``patches/flashinfer_draft_fast_plan.py``; A/B arm suffix ``_dfastplan``); regime: the regime
     the server starts in and keeps (``regime_state.py``): ``spec`` (today's default: every batch on
     the speculative path) or ``plain`` (every batch on SGLang's plain decode path: the floor of
-    issue 52 item 4; A/B arm suffix and stage suffix ``_regimeplain``)."""
+    issue 52 item 4; A/B arm suffix and stage suffix ``_regimeplain``), or ``cycle<k>``: the regime
+    flips every k decode launches (``policy.regime.CycleRegime``; the test bed's transitions, stage
+    suffix ``regimecycle``)."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
     kv_commit: str = "remap"
@@ -72,10 +74,12 @@ class Switches:
                 raise ValueError(f"budget_cycle must be a non-empty list of integers >= 0, got {cyc!r}")
             object.__setattr__(self, "budget_cycle", tuple(cyc))
         for name, allowed in (("kv_commit", ("remap", "move")), ("commit_ops", ("fused", "torch")),
-                              ("draft_attn", ("sglang", "auto", "ddtree")), ("regime", ("spec", "plain"))):
+                              ("draft_attn", ("sglang", "auto", "ddtree"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be " + " or ".join(map(repr, allowed))
                                  + f", got {getattr(self, name)!r}")
+        if self.regime not in ("spec", "plain") and regime_cycle(self.regime) is None:
+            raise ValueError(f"regime must be 'spec', 'plain' or 'cycle<k>' (k >= 1), got {self.regime!r}")
         for name in ("round_overhead", "graph_mask_patch", "draft_fast_plan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -92,6 +96,13 @@ class Switches:
                     or any(b <= a for a, b in zip(edges, edges[1:]))):
                 raise ValueError(f"age_buckets must be ascending integers >= 1 ([] = one bucket), got {edges!r}")
             object.__setattr__(self, "age_buckets", tuple(edges))
+
+
+def regime_cycle(value) -> Optional[int]:
+    """k of a ``cycle<k>`` regime value (k >= 1), else None."""
+    if isinstance(value, str) and value.startswith("cycle") and value[5:].isdigit() and int(value[5:]) >= 1:
+        return int(value[5:])
+    return None
 
 
 def _is_int(x) -> bool:

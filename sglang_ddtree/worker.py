@@ -66,6 +66,7 @@ from . import (ddtree, logprobs, plain_decode, regime_state, sampling, switches,
 from .draft_head import DDTreeDraftHead, check_target_lm_head
 from .policy import NO_SPEC, BatchView, RoundOutcome, RoundPolicy, adaptive, adaptive_config
 from .policy.budget_policy import BudgetPolicy
+from .policy.regime import CycleRegime, LaunchTracker
 from .policy.round_stats import make_round_observers
 from .spec_algo import settings_for_worker
 from .switches import commit_ops_backend
@@ -100,6 +101,8 @@ class DDTreeWorker(DFlashWorkerV2):
     _policy = None                # policy.RoundPolicy: each round's plan, and what the rounds measured
     _catch_up = None              # plain_decode.DraftCatchUp when no-speculation rounds may run
     _draft_fast_plan = False      # the drafter's flashinfer graphs plan from host lengths (A/B switch)
+    _last_width = None            # the last tree round's verify width (the regime controller's no_spec)
+    _launches = None              # policy.regime.LaunchTracker: each decode launch as the regime sees it
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -223,18 +226,34 @@ class DDTreeWorker(DFlashWorkerV2):
         exists (the adaptive set's no-speculation width), starting in the ``regime`` switch's
         (``spec`` unless an A/B or test bed forces ``plain``).  ValueError when ``plain`` is asked
         of a server without the plain state."""
-        start = switches.CURRENT.regime
+        value = switches.CURRENT.regime
+        cycle = switches.regime_cycle(value)
+        start = regime_state.SPEC if cycle is not None else value
         plain_ok = self._verify_states is not None and NO_SPEC in self._verify_states.states
-        if start == regime_state.PLAIN and not plain_ok:
-            raise ValueError(f"{self.algo_name}: regime=plain needs the plain decode state (the "
+        if value != regime_state.SPEC and not plain_ok:
+            raise ValueError(f"{self.algo_name}: regime={value} needs the plain decode state (the "
                              "adaptive budget with its no-speculation width and CUDA graphs)")
-        if plain_ok:
-            regime_state.enable(start)
-        else:
+        self._launches = LaunchTracker()
+        if not plain_ok:
             regime_state.disable()
-        if self.ps.tp_rank == 0 and plain_ok:
-            logger.info("%s regime: starts %s (plain batches on SGLang's decode path)", self.algo_name,
-                        start)
+            return
+        if cycle is not None:                  # the test bed's transitions (switch regime=cycle<k>)
+            self._policy.start_regime(CycleRegime(cycle, start=start))
+        regime_state.enable(start, on_switch=self._policy.regime_switched
+                            if self._policy.regime_controller is not None else None)
+        if self.ps.tp_rank == 0:
+            logger.info("%s regime: starts %s (plain batches on SGLang's decode path)%s", self.algo_name,
+                        start, "" if cycle is None else f", switching every {cycle} decode launches")
+
+    def _regime_launch(self, batch, no_spec: bool) -> None:
+        """A decode batch of either regime is being launched: the regime controller sees it (host
+        values: ``LaunchTracker``) and a switch it decides is handed to the scheduler's transition
+        hook (``regime_state.request``), made before a later batch.  Nothing without a controller."""
+        if self._policy.regime_controller is None or not regime_state.STATE.enabled:
+            return
+        decision = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec))
+        if decision.pending is not None and regime_state.STATE.pending is None:
+            regime_state.request(decision.pending)
 
     def _init_adaptive(self, cfg: "adaptive_config.AdaptiveConfig") -> None:
         mr = self._target_worker.model_runner
@@ -425,6 +444,7 @@ class DDTreeWorker(DFlashWorkerV2):
             return self._prefill(batch, on_publish)
         if is_idle:
             return super().forward_batch_generation(batch, on_publish=on_publish)
+        self._regime_launch(batch, no_spec=self._last_width == NO_SPEC)
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)
         return self._forward_tree_round(batch, on_publish)
@@ -444,6 +464,7 @@ class DDTreeWorker(DFlashWorkerV2):
             self._catch_up.flush()             # rows stashed by a spec-regime plain round, written now
         mode = batch.forward_mode
         if mode.is_decode():
+            self._regime_launch(batch, no_spec=True)
             if self._verify_states is None or NO_SPEC not in self._verify_states.states:
                 raise RuntimeError(f"{self.algo_name}: a plain-regime decode batch, but this server "
                                    "built no plain decode state (the regime needs the adaptive set's "
@@ -585,7 +606,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # the policy's plan: verify width N (the server's, or the adaptive choice; host values only),
         # a draft-only probe or not, what the tree must estimate
         plan = self._policy.plan(BatchView(bs=bs, reqs=batch.reqs, kv_tokens=host_bound_sum))
-        N = plan.width
+        N = self._last_width = plan.width
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         prefix = batch.seq_lens
 

@@ -154,7 +154,7 @@ def _worker(widths=(NO_SPEC, 8, 16)):
     mr = types.SimpleNamespace(attn_backend="backend_widest")
     w._target_worker = FakeTarget(mr)
     w._verify_states = FakeStates(mr, widths)
-    w._policy = types.SimpleNamespace(interrupts=0)
+    w._policy = types.SimpleNamespace(interrupts=0, regime_controller=None)
     w._policy.interrupt = lambda: setattr(w._policy, "interrupts", w._policy.interrupts + 1)
     w._catch_up = FakeCatchUp()
     w.ps = types.SimpleNamespace(tp_rank=0)
@@ -223,3 +223,77 @@ def test_the_regime_switch_and_its_arm_and_stage_names():
     assert arm_switches(parse_arm("ddtree_regimeplain")) == {"regime": "plain"}
     with pytest.raises(ValueError, match="only adaptive arms"):
         parse_arm("ddtree_b16_regimeplain")
+
+
+# ------------------------------------------------------------------ the regime controller's feed
+def _req(rid, n):
+    return types.SimpleNamespace(rid=rid, output_ids=[0] * n)
+
+
+def test_launch_tracker_counts_the_tokens_and_admissions_between_launches():
+    from sglang_ddtree.policy.regime import LaunchTracker
+
+    t = LaunchTracker()
+    a, b = _req("a", 1), _req("b", 1)                     # just prefilled: one token each
+    v = t.view([a, b])
+    assert (v.bs, v.emitted, v.admitted) == (2, 0.0, 2)
+    a.output_ids += [0] * 3
+    b.output_ids += [0]
+    v = t.view([a, b])
+    assert (v.emitted, v.admitted) == (4.0, 0)
+    b.output_ids += [0] * 2                               # b's last round, then it finished
+    a.output_ids += [0]
+    c = _req("c", 1)
+    v = t.view([a, c])
+    # a's 1 and the finished b's last 2: counting the launch's own requests only would give 1
+    assert (v.rids, v.emitted, v.admitted) == (("a", "c"), 3.0, 1)
+
+
+def test_the_cycle_switches_every_k_launches_both_ways_through_the_hook(monkeypatch):
+    from sglang_ddtree.policy import RoundPolicy
+    from sglang_ddtree.policy.regime import CycleRegime
+
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(regime="cycle3"))
+    w = _worker()
+    w._policy = RoundPolicy(17)
+    w._start_regime()
+    assert isinstance(w._policy.regime_controller, CycleRegime)
+    assert regime_state.STATE.enabled and regime_state.STATE.regime == regime_state.SPEC
+    reqs = [_req("a", 1), _req("b", 1)]
+    batch = types.SimpleNamespace(reqs=reqs)
+    for _ in range(2):
+        w._regime_launch(batch, no_spec=False)
+    assert regime_state.STATE.pending is None
+    w._regime_launch(batch, no_spec=False)
+    assert regime_state.STATE.pending == regime_state.PLAIN
+    w._regime_launch(batch, no_spec=False)                # pending: nothing more is asked
+    assert w._policy.regime_controller.launches == 3
+    regime_state.switched()                               # what the transition hook calls
+    assert w._policy.regime_controller.regime == regime_state.PLAIN      # told through on_switch
+    assert _new_batch(DDTREE).spec_algorithm.is_none()
+    for _ in range(3):
+        w._regime_launch(batch, no_spec=True)
+    assert regime_state.STATE.pending == regime_state.SPEC
+    regime_state.switched()
+    assert _new_batch(DDTREE).spec_algorithm is DDTREE and w._policy.regime_controller.switches == 2
+    # control: a forced regime has no controller, and nothing is ever asked of the hook
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(regime="plain"))
+    w = _worker()
+    w._policy = RoundPolicy(17)
+    w._start_regime()
+    for _ in range(10):
+        w._regime_launch(batch, no_spec=True)
+    assert regime_state.STATE.pending is None and regime_state.STATE.plain()
+
+
+def test_cycle_values_are_checked():
+    from sglang_ddtree.policy.regime import CycleRegime
+
+    assert switches.regime_cycle("cycle7") == 7 and switches.regime_cycle("cycle0") is None
+    for bad in ("cycle", "cycle0", "cyclex", "auto"):
+        with pytest.raises(ValueError, match="regime must be"):
+            switches.Switches(regime=bad)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        CycleRegime(0)
+    with pytest.raises(RuntimeError, match="no switch was pending"):
+        CycleRegime(2).switched()

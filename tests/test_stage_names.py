@@ -10,7 +10,7 @@ from sglang_ddtree import switches
 ST = load_bench("device/stage")
 KEYS = ("SGLANG_DDTREE_BUDGETS", switches.ENV,
         "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED",
-        "DDTREE_STAGE_REGIME_PLAIN")
+        "DDTREE_STAGE_REGIME_PLAIN", "DDTREE_STAGE_REGIME_CYCLE")
 SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
 
@@ -103,5 +103,12 @@ def test_regimeplain_forces_the_plain_regime_on_the_default():
     ST.parse_name("gqa_ddtree_graph_default_regimeplain_flashinfer")
     assert _switches() == {"regime": "plain"} and os.environ["DDTREE_STAGE_REGIME_PLAIN"] == "1"
     assert switches.CURRENT.regime == "plain"
-    with pytest.raises(ValueError, match="regimeplain needs default"):
+    with pytest.raises(ValueError, match="regimecycle need default"):
         ST.parse_name("gqa_ddtree_graph_b16_regimeplain")
+
+
+def test_regimecycle_flips_the_regime_on_the_default():
+    ST.parse_name("mla_ddtree_graph_default_regimecycle")
+    assert _switches() == {"regime": "cycle7"} and switches.CURRENT.regime == "cycle7"
+    with pytest.raises(ValueError, match="regimecycle need default"):
+        ST.parse_name("gqa_ddtree_graph_b16_regimecycle")

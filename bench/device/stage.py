@@ -16,7 +16,8 @@ NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla | text (the
        worker treats the target's CUDA-graph mask buffer as holding only N elements, so rounds whose
        mask bound exceeds N run their verify eagerly (the fallback of worker._mask_out_buffer);
        regimeplain (with default): every batch in the plain regime (switch regime=plain: SGLang's
-       plain decode path); checked: no request ran a verify round (plain_path).
+       plain decode path); checked: no request ran a verify round (plain_path);  regimecycle (with
+       default): the regime flips every 7 decode launches (switch regime=cycle7: the transitions).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
 token for token with the plain target's greedy output.  Checks (each recorded):
@@ -104,14 +105,19 @@ def parse_name(name):
         elif p == "regimeplain":  # with default: every batch in the plain regime (SGLang's plain path)
             _switch(regime="plain")
             os.environ["DDTREE_STAGE_REGIME_PLAIN"] = "1"
+        elif p == "regimecycle":  # with default: the regime flips every 7 decode launches (both ways)
+            _switch(regime="cycle7")
+            os.environ["DDTREE_STAGE_REGIME_CYCLE"] = "1"
         elif p == "uncapped":  # with default: no --max-running-requests and decode graphs up to bs 96, so
             os.environ["DDTREE_STAGE_UNCAPPED"] = "1"   # tree graphs stop at 64, the plain state's at 96
         else:
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
-    if os.environ.get("DDTREE_STAGE_REGIME_PLAIN") and not (adaptive and adaptive[0] == "default"):
-        raise ValueError(f"bad stage name {name!r}: regimeplain needs default (the plain decode state)")
+    if (os.environ.get("DDTREE_STAGE_REGIME_PLAIN") or os.environ.get("DDTREE_STAGE_REGIME_CYCLE")) \
+            and not (adaptive and adaptive[0] == "default"):
+        raise ValueError(f"bad stage name {name!r}: regimeplain / regimecycle need default (the plain "
+                         "decode state)")
     if os.environ.get("DDTREE_STAGE_UNCAPPED") and "default" not in adaptive:
         raise ValueError(f"bad stage name {name!r}: uncapped needs default")
     if algo in ("ddtree", "ddtreecpu") and not adaptive:
@@ -351,6 +357,10 @@ def run(name, models, results, port):
             # the plain regime: no request ran a verify round (SGLang's plain path counts none)
             rec["plain_path"] = all(not v for v in rec["spec_verify_ct"]) and not rec.get("rounds_bs1")
             checks.append(rec["plain_path"])
+        if os.environ.get("DDTREE_STAGE_REGIME_CYCLE"):
+            # tokens of the repeat's requests and their verify rounds (plain-regime steps count none)
+            rec["regime_cycle_tokens_rounds"] = [sum(mi.get("completion_tokens", 0) for mi in mis),
+                                                 sum(mi.get("spec_verify_ct", 0) or 0 for mi in mis)]
         rec["ms_per_round_bs1"] = round(1000 * dt / (rec.get("rounds_bs1") or 256), 3)
         rec["meta_info_keys"] = sorted(mis[0].keys())
         sc = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE")

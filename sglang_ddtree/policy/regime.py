@@ -322,3 +322,59 @@ class RegimeController:
                 "excursions": self.excursions, "windows": self.windows, "explore_s": self.explore_s,
                 "explore_share": self.explore_s / busy if busy > 0 else 0.0,
                 "explore_loss_s": self.explore_loss_s, "credit_s": self.credit}
+
+
+class CycleRegime:
+    """A test-bed regime controller (switch ``regime=cycle<k>``): asks for the other regime every
+    ``k`` decode launches whatever was measured, so the GPU test bed's lossless stages cross every
+    transition, both ways, admissions included.  :class:`RegimeController`'s interface."""
+
+    def __init__(self, k: int, start: str = SPEC):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"the cycle must be an integer >= 1, got {k!r}")
+        if start not in (PLAIN, SPEC):
+            raise ValueError(f"start must be {PLAIN!r} or {SPEC!r}, got {start!r}")
+        self.k, self.regime, self.pending = k, start, None
+        self.launches = self.switches = 0
+
+    def observe(self, view: SchedView) -> RegimeDecision:
+        if self.pending is None:
+            self.launches += 1
+            if self.launches >= self.k:
+                self.pending = PLAIN if self.regime == SPEC else SPEC
+        return RegimeDecision(self.regime, self.pending)
+
+    def switched(self) -> None:
+        if self.pending is None:
+            raise RuntimeError("CycleRegime.switched: no switch was pending")
+        self.regime, self.pending, self.launches = self.pending, None, 0
+        self.switches += 1
+
+    def report(self) -> dict:
+        return {"regime": self.regime, "switches": self.switches, "cycle": self.k}
+
+
+class LaunchTracker:
+    """A :class:`SchedView` per decode launch from the scheduler's host state alone: ``emitted`` =
+    the output tokens the requests of the previous launch and this one gained since the previous
+    launch (the results the scheduler processed in between, finished requests' last tokens
+    included), ``admitted`` = requests this launch holds that the previous one did not hold (their
+    prefill's first token is not counted: it was not emitted by a decode batch)."""
+
+    def __init__(self):
+        self._prev: list = []
+        self._out: Dict[Hashable, int] = {}          # rid -> len(output_ids) at the previous launch
+
+    def view(self, reqs: Sequence, *, no_spec: bool = False) -> SchedView:
+        emitted = admitted = 0
+        cur = {r.rid: r for r in reqs}
+        for rid, r in {**{q.rid: q for q in self._prev}, **cur}.items():
+            n = len(r.output_ids)
+            if rid in self._out:
+                emitted += n - self._out[rid]
+            elif rid in cur:
+                admitted += 1
+        self._out = {rid: len(r.output_ids) for rid, r in cur.items()}
+        self._prev = list(reqs)
+        return SchedView(rids=tuple(cur), emitted=float(emitted), admitted=admitted, reqs=reqs,
+                         no_spec=no_spec)
