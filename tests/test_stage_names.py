@@ -10,7 +10,8 @@ from sglang_ddtree import switches
 ST = load_bench("device/stage")
 KEYS = ("SGLANG_DDTREE_BUDGETS", switches.ENV,
         "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED",
-        "DDTREE_STAGE_REGIME_PLAIN", "DDTREE_STAGE_REGIME_CYCLE")
+        "DDTREE_STAGE_REGIME_PLAIN", "DDTREE_STAGE_REGIME_CYCLE",
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY")
 SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
 
@@ -108,7 +109,8 @@ def test_regimeplain_forces_the_plain_regime_on_the_default():
 
 
 def test_regimecycle_flips_the_regime_on_the_default():
-    ST.parse_name("mla_ddtree_graph_default_regimecycle")
+    ST.parse_name("mla_ddtree_graph_default_regimecycle_memcheck")
     assert _switches() == {"regime": "cycle7"} and switches.CURRENT.regime == "cycle7"
+    assert os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] == "1"
     with pytest.raises(ValueError, match="regimecycle need default"):
         ST.parse_name("gqa_ddtree_graph_b16_regimecycle")
