@@ -29,6 +29,9 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 * ``regime_batch_algo``, ``regime_forward_inputs``: while a DDTREE server's regime is plain
   (``sglang_ddtree/regime_state.py``), new batches take SGLang's plain path (``spec_algorithm``
   NONE) and a plain decode batch gathers its input token from the FutureMap as base does.
+* ``regime_decode_stats``, ``relay_hidden_states``: SGLang's decode log line divides by the
+  interval's speculative rounds, and its FutureMap relays hidden states DDTree never reads (a plain
+  step has none): both as for a plain server / for DFLASH.
 * ``regime_transition``: a pending regime switch converts the running batch at a safe point of
   ``Scheduler.get_next_batch_to_run`` (wait after a prefill, drain once under overlap, convert).
 * ``mem_fraction_default``: remember whether ``--mem-fraction-static`` was given, so the adaptive
@@ -36,13 +39,14 @@ exposes ``install()``, which registers it with SGLang's ``HookRegistry`` (applie
 """
 from . import (alloc_len_per_decode, decode_graph_spec_info, dflash_prepare_for_decode, dflash_round_profile,
                flashinfer_draft_fast_plan, mem_fraction_default, regime_batch_algo, regime_forward_inputs,
-               regime_transition, req_to_token_extra_context_len, req_update_finish_state, triton_cuda_graph_state,
+               regime_decode_stats, regime_transition, relay_hidden_states,
+               req_to_token_extra_context_len, req_update_finish_state, triton_cuda_graph_state,
                triton_verify_attention, validate_dflash_request, validate_input_ids)
 
 ALL = (decode_graph_spec_info, validate_input_ids, req_update_finish_state, dflash_prepare_for_decode,
        alloc_len_per_decode, req_to_token_extra_context_len, validate_dflash_request, dflash_round_profile,
        triton_verify_attention, triton_cuda_graph_state, mem_fraction_default, flashinfer_draft_fast_plan,
-       regime_batch_algo, regime_forward_inputs, regime_transition)
+       regime_batch_algo, regime_forward_inputs, regime_transition, regime_decode_stats, relay_hidden_states)
 
 
 def install_all() -> None:

@@ -297,3 +297,63 @@ def test_cycle_values_are_checked():
         CycleRegime(0)
     with pytest.raises(RuntimeError, match="no switch was pending"):
         CycleRegime(2).switched()
+
+
+# ------------------------------------------------------------------ SGLang's bookkeeping of plain steps
+def test_a_log_interval_of_plain_batches_logs_as_plain_decoding():
+    from sglang_ddtree.patches.regime_decode_stats import report_plain_interval
+
+    seen = []
+
+    def original(self, *a, **k):        # SGLang's line: divides when the server's algorithm speculates
+        seen.append(self.scheduler.spec_algorithm)
+        if not self.scheduler.spec_algorithm.is_none():
+            return self.spec_num_accept_tokens / self.spec_num_forward_ct
+        return 0
+
+    rep = types.SimpleNamespace(scheduler=types.SimpleNamespace(spec_algorithm=DDTREE),
+                                spec_num_forward_ct=0, spec_num_accept_tokens=0)
+    assert report_plain_interval(original, rep, True) == 0 and seen[-1].is_none()
+    assert rep.scheduler.spec_algorithm is DDTREE                     # restored
+    rep.spec_num_forward_ct, rep.spec_num_accept_tokens = 4, 10
+    assert report_plain_interval(original, rep, True) == 2.5 and seen[-1] is DDTREE
+    # control: SGLang's line on its own divides by zero; another algorithm is never touched
+    rep.spec_num_forward_ct = 0
+    with pytest.raises(ZeroDivisionError):
+        original(rep)
+    rep.scheduler.spec_algorithm = DFLASH
+    with pytest.raises(ZeroDivisionError):
+        report_plain_interval(original, rep, True)
+
+
+def test_a_ddtree_future_map_stashes_a_plain_step_after_a_round():
+    from sglang.srt.managers.overlap_utils import RelayPayload
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+    from sglang.srt.speculative.spec_utils import spec_need_hidden_states
+
+    from sglang_ddtree.patches.relay_hidden_states import need_hidden_states_unless_ddtree
+
+    def stash_round_then_plain(monkeypatch, need):
+        import sglang.srt.speculative.spec_utils as su
+        monkeypatch.setattr(su, "spec_need_hidden_states", need)
+        fm = _future_map(DDTREE)
+        idx = torch.tensor([1, 2])
+        fm.stash(idx, RelayPayload.from_draft_input(make_draft_input_v2(
+            bonus_tokens=torch.tensor([7, 8]), new_seq_lens=torch.tensor([5, 6]))))
+        fm.stash(idx, RelayPayload(bonus_tokens=torch.tensor([9, 10])))      # a plain step's relay
+        return fm.output_tokens_buf[idx].tolist()
+
+    sa = types.SimpleNamespace(speculative_algorithm="DDTREE-GPU", enable_multi_layer_eagle=False)
+    assert not need_hidden_states_unless_ddtree(spec_need_hidden_states, sa)
+    assert need_hidden_states_unless_ddtree(
+        spec_need_hidden_states, types.SimpleNamespace(speculative_algorithm="EAGLE3",
+                                                       enable_multi_layer_eagle=False))
+    mp = pytest.MonkeyPatch()
+    try:
+        assert stash_round_then_plain(mp, lambda *a: need_hidden_states_unless_ddtree(
+            spec_need_hidden_states, sa)) == [9, 10]
+        # control: SGLang's answer for a DDTREE server makes the plain step's relay fail
+        with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'to'"):
+            stash_round_then_plain(mp, lambda *a: spec_need_hidden_states(sa))
+    finally:
+        mp.undo()
