@@ -52,7 +52,8 @@ class Switches:
     the speculative path) or ``plain`` (every batch on SGLang's plain decode path: the floor of
     issue 52 item 4; A/B arm suffix and stage suffix ``_regimeplain``), or ``cycle<k>``: the regime
     flips every k decode launches (``policy.regime.CycleRegime``; the test bed's transitions, stage
-    suffix ``regimecycle``)."""
+    suffix ``regimecycle``), or ``auto``: the measured switch (``policy.regime.RegimeController``;
+    A/B arm suffix ``_regimeauto``; not the default until measured)."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
     kv_commit: str = "remap"
@@ -78,8 +79,9 @@ class Switches:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be " + " or ".join(map(repr, allowed))
                                  + f", got {getattr(self, name)!r}")
-        if self.regime not in ("spec", "plain") and regime_cycle(self.regime) is None:
-            raise ValueError(f"regime must be 'spec', 'plain' or 'cycle<k>' (k >= 1), got {self.regime!r}")
+        if self.regime not in ("spec", "plain", "auto") and regime_cycle(self.regime) is None:
+            raise ValueError(f"regime must be 'spec', 'plain', 'auto' or 'cycle<k>' (k >= 1), "
+                             f"got {self.regime!r}")
         for name in ("round_overhead", "graph_mask_patch", "draft_fast_plan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -66,9 +66,9 @@ from . import (ddtree, logprobs, plain_decode, regime_state, sampling, switches,
 from .draft_head import DDTreeDraftHead, check_target_lm_head
 from .policy import NO_SPEC, BatchView, RoundOutcome, RoundPolicy, adaptive, adaptive_config
 from .policy.budget_policy import BudgetPolicy
-from .policy.regime import CycleRegime, LaunchTracker
+from .policy.regime import CycleRegime, FollowerRegime, LaunchTracker, RegimeController
 from .policy.round_stats import make_round_observers
-from .spec_algo import settings_for_worker
+from .spec_algo import SPEC_GRAPH_MAX_BS, settings_for_worker
 from .switches import commit_ops_backend
 from .verify_backend import (_eager_verify, _find_graph_mask_buffer, _graph_mask_capacity,
                              check_tree_verify_backend, disable_causal_verify_shortcut,
@@ -78,6 +78,9 @@ from .verify_backend import (_eager_verify, _find_graph_mask_buffer, _graph_mask
 from .warmup import warm_round_kernels
 
 logger = logging.getLogger(__name__)
+
+# regime=auto under TP: the ranks agree on rank 0's regime decision every this many decode launches
+REGIME_SYNC_EVERY = 16
 
 # Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
 _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
@@ -103,6 +106,8 @@ class DDTreeWorker(DFlashWorkerV2):
     _draft_fast_plan = False      # the drafter's flashinfer graphs plan from host lengths (A/B switch)
     _last_width = None            # the last tree round's verify width (the regime controller's no_spec)
     _launches = None              # policy.regime.LaunchTracker: each decode launch as the regime sees it
+    _regime_launches = 0          # decode launches the regime controller saw (the TP sync points count them)
+    _regime_shared = False        # TP ranks share rank 0's regime decisions (regime=auto under TP)
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -228,7 +233,7 @@ class DDTreeWorker(DFlashWorkerV2):
         of a server without the plain state."""
         value = switches.CURRENT.regime
         cycle = switches.regime_cycle(value)
-        start = regime_state.SPEC if cycle is not None else value
+        start = regime_state.SPEC if cycle is not None or value == "auto" else value
         plain_ok = self._verify_states is not None and NO_SPEC in self._verify_states.states
         if value != regime_state.SPEC and not plain_ok:
             raise ValueError(f"{self.algo_name}: regime={value} needs the plain decode state (the "
@@ -239,21 +244,46 @@ class DDTreeWorker(DFlashWorkerV2):
             return
         if cycle is not None:                  # the test bed's transitions (switch regime=cycle<k>)
             self._policy.start_regime(CycleRegime(cycle, start=start))
-        regime_state.enable(start, on_switch=self._policy.regime_switched
+        elif value == "auto":                  # measured windows (policy/regime.py), rank 0 decides
+            self._regime_shared = get_tp_group().world_size > 1
+            self._policy.start_regime(
+                FollowerRegime(start) if self.ps.tp_rank != 0 else
+                RegimeController(start=start, spec_max_bs=SPEC_GRAPH_MAX_BS,
+                                 optimistic=self._policy.optimistic_spec_ratio))
+        regime_state.enable(start, on_switch=self._on_regime_switch
                             if self._policy.regime_controller is not None else None)
         if self.ps.tp_rank == 0:
             logger.info("%s regime: starts %s (plain batches on SGLang's decode path)%s", self.algo_name,
                         start, "" if cycle is None else f", switching every {cycle} decode launches")
 
+    def _on_regime_switch(self) -> None:
+        """The transition hook made a switch (``regime_state.switched``): the controller learns it;
+        the first few and then every thousandth are logged with the controller's report."""
+        self._policy.regime_switched()
+        n = regime_state.STATE.switches
+        if self.ps.tp_rank == 0 and (n <= 3 or n in (10, 100) or n % 1000 == 0):
+            logger.info("%s regime switch %d: now %s; %s", self.algo_name, n, regime_state.STATE.regime,
+                        self._policy.regime_controller.report())
+
     def _regime_launch(self, batch, no_spec: bool) -> None:
         """A decode batch of either regime is being launched: the regime controller sees it (host
         values: ``LaunchTracker``) and a switch it decides is handed to the scheduler's transition
         hook (``regime_state.request``), made before a later batch.  Nothing without a controller."""
-        if self._policy.regime_controller is None or not regime_state.STATE.enabled:
+        ctl = self._policy.regime_controller
+        if ctl is None or not regime_state.STATE.enabled:
             return
-        decision = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec))
-        if decision.pending is not None and regime_state.STATE.pending is None:
-            regime_state.request(decision.pending)
+        self._regime_launches += 1
+        pending = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec)).pending
+        if self._regime_shared:
+            # TP with a clock-driven controller: every REGIME_SYNC_EVERY launches (the same launch on
+            # every rank) all ranks take rank 0's decision, so they switch at the same iteration
+            if self._regime_launches % REGIME_SYNC_EVERY:
+                return
+            pending = self._tp_shared(pending if self.ps.tp_rank == 0 else None)
+            if isinstance(ctl, FollowerRegime):
+                ctl.follow(pending)
+        if pending is not None and regime_state.STATE.pending is None:
+            regime_state.request(pending)
 
     def _init_adaptive(self, cfg: "adaptive_config.AdaptiveConfig") -> None:
         mr = self._target_worker.model_runner

@@ -216,11 +216,13 @@ def test_the_worker_starts_the_regime_its_switch_names(monkeypatch):
 
 def test_the_regime_switch_and_its_arm_and_stage_names():
     assert switches.parse('{"regime": "plain"}').regime == "plain"
+    assert switches.parse('{"regime": "auto"}').regime == "auto"
     with pytest.raises(ValueError, match="regime must be"):
-        switches.parse('{"regime": "auto"}')
+        switches.parse('{"regime": "fast"}')
     from sglang_ddtree.ab.servers import arm_switches, parse_arm
 
     assert arm_switches(parse_arm("ddtree_regimeplain")) == {"regime": "plain"}
+    assert arm_switches(parse_arm("ddtree_regimeauto")) == {"regime": "auto"}
     with pytest.raises(ValueError, match="only adaptive arms"):
         parse_arm("ddtree_b16_regimeplain")
 
@@ -290,7 +292,7 @@ def test_cycle_values_are_checked():
     from sglang_ddtree.policy.regime import CycleRegime
 
     assert switches.regime_cycle("cycle7") == 7 and switches.regime_cycle("cycle0") is None
-    for bad in ("cycle", "cycle0", "cyclex", "auto"):
+    for bad in ("cycle", "cycle0", "cyclex", "automatic"):
         with pytest.raises(ValueError, match="regime must be"):
             switches.Switches(regime=bad)
     with pytest.raises(ValueError, match="integer >= 1"):
@@ -357,3 +359,60 @@ def test_a_ddtree_future_map_stashes_a_plain_step_after_a_round():
             stash_round_then_plain(mp, lambda *a: spec_need_hidden_states(sa))
     finally:
         mp.undo()
+
+
+def test_auto_under_tp_switches_every_rank_at_the_same_launch_on_rank_0s_decision(monkeypatch):
+    """regime=auto: rank 0 measures and decides; at every REGIME_SYNC_EVERY-th launch all ranks take
+    rank 0's decision (the broadcast, here a shared box), so rank 1, whose own clock would have
+    decided nothing, asks the hook for the same switch at the same launch."""
+    from sglang_ddtree.policy import RoundPolicy
+    from sglang_ddtree.policy.regime import FollowerRegime, RegimeController
+
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(regime="auto"))
+    monkeypatch.setattr(W, "get_tp_group", lambda: types.SimpleNamespace(world_size=2))
+    box = {}
+
+    def make(rank):
+        w = _worker()
+        w.ps = types.SimpleNamespace(tp_rank=rank)
+        w._policy = RoundPolicy(17)
+        w._start_regime()
+        w._tp_shared = (lambda obj: box.__setitem__("v", obj) or obj) if rank == 0 else (lambda obj: box["v"])
+        return w
+
+    r0 = make(0)
+    assert isinstance(r0._policy.regime_controller, RegimeController) and r0._regime_shared
+    r1 = make(1)
+    assert isinstance(r1._policy.regime_controller, FollowerRegime)
+    # rank 0's controller decides plain at its 3rd launch (forced here); the ranks share one STATE in
+    # this process, so each rank's request is read right after its own launch and then reset
+    decide = {"n": 0}
+
+    def rank0_decision(view):
+        decide["n"] += 1
+        return types.SimpleNamespace(pending=regime_state.PLAIN if decide["n"] >= 3 else None)
+
+    r0._policy.regime = rank0_decision
+    asked = {0: [], 1: []}
+    for launch in range(1, 2 * W.REGIME_SYNC_EVERY + 1):
+        for rank, w in ((0, r0), (1, r1)):
+            regime_state.STATE.pending = None
+            w._regime_launch(types.SimpleNamespace(reqs=[_req("a", 1)]), no_spec=False)
+            if regime_state.STATE.pending is not None:
+                asked[rank].append(launch)
+    assert asked[0] == asked[1] == [W.REGIME_SYNC_EVERY, 2 * W.REGIME_SYNC_EVERY]
+    assert r1._policy.regime_controller.pending == regime_state.PLAIN
+    # control: without the sync (each rank on its own decisions), the ranks ask at different launches
+    regime_state.disable()
+    r0, r1 = make(0), make(1)
+    decide["n"] = 0
+    r0._policy.regime = rank0_decision
+    r0._regime_shared = r1._regime_shared = False
+    asked = {0: [], 1: []}
+    for launch in range(1, 2 * W.REGIME_SYNC_EVERY + 1):
+        for rank, w in ((0, r0), (1, r1)):
+            regime_state.STATE.pending = None
+            w._regime_launch(types.SimpleNamespace(reqs=[_req("a", 1)]), no_spec=False)
+            if regime_state.STATE.pending is not None:
+                asked[rank].append(launch)
+    assert asked[0][:1] == [3] and asked[1] == []

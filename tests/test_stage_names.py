@@ -114,3 +114,5 @@ def test_regimecycle_flips_the_regime_on_the_default():
     assert os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] == "1"
     with pytest.raises(ValueError, match="regimecycle need default"):
         ST.parse_name("gqa_ddtree_graph_b16_regimecycle")
+    ST.parse_name("gqa_ddtree_graph_default_regimeauto")
+    assert switches.CURRENT.regime == "auto"

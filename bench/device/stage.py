@@ -18,7 +18,8 @@ NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla | text (the
        regimeplain (with default): every batch in the plain regime (switch regime=plain: SGLang's
        plain decode path); checked: no request ran a verify round (plain_path);  regimecycle (with
        default): the regime flips every 7 decode launches (switch regime=cycle7: the transitions);
-       memcheck: SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1 (a KV leak fails the stage).
+       regimeauto (with default): the measured regime switch (switch regime=auto);  memcheck:
+       SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1 (a KV leak fails the stage).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
 token for token with the plain target's greedy output.  Checks (each recorded):
@@ -109,6 +110,9 @@ def parse_name(name):
         elif p == "regimecycle":  # with default: the regime flips every 7 decode launches (both ways)
             _switch(regime="cycle7")
             os.environ["DDTREE_STAGE_REGIME_CYCLE"] = "1"
+        elif p == "regimeauto":  # with default: the measured regime switch (switch regime=auto)
+            _switch(regime="auto")
+            os.environ["DDTREE_STAGE_REGIME_CYCLE"] = "1"   # the same checks as a cycle
         elif p == "memcheck":  # SGLang's KV pool accounting asserted after every busy iteration
             os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
         elif p == "uncapped":  # with default: no --max-running-requests and decode graphs up to bs 96, so

@@ -29,7 +29,8 @@ ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_torchcommit", "switch:commit_ops", "torch", False),
                 ("_nospec", "switch:budget_cycle", [0], True),
                 ("_nooverhead", "switch:round_overhead", False, True),
-                ("_regimeplain", "switch:regime", "plain", True))
+                ("_regimeplain", "switch:regime", "plain", True),
+                ("_regimeauto", "switch:regime", "auto", True))
 
 
 # DDTree arm suffix -> server flags added to that arm's launch line (any DDTree arm, once): the
@@ -73,7 +74,8 @@ def parse_arm(name: str) -> dict:
     the base arm's decode step in the same run (the floor the policy falls back to under load).
     ``_regimeplain`` (adaptive arms only: ``ddtree_regimeplain``): every batch in the plain regime
     (switch ``regime=plain``: SGLang's plain decode path, no speculative upkeep), the floor of
-    issue 52 item 4 against the base arm in the same run.
+    issue 52 item 4 against the base arm in the same run.  ``_regimeauto`` (adaptive arms only):
+    the measured switch between the plain regime and speculation (switch ``regime=auto``).
     ``_nooverhead`` (adaptive arms only): the policy without its measured per-round overhead term
     (switch ``round_overhead=false``: GPU cost table and acceptance alone), to see what that
     term does to the choice in the same run.  Switches are not server settings

@@ -354,6 +354,34 @@ class CycleRegime:
         return {"regime": self.regime, "switches": self.switches, "cycle": self.k}
 
 
+class FollowerRegime:
+    """A TP rank other than 0 under a measuring controller: it decides nothing (clocks differ between
+    ranks; rank 0's decisions reach it through the worker's broadcast, :meth:`follow`) and keeps the
+    regime.  :class:`RegimeController`'s interface."""
+
+    def __init__(self, start: str = SPEC):
+        if start not in (PLAIN, SPEC):
+            raise ValueError(f"start must be {PLAIN!r} or {SPEC!r}, got {start!r}")
+        self.regime, self.pending, self.switches = start, None, 0
+
+    def observe(self, view: SchedView) -> RegimeDecision:
+        return RegimeDecision(self.regime, self.pending)
+
+    def follow(self, to: Optional[str]) -> None:
+        """Rank 0 decided ``to`` (None: nothing)."""
+        if to is not None and self.pending is None and to != self.regime:
+            self.pending = to
+
+    def switched(self) -> None:
+        if self.pending is None:
+            raise RuntimeError("FollowerRegime.switched: no switch was pending")
+        self.regime, self.pending = self.pending, None
+        self.switches += 1
+
+    def report(self) -> dict:
+        return {"regime": self.regime, "switches": self.switches, "follower": True}
+
+
 class LaunchTracker:
     """A :class:`SchedView` per decode launch from the scheduler's host state alone: ``emitted`` =
     the output tokens the requests of the previous launch and this one gained since the previous

@@ -120,11 +120,11 @@ def test_report_text_divergence_run13_mixed_request_recomputes():
     check_run13_mixed_request7(REPO, None)
 
 
-def _default_near_ties(root, div_rel, raw_name):
-    """Every bs-16 divergence of text_ddtree_graph_default from the plain target is a near tie; the two
+def _default_near_ties(root, div_rel, raw_name, stages=("text_ddtree_graph_default",), checks=("bs16",)):
+    """Every divergence (of ``checks``) of the ``stages`` from the plain target is a near tie; the two
     closest to the threshold recomputed on this CPU."""
     div = json.load(open(resolve(root, div_rel)))
-    rows = [v for v in div["divergences"] if v["stage"] == "text_ddtree_graph_default" and v["check"] == "bs16"]
+    rows = [v for v in div["divergences"] if v["stage"] in stages and v["check"] in checks]
     assert rows and all(v["near_tie"] for v in rows), rows
     picks = sorted(rows, key=lambda v: -v["below_top"])[:2]
     below = _refit_text_divergences(root, picks, [raw_name], "below_top")
@@ -153,6 +153,19 @@ def check_run19_default_near_ties(root, tmp):
 
 def test_report_text_divergence_run19_default_recomputes():
     check_run19_default_near_ties(REPO, None)
+
+
+@reads(f"{RES}/text_divergence_h100_run23.json", f"{RAW}/worker_h100_run23.jsonl.gz")
+def check_run23_regime_near_ties(root, tmp):
+    """Run 23 (H100, 2026-12-06: the plain regime, forced and flipped every 7 decode launches): every
+    divergence of the text pair's regime stages, bs 16 and mixed, is a near tie."""
+    _default_near_ties(root, f"{RES}/text_divergence_h100_run23.json", "worker_h100_run23.jsonl.gz",
+                       stages=("text_ddtree_graph_default_regimeplain", "text_ddtree_graph_default_regimecycle"),
+                       checks=("bs16", "mixed"))
+
+
+def test_report_text_divergence_run23_regime_recomputes():
+    check_run23_regime_near_ties(REPO, None)
 
 
 def _check_ab_text_run(root, run_id):
@@ -228,6 +241,9 @@ CONTROLS = {
     "run19_default_near_ties": (check_run19_default_near_ties, _moved(
         f"{RES}/text_divergence_h100_run19.json",
         lambda r: r["stage"] == "text_ddtree_graph_default" and r["check"] == "bs16", "below_top")),
+    "run23_regime_near_ties": (check_run23_regime_near_ties, _moved(
+        f"{RES}/text_divergence_h100_run23.json",
+        lambda r: r["stage"] == "text_ddtree_graph_default_regimecycle" and r["check"] == "bs16", "below_top")),
 }
 
 
