@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from copy import deepcopy
 from typing import Optional
 
@@ -81,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 # regime=auto under TP: the ranks agree on rank 0's regime decision every this many decode launches
 REGIME_SYNC_EVERY = 16
+# a regime controller's report (time per regime, switches, exploration) is logged this often (s)
+REGIME_LOG_EVERY_S = 60.0
 
 # Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
 _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
@@ -108,6 +111,7 @@ class DDTreeWorker(DFlashWorkerV2):
     _launches = None              # policy.regime.LaunchTracker: each decode launch as the regime sees it
     _regime_launches = 0          # decode launches the regime controller saw (the TP sync points count them)
     _regime_shared = False        # TP ranks share rank 0's regime decisions (regime=auto under TP)
+    _regime_logged = 0.0          # time.monotonic() of the last regime report line
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -269,11 +273,18 @@ class DDTreeWorker(DFlashWorkerV2):
         """A decode batch of either regime is being launched: the regime controller sees it (host
         values: ``LaunchTracker``) and a switch it decides is handed to the scheduler's transition
         hook (``regime_state.request``), made before a later batch.  Nothing without a controller."""
+        if not regime_state.STATE.enabled:
+            return
         ctl = self._policy.regime_controller
-        if ctl is None or not regime_state.STATE.enabled:
+        if ctl is None:
             return
         self._regime_launches += 1
         pending = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec)).pending
+        now = time.monotonic()
+        if self.ps.tp_rank == 0 and now - self._regime_logged >= REGIME_LOG_EVERY_S:
+            if self._regime_logged:            # not at the first launch: nothing measured yet
+                logger.info("%s regime: %s", self.algo_name, ctl.report())
+            self._regime_logged = now
         if self._regime_shared:
             # TP with a clock-driven controller: every REGIME_SYNC_EVERY launches (the same launch on
             # every rank) all ranks take rank 0's decision, so they switch at the same iteration
