@@ -107,6 +107,7 @@ def _rank_main(rank, P, port, seed, layouts, outdir):
         # torch.distributed.all_gather_into_tensor on the group's device group, gloo here).
         group.all_gather_into_tensor = group._all_gather_into_tensor
         res["settings"] = _rank_settings_checks(rank, P, group)
+        res["regime"] = _rank_regime_checks(rank, P, group)
         import sglang_ddtree.draft_head as dh
         from sglang_ddtree.kernels import topk_logprobs as tk
 
@@ -186,6 +187,47 @@ def _rank_settings_checks(rank, P, group):
     return out
 
 
+def _rank_regime_checks(rank, P, group):
+    """regime=auto under TP: rank 0's RegimeController decides on its own clock (here a fake one that
+    makes every launch 50 ms and every round no-speculation, so the first window's close asks for the
+    plain regime), the other ranks follow; the launch at which each rank asks the scheduler hook for
+    the switch (``regime_state.request``), shared through the real broadcast on the gloo group, and
+    the same without the sharing (the control: only rank 0 asks)."""
+    from sglang_ddtree import regime_state, switches
+    from sglang_ddtree import worker as W
+    from sglang_ddtree.policy import RoundPolicy
+
+    switches.CURRENT = switches.Switches(regime="auto")
+    W.get_tp_group = lambda: group
+    out = {}
+    for shared in (True, False):
+        w = W.DDTreeWorker.__new__(W.DDTreeWorker)
+        w.algo_name = "DDTREE-GPU"
+        w.ps = types.SimpleNamespace(tp_rank=rank)
+        w._verify_states = types.SimpleNamespace(states={1: None, 16: None})
+        w._policy = RoundPolicy(17)
+        w._start_regime()
+        w._regime_shared = shared and w._regime_shared
+        ctl = w._policy.regime_controller
+        if rank == 0:
+            clock = [0.0]
+            ctl._clock = lambda: clock[0]
+        asked = None
+        for launch in range(1, 200):
+            if rank == 0:
+                clock[0] += 0.05 * (1 + 0.1 * rank)
+            w._regime_launch(types.SimpleNamespace(reqs=[types.SimpleNamespace(rid="a", output_ids=[0] * launch)]),
+                             no_spec=True)
+            if regime_state.STATE.pending is not None:
+                asked = launch
+                break
+        torch.distributed.barrier(group=group.cpu_group)
+        out["shared" if shared else "alone"] = {"asked": asked, "controller": type(ctl).__name__,
+                                                "sync_every": W.REGIME_SYNC_EVERY}
+        regime_state.disable()
+    return out
+
+
 # ------------------------------------------------------------------ the test (parent)
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -246,6 +288,16 @@ def test_vocab_parallel_head_over_gloo(P, tmp_path, monkeypatch):
         assert st["same"], (r, st)
         assert st["mismatch"] is not None and f"rank {P - 1}" in st["mismatch"], (r, st)
         assert "top-k" in st["mismatch"] and "SGLANG_DDTREE_TOPK" in st["mismatch"], st
+
+    # regime=auto: every rank asks for rank 0's switch at the same launch, a sync point after rank 0
+    # decided; alone, rank 0 asks when it decides and the others never
+    shared = [res["regime"]["shared"] for res in results]
+    assert shared[0]["controller"] == "RegimeController"
+    assert all(x["controller"] == "FollowerRegime" for x in shared[1:])
+    asks = [x["asked"] for x in shared]
+    assert asks[0] is not None and asks == [asks[0]] * P and asks[0] % shared[0]["sync_every"] == 0, asks
+    alone = [res["regime"]["alone"]["asked"] for res in results]
+    assert alone[0] is not None and alone[0] < asks[0] and alone[1:] == [None] * (P - 1), (alone, asks)
 
     caught = {}
     for ci, case in enumerate(CASES[P]):
