@@ -64,6 +64,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 
 from . import (ddtree, logprobs, plain_decode, regime_state, sampling, switches, tree_ops, verify_attn_hook,
                verify_states)
+from . import drafter_rebuild
 from .draft_head import DDTreeDraftHead, check_target_lm_head
 from .policy import NO_SPEC, BatchView, RoundOutcome, RoundPolicy, adaptive, adaptive_config
 from .policy.budget_policy import BudgetPolicy
@@ -112,6 +113,7 @@ class DDTreeWorker(DFlashWorkerV2):
     _regime_launches = 0          # decode launches the regime controller saw (the TP sync points count them)
     _regime_shared = False        # TP ranks share rank 0's regime decisions (regime=auto under TP)
     _regime_logged = 0.0          # time.monotonic() of the last regime report line
+    _rebuild = None               # drafter_rebuild.DrafterRebuild while the regime is served
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -485,6 +487,7 @@ class DDTreeWorker(DFlashWorkerV2):
             return self._prefill(batch, on_publish)
         if is_idle:
             return super().forward_batch_generation(batch, on_publish=on_publish)
+        self._maybe_rebuild_drafter(batch)
         self._regime_launch(batch, no_spec=self._last_width == NO_SPEC)
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)
@@ -504,6 +507,8 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._catch_up is not None and self._catch_up.rows:
             self._catch_up.flush()             # rows stashed by a spec-regime plain round, written now
         mode = batch.forward_mode
+        if self._drafter_rebuild() is not None and not mode.is_idle():
+            self._rebuild.plain_write(batch.out_cache_loc)   # target K/V only: drafter context stale
         if mode.is_decode():
             self._regime_launch(batch, no_spec=True)
             if self._verify_states is None or NO_SPEC not in self._verify_states.states:
@@ -545,6 +550,8 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError(f"{self.algo_name}: extend_lens / prefix_lens missing in extend mode")
         if batch.out_cache_loc is None:
             raise RuntimeError(f"{self.algo_name}: prefill without out_cache_loc")
+        if self._drafter_rebuild() is not None:
+            self._rebuild.spec_prefill(batch.prefix_lens)   # a prefix cached while plain is stale
         device = next_token_ids.device
         ctx_lens = host_to_device_int32(batch.extend_lens, device)
         draft_seq_lens = host_to_device_int32(batch.prefix_lens, device)
@@ -556,6 +563,49 @@ class DDTreeWorker(DFlashWorkerV2):
         batch_output.next_draft_input = self._make_next_draft_input_prefill(
             bonus_tokens=next_token_ids, seq_lens=batch.seq_lens)
         return batch_output
+
+    # ------------------------------------------------------------------ the drafter's context after plain
+    def _drafter_rebuild(self) -> "Optional[drafter_rebuild.DrafterRebuild]":
+        """The drafter-context map and rebuild (``drafter_rebuild.py``), made at the first use while the
+        regime is served and may switch (a regime controller: ``cycle<k>``, ``auto``); a server that
+        never switches (the default ``spec``, forced ``plain``) keeps none and pays nothing."""
+        if (self._rebuild is None and regime_state.STATE.enabled
+                and getattr(self._policy, "regime_controller", None) is not None):
+            mr = self._target_worker.model_runner
+            sa = self.target_server_args   # one extend, no larger than a prefill (chunk)
+            sizes = [int(x) for x in (getattr(sa, "max_prefill_tokens", None),
+                                      getattr(sa, "chunked_prefill_size", None)) if x and int(x) > 0]
+            max_tokens = min(sizes) if sizes else 16384
+            self._rebuild = drafter_rebuild.DrafterRebuild(
+                int(mr.token_to_kv_pool_allocator.size) + 1, mr.device, max_tokens=max_tokens,
+                algo=self.algo_name)
+        return self._rebuild
+
+    def _append_target_hidden_to_draft_kv_by_loc(self, **kw) -> None:
+        """DFLASH's drafter context write (every site: prefill, commit, catch-up flush), then the slots
+        it wrote marked valid in the drafter-context map (when the regime is served)."""
+        super()._append_target_hidden_to_draft_kv_by_loc(**kw)
+        if self._drafter_rebuild() is not None:
+            self._rebuild.drafted(kw["cache_loc"], cache_loc_2d=kw.get("cache_loc_2d"),
+                                  commit_lens=kw.get("commit_lens"))
+
+    def _maybe_rebuild_drafter(self, batch) -> None:
+        """At a speculative decode launch after a switch (or a cached prefix after plain): the stale
+        drafter context of the batch's requests rebuilt (``DrafterRebuild.run``: one host read, one
+        target extend on scratch KV slots, on the target's default state)."""
+        rb = self._drafter_rebuild()
+        if rb is None or not rb.due(regime_state.STATE.switches):
+            return
+        if self._catch_up is not None and self._catch_up.rows:
+            self._catch_up.flush()             # pending rows first: their slots may have new owners
+        mr = self._target_worker.model_runner
+        rb.run(batch.reqs, req_to_token=mr.req_to_token_pool.req_to_token,
+               allocator=mr.token_to_kv_pool_allocator,
+               build_forward_batch=lambda plan, scratch: drafter_rebuild.extend_forward_batch(
+                   plan, scratch, model_runner=mr, spec_algorithm=batch.spec_algorithm, device=mr.device),
+               target_forward=lambda fb: self._target_worker.forward_batch_generation(
+                   batch=None, forward_batch=fb, is_verify=True),
+               append=lambda **kw: DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc(self, **kw))
 
     def _sync_checked_round(self, batch, on_publish):
         """SGLANG_DDTREE_SYNC_CHECK_FILE=path: run the round under torch's CUDA sync debug mode
