@@ -18,12 +18,18 @@ from sglang_ddtree.policy import NO_SPEC  # noqa: E402
 
 plugin.register()
 
-from sglang.srt.managers.overlap_utils import FutureMap, resolve_forward_inputs  # noqa: E402
+import inspect  # noqa: E402
+
+from sglang.srt.managers.overlap_utils import FutureMap  # noqa: E402
+from sglang.srt.managers.overlap_utils import resolve_forward_inputs as _resolve  # noqa: E402
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from sglang_ddtree.patches import regime_batch_algo, regime_forward_inputs  # noqa: E402
+
+# SGLang's own functions, whether or not another test of this process applied the plugin's hooks
+resolve_forward_inputs = inspect.unwrap(_resolve)
 
 DDTREE = SpeculativeAlgorithm.from_string("DDTREE-GPU")
 DFLASH = SpeculativeAlgorithm.from_string("DFLASH")
@@ -40,7 +46,7 @@ def _fresh_state():
 def _new_batch(algo):
     """SGLang's own init_new through the hook (as HookRegistry chains it), on CPU stand-ins."""
     return regime_batch_algo.init_new_in_regime(
-        ScheduleBatch.init_new.__func__, ScheduleBatch, [], types.SimpleNamespace(device="cpu"), None,
+        inspect.unwrap(ScheduleBatch.init_new.__func__), ScheduleBatch, [], types.SimpleNamespace(device="cpu"), None,
         None, types.SimpleNamespace(vocab_size=100), False, algo)
 
 
@@ -331,7 +337,9 @@ def test_a_log_interval_of_plain_batches_logs_as_plain_decoding():
 def test_a_ddtree_future_map_stashes_a_plain_step_after_a_round():
     from sglang.srt.managers.overlap_utils import RelayPayload
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
-    from sglang.srt.speculative.spec_utils import spec_need_hidden_states
+    from sglang.srt.speculative.spec_utils import spec_need_hidden_states as _need
+
+    spec_need_hidden_states = inspect.unwrap(_need)       # SGLang's, even if the hook was applied
 
     from sglang_ddtree.patches.relay_hidden_states import need_hidden_states_unless_ddtree
 
