@@ -388,39 +388,33 @@ def test_auto_under_tp_switches_every_rank_at_the_same_launch_on_rank_0s_decisio
         w._tp_shared = (lambda obj: box.__setitem__("v", obj) or obj) if rank == 0 else (lambda obj: box["v"])
         return w
 
-    r0 = make(0)
-    assert isinstance(r0._policy.regime_controller, RegimeController) and r0._regime_shared
-    r1 = make(1)
-    assert isinstance(r1._policy.regime_controller, FollowerRegime)
-    # rank 0's controller decides plain at its 3rd launch (forced here); the ranks share one STATE in
-    # this process, so each rank's request is read right after its own launch and then reset
-    decide = {"n": 0}
+    # rank 0's controller decides plain from its 3rd launch on (forced here); the ranks share one
+    # STATE in this process, so each rank's request is read right after its own launch and reset
+    def ranks(shared):
+        regime_state.disable()
+        r0, r1 = make(0), make(1)
+        assert isinstance(r0._policy.regime_controller, RegimeController) and r0._regime_shared
+        assert isinstance(r1._policy.regime_controller, FollowerRegime)
+        n = [0]
 
-    def rank0_decision(view):
-        decide["n"] += 1
-        return types.SimpleNamespace(pending=regime_state.PLAIN if decide["n"] >= 3 else None)
+        def rank0_decision(view):
+            n[0] += 1
+            return types.SimpleNamespace(pending=regime_state.PLAIN if n[0] >= 3 else None)
 
-    r0._policy.regime = rank0_decision
-    asked = {0: [], 1: []}
-    for launch in range(1, 2 * W.REGIME_SYNC_EVERY + 1):
-        for rank, w in ((0, r0), (1, r1)):
-            regime_state.STATE.pending = None
-            w._regime_launch(types.SimpleNamespace(reqs=[_req("a", 1)]), no_spec=False)
-            if regime_state.STATE.pending is not None:
-                asked[rank].append(launch)
+        r0._policy.regime = rank0_decision
+        r0._regime_shared = r1._regime_shared = shared
+        asked = {0: [], 1: []}
+        for launch in range(1, 2 * W.REGIME_SYNC_EVERY + 1):
+            for rank, w in ((0, r0), (1, r1)):
+                regime_state.STATE.pending = None
+                w._regime_launch(types.SimpleNamespace(reqs=[_req("a", 1)]), no_spec=False)
+                if regime_state.STATE.pending is not None:
+                    asked[rank].append(launch)
+        return asked, r1
+
+    asked, r1 = ranks(shared=True)
     assert asked[0] == asked[1] == [W.REGIME_SYNC_EVERY, 2 * W.REGIME_SYNC_EVERY]
     assert r1._policy.regime_controller.pending == regime_state.PLAIN
     # control: without the sync (each rank on its own decisions), the ranks ask at different launches
-    regime_state.disable()
-    r0, r1 = make(0), make(1)
-    decide["n"] = 0
-    r0._policy.regime = rank0_decision
-    r0._regime_shared = r1._regime_shared = False
-    asked = {0: [], 1: []}
-    for launch in range(1, 2 * W.REGIME_SYNC_EVERY + 1):
-        for rank, w in ((0, r0), (1, r1)):
-            regime_state.STATE.pending = None
-            w._regime_launch(types.SimpleNamespace(reqs=[_req("a", 1)]), no_spec=False)
-            if regime_state.STATE.pending is not None:
-                asked[rank].append(launch)
+    asked, _ = ranks(shared=False)
     assert asked[0][:1] == [3] and asked[1] == []
