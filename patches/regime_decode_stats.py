@@ -27,9 +27,9 @@ def report_plain_interval(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_ddtree.spec_algo import CPU_NAME, GPU_NAME
+    from sglang_ddtree.spec_algo import is_ddtree
 
-    if getattr(algo, "name", None) not in (GPU_NAME, CPU_NAME):
+    if not is_ddtree(algo):
         return original(self, *args, **kwargs)
     sched.spec_algorithm = SpeculativeAlgorithm.NONE
     try:

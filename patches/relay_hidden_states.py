@@ -27,9 +27,9 @@ def need_hidden_states_unless_ddtree(original, server_args=None, *args, **kwargs
         from sglang.srt.runtime_context import get_server_args
 
         sa = get_server_args()
-    from sglang_ddtree.spec_algo import CPU_NAME, GPU_NAME
+    from sglang_ddtree.spec_algo import is_ddtree
 
-    if (getattr(sa, "speculative_algorithm", None) or "").upper() in (GPU_NAME, CPU_NAME):
+    if is_ddtree(getattr(sa, "speculative_algorithm", None)):
         return False
     return original(server_args, *args, **kwargs)
 

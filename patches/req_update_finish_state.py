@@ -32,8 +32,8 @@ def _ddtree_server() -> bool:
             algo = get_server_args().speculative_algorithm
         except Exception:  # noqa: BLE001 - no server args yet: leave SGLang's behaviour
             return False
-        from sglang_ddtree.spec_algo import CPU_NAME, GPU_NAME
-        _active = (algo or "").upper() in (GPU_NAME, CPU_NAME)
+        from sglang_ddtree.spec_algo import is_ddtree
+        _active = is_ddtree(algo)
     return _active
 
 

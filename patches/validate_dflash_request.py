@@ -29,7 +29,7 @@ CHECKED_SGLANG_VERSIONS = ("0.5.16",)
 
 def _serves_logprobs() -> bool:
     from sglang_ddtree import logprobs
-    from sglang_ddtree.spec_algo import CPU_NAME, GPU_NAME
+    from sglang_ddtree.spec_algo import is_ddtree
 
     if not logprobs.enabled():
         return False
@@ -38,7 +38,7 @@ def _serves_logprobs() -> bool:
         algo = get_server_args().speculative_algorithm
     except Exception:  # no server args registered in this process: not a DDTREE server
         return False
-    return str(algo).upper() in (GPU_NAME, CPU_NAME)
+    return is_ddtree(algo)
 
 
 def validate_with_logprobs(original, req, *args, **kwargs):

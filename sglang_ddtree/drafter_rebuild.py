@@ -50,6 +50,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .tree_ops import host_to_device
+
 logger = logging.getLogger(__name__)
 
 WINDOW: Optional[int] = None
@@ -62,14 +64,6 @@ RECHECK_CACHED_PREFIXES = True
 """After any plain-regime write, a speculative prefill that reuses a cached prefix asks for a rebuild
 check at the next speculative decode launch (the prefix may have been computed while plain): one
 host read each such time."""
-
-
-def _dev_tensor(values: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """Host ints -> ``dtype`` tensor on ``device``; on CUDA through pinned memory, non-blocking."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return torch.tensor(list(values), dtype=dtype, device=dev)
-    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
 
 
 class DrafterOk:
@@ -241,9 +235,9 @@ class DrafterRebuild:
             return RebuildPlan([], [], [], 0)
         lower = [0 if self.window is None else max(0, c - self.window) for c in committed]
         dev = req_to_token.device
-        first = self.ok.first_stale(req_to_token, _dev_tensor(rows, torch.int64, dev),
-                                    _dev_tensor(committed, torch.int64, dev),
-                                    _dev_tensor(lower, torch.int64, dev), max(committed))
+        first = self.ok.first_stale(req_to_token, host_to_device(rows, dev, torch.int64),
+                                    host_to_device(committed, dev, torch.int64),
+                                    host_to_device(lower, dev, torch.int64), max(committed))
         first_host = first.tolist()            # the one host read per rebuild (module docstring)
         counts = [c - int(s) for c, s in zip(committed, first_host)]
         stale = sum(counts)
@@ -292,8 +286,8 @@ class DrafterRebuild:
                                    f"{None if hidden is None else tuple(hidden.shape)}, expected {total} "
                                    "rows (CaptureHiddenMode.FULL and the drafter's aux layers)")
             positions = fb.positions.to(torch.int64)
-            token_rows = _dev_tensor([int(r.req_pool_idx) for r, s, e in zip(plan.reqs, plan.starts, plan.ends)
-                                      for _ in range(e - s)], torch.int64, req_to_token.device)
+            token_rows = host_to_device([int(r.req_pool_idx) for r, s, e in zip(plan.reqs, plan.starts, plan.ends)
+                                         for _ in range(e - s)], req_to_token.device, torch.int64)
             real_loc = req_to_token[token_rows, positions].to(torch.int64)          # [T]
             append(target_hidden=hidden, cache_loc=real_loc, positions=positions)
             out.logits_output.hidden_states = None
@@ -328,10 +322,10 @@ def extend_forward_batch(plan: RebuildPlan, scratch: torch.Tensor, *, model_runn
         reqs=list(plan.reqs), req_to_token_pool=model_runner.req_to_token_pool,
         token_to_kv_pool_allocator=getattr(model_runner, "token_to_kv_pool_allocator", None),
         model_config=model_runner.model_config, device=str(device), forward_mode=ForwardMode.EXTEND,
-        input_ids=_dev_tensor(ids, torch.int64, device),
-        req_pool_indices=_dev_tensor(rows, torch.int64, device),
-        seq_lens=_dev_tensor(plan.ends, torch.int64, device),
-        orig_seq_lens=_dev_tensor(plan.ends, torch.int32, device),
+        input_ids=host_to_device(ids, device, torch.int64),
+        req_pool_indices=host_to_device(rows, device, torch.int64),
+        seq_lens=host_to_device(plan.ends, device, torch.int64),
+        orig_seq_lens=host_to_device(plan.ends, device, torch.int32),
         seq_lens_cpu=torch.tensor(plan.ends, dtype=torch.int64), seq_lens_sum=int(sum(plan.ends)),
         out_cache_loc=scratch.to(torch.int64), prefix_lens=list(plan.starts), extend_lens=lens,
         extend_logprob_start_lens=list(lens), extend_num_tokens=total, is_extend_in_batch=True,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List, Optional
 
-PLAIN = "plain"
-SPEC = "spec"
+from .policy.regime import PLAIN, SPEC  # noqa: F401 - the two regimes, named once
 
 
 @dataclasses.dataclass
@@ -80,9 +79,9 @@ def batch_algorithm(spec_algorithm):
     plain and the server's algorithm is a DDTREE one, else ``spec_algorithm`` unchanged."""
     if not STATE.plain() or spec_algorithm is None:
         return spec_algorithm
-    from .spec_algo import CPU_NAME, GPU_NAME
+    from .spec_algo import is_ddtree
 
-    if getattr(spec_algorithm, "name", None) not in (GPU_NAME, CPU_NAME):
+    if not is_ddtree(spec_algorithm):
         return spec_algorithm
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 

@@ -30,11 +30,10 @@ def per_decode_len(num_verify: int, block_size: int) -> int:
 def ddtree_shape(server_args) -> Optional[Tuple[int, int]]:
     """(N, B) of a DDTREE server (from the settings resolved at argument handling), else None."""
     from .config import SETTINGS_ATTR
-    from .spec_algo import CPU_NAME, GPU_NAME
+    from .spec_algo import is_ddtree
 
-    algo = (getattr(server_args, "speculative_algorithm", None) or "").upper()
     rec = getattr(server_args, SETTINGS_ATTR, None)
-    if algo not in (GPU_NAME, CPU_NAME) or rec is None:
+    if not is_ddtree(getattr(server_args, "speculative_algorithm", None)) or rec is None:
         return None
     return int(rec["budget"]) + 1, int(rec["block_size"])
 

@@ -32,6 +32,13 @@ GPU_NAME = "DDTREE-GPU"
 CPU_NAME = "DDTREE-CPU"
 
 
+def is_ddtree(algo) -> bool:
+    """Whether ``algo`` is a DDTREE algorithm: a ``SpeculativeAlgorithm`` (by its ``name``) or the
+    ``--speculative-algorithm`` string (any case); None or anything else: False."""
+    name = getattr(algo, "name", algo)
+    return isinstance(name, str) and name.upper() in (GPU_NAME, CPU_NAME)
+
+
 class DDTreeSpecAlgo(CustomSpecAlgo):
     """DFlash-family algorithm with a tree verify.  ``tree_backend`` picks where top-k, tree build,
     verify mask and accept run: "triton" (GPU kernels) or "reference" (the CPU heap, the baseline)."""

@@ -7,6 +7,16 @@ from __future__ import annotations
 import torch
 
 
+def host_to_device(values, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A host sequence of ints -> a ``dtype`` tensor on ``device`` without synchronising the stream:
+    on CUDA through pinned memory and a non-blocking copy (PyTorch's caching host allocator keeps
+    the pinned buffer until the copy is done); elsewhere a plain tensor."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return torch.tensor(list(values), dtype=dtype, device=dev)
+    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
+
+
 def verify_input_ids(tokens: torch.Tensor) -> torch.Tensor:
     """Tree tokens [bs, N] (-1 = padding slot) -> ids the target can embed: padding -> 0.
     A padding slot's row attends to the prefix and itself only; its logits are never read."""

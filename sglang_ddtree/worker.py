@@ -72,6 +72,7 @@ from .policy.regime import CycleRegime, FollowerRegime, LaunchTracker, RegimeCon
 from .policy.round_stats import make_round_observers
 from .spec_algo import SPEC_GRAPH_MAX_BS, settings_for_worker
 from .switches import commit_ops_backend
+from .tree_ops import host_to_device
 from .verify_backend import (_eager_verify, _find_graph_mask_buffer, _graph_mask_capacity,
                              check_tree_verify_backend, disable_causal_verify_shortcut,
                              enable_draft_block_attention, enable_draft_fast_plan,
@@ -88,16 +89,6 @@ REGIME_LOG_EVERY_S = 60.0
 
 # Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
 _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None
-
-
-def host_to_device_int32(values, device) -> torch.Tensor:
-    """A host list of ints -> an int32 tensor on ``device`` without synchronising the stream: on CUDA
-    through pinned memory and a non-blocking copy (PyTorch's caching host allocator keeps the
-    pinned buffer until the copy is done); elsewhere a plain tensor."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return torch.tensor(values, dtype=torch.int32, device=dev)
-    return torch.tensor(values, dtype=torch.int32, pin_memory=True).to(dev, non_blocking=True)
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -234,9 +225,10 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _start_regime(self) -> None:
         """The regime new batches are made in (``regime_state``): served when the plain decode state
-        exists (the adaptive set's no-speculation width), starting in the ``regime`` switch's
-        (``spec`` unless an A/B or test bed forces ``plain``).  ValueError when ``plain`` is asked
-        of a server without the plain state."""
+        exists (the adaptive set's no-speculation width), as the ``regime`` switch says: ``spec``
+        (the default: never switches), ``plain`` (forced), ``cycle<k>`` (``CycleRegime``) or
+        ``auto`` (rank 0's ``RegimeController``, ``FollowerRegime`` on the other TP ranks).
+        ValueError when anything but ``spec`` is asked of a server without the plain state."""
         value = switches.CURRENT.regime
         cycle = switches.regime_cycle(value)
         start = regime_state.SPEC if cycle is not None or value == "auto" else value
@@ -553,8 +545,8 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._drafter_rebuild() is not None:
             self._rebuild.spec_prefill(batch.prefix_lens)   # a prefix cached while plain is stale
         device = next_token_ids.device
-        ctx_lens = host_to_device_int32(batch.extend_lens, device)
-        draft_seq_lens = host_to_device_int32(batch.prefix_lens, device)
+        ctx_lens = host_to_device(batch.extend_lens, device)
+        draft_seq_lens = host_to_device(batch.prefix_lens, device)
         positions, _ = compute_position(self.model_runner.server_args.attention_backend,
                                         draft_seq_lens, ctx_lens, int(sum(batch.extend_lens)))
         self._append_target_hidden_to_draft_kv_by_loc(

@@ -602,12 +602,12 @@ def test_worker_interrupts_the_width_controller_on_every_batch_but_a_decode_roun
 def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatch):
     """DDTreeWorker._prefill == DFlashWorkerV2.forward_batch_generation's extend branch (SGLang
     0.5.16) call for call, on fakes: same target call, same drafter K/V append (positions, slots,
-    hidden), same next draft input; the length vectors come from host_to_device_int32."""
+    hidden), same next draft input; the length vectors come from tree_ops.host_to_device (int32)."""
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     made = []
-    real_h2d = W.host_to_device_int32
-    monkeypatch.setattr(W, "host_to_device_int32", lambda v, d: made.append(list(v)) or real_h2d(v, d))
+    real_h2d = W.host_to_device
+    monkeypatch.setattr(W, "host_to_device", lambda v, d: made.append(list(v)) or real_h2d(v, d))
 
     def make(cls):
         calls = []
@@ -643,7 +643,7 @@ def test_prefill_matches_dflash_extend_branch_without_a_blocking_copy(monkeypatc
     assert r1.logits_output.hidden_states is None and r2.logits_output.hidden_states is None
     assert torch.equal(r1.next_draft_input.bonus_tokens, r2.next_draft_input.bonus_tokens)
     assert torch.equal(r1.new_seq_lens, batch.seq_lens) and len(published) == 2
-    assert W.host_to_device_int32 is not real_h2d and real_h2d([1, 2], "cpu").dtype == torch.int32
+    assert W.host_to_device is not real_h2d and real_h2d([1, 2], "cpu").dtype == torch.int32
 
 
 def test_policy_snapshot_reaches_the_profiler_whichever_is_built_first(monkeypatch, tmp_path):

@@ -453,13 +453,19 @@ def check_spec_ready(pools, fm, b, committed, last_tok):
     audit(pools, b.reqs)
 
 
-def test_plain_to_spec_publishes_committed_and_the_next_spec_step_reads_it(request):
+def _plain_batch_to_convert(request):
+    """A DDTREE server's pools, FutureMap and a running plain batch of 5 requests after some steps:
+    (pools, algo, fm, batch, last tokens, committed lengths)."""
     rng = _rng(request)
     pools = Pools()
     algo = ddtree()
     fm = algo.create_future_map(CPU, pools.r2t)
     b, tok = _plain_batch_after_steps(pools, fm, rng, [rng.randrange(3, 60) for _ in range(5)])
-    committed = [r.kv_committed_len for r in b.reqs]
+    return pools, algo, fm, b, tok, [r.kv_committed_len for r in b.reqs]
+
+
+def test_plain_to_spec_publishes_committed_and_the_next_spec_step_reads_it(request):
+    pools, algo, fm, b, tok, committed = _plain_batch_to_convert(request)
     assert fm.new_seq_lens_buf[b.req_pool_indices].tolist() == [c + 1 for c in committed]   # plain's publish
     RT.plain_to_spec(b, future_map=fm, spec_algorithm=algo)
     assert b.spec_algorithm is algo and b.input_ids is None
@@ -471,12 +477,7 @@ def test_plain_to_spec_publishes_committed_and_the_next_spec_step_reads_it(reque
 
 def test_control_plain_to_spec_without_the_publish_reads_a_stale_length(request, monkeypatch):
     """Control: plain_to_spec's publish skipped: resolve reads plain's C + 1, the checker flags it."""
-    rng = _rng(request)
-    pools = Pools()
-    algo = ddtree()
-    fm = algo.create_future_map(CPU, pools.r2t)
-    b, tok = _plain_batch_after_steps(pools, fm, rng, [rng.randrange(3, 60) for _ in range(5)])
-    committed = [r.kv_committed_len for r in b.reqs]
+    pools, algo, fm, b, tok, committed = _plain_batch_to_convert(request)
     real = type(fm).publish
     monkeypatch.setattr(type(fm), "publish", lambda *a, **k: None)
     RT.plain_to_spec(b, future_map=fm, spec_algorithm=algo)

@@ -109,10 +109,10 @@ def parse_name(name):
             os.environ["DDTREE_STAGE_REGIME_PLAIN"] = "1"
         elif p == "regimecycle":  # with default: the regime flips every 7 decode launches (both ways)
             _switch(regime="cycle7")
-            os.environ["DDTREE_STAGE_REGIME_CYCLE"] = "1"
+            os.environ["DDTREE_STAGE_REGIME_SWITCHES"] = "1"
         elif p == "regimeauto":  # with default: the measured regime switch (switch regime=auto)
             _switch(regime="auto")
-            os.environ["DDTREE_STAGE_REGIME_CYCLE"] = "1"   # the same checks as a cycle
+            os.environ["DDTREE_STAGE_REGIME_SWITCHES"] = "1"
         elif p == "memcheck":  # SGLang's KV pool accounting asserted after every busy iteration
             os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
         elif p == "uncapped":  # with default: no --max-running-requests and decode graphs up to bs 96, so
@@ -121,7 +121,7 @@ def parse_name(name):
             backend = p
     if algo not in ALGOS or mode not in ("eager", "graph") or pair not in PAIRS:
         raise ValueError(f"bad stage name {name!r}")
-    if (os.environ.get("DDTREE_STAGE_REGIME_PLAIN") or os.environ.get("DDTREE_STAGE_REGIME_CYCLE")) \
+    if (os.environ.get("DDTREE_STAGE_REGIME_PLAIN") or os.environ.get("DDTREE_STAGE_REGIME_SWITCHES")) \
             and not (adaptive and adaptive[0] == "default"):
         raise ValueError(f"bad stage name {name!r}: regimeplain / regimecycle need default (the plain "
                          "decode state)")
@@ -364,7 +364,7 @@ def run(name, models, results, port):
             # the plain regime: no request ran a verify round (SGLang's plain path counts none)
             rec["plain_path"] = all(not v for v in rec["spec_verify_ct"]) and not rec.get("rounds_bs1")
             checks.append(rec["plain_path"])
-        if os.environ.get("DDTREE_STAGE_REGIME_CYCLE"):
+        if os.environ.get("DDTREE_STAGE_REGIME_SWITCHES"):
             # tokens of the repeat's requests and their verify rounds (plain-regime steps count none)
             rec["regime_cycle_tokens_rounds"] = [sum(mi.get("completion_tokens", 0) for mi in mis),
                                                  sum(mi.get("spec_verify_ct", 0) or 0 for mi in mis)]
