@@ -176,11 +176,14 @@ def test_where_trees_win_by_20_percent_the_controller_speculates_within_three_wi
     assert SPEC in first[:3], first
 
 
-def drive(ctl, q, seconds, bs=4, round_s=0.05, rounds=20, switch_s=0.002, rebuild_s=0.3):
+def drive(ctl, q, seconds, bs=4, round_s=0.05, rounds=20, switch_s=0.002, rebuild_s=0.3, pinned=None,
+          _log=None):
     """A server whose per-slot rate is given: waves of ``bs`` requests that finish together every
     ``rounds`` rounds of ``round_s`` (one window a wave, unsynced: no requests' lengths shown),
     each round emitting ``bs x q(regime, t) x round_s`` tokens at clock ``t``.  The controller's
-    clock is this one.  -> (busy s, the excursions' wall time summed here, the largest)."""
+    clock is this one.  ``pinned(t)``: a request of the batch pins a tree budget at clock ``t``;
+    ``_log``: a list that receives (clock, regime) per launch.  -> (busy s, the excursions' wall
+    time summed here, the largest)."""
     now = [0.0]
     ctl._clock = lambda: now[0]
     rid, emitted, admitted = 0, 0.0, bs
@@ -188,7 +191,8 @@ def drive(ctl, q, seconds, bs=4, round_s=0.05, rounds=20, switch_s=0.002, rebuil
     while now[0] < seconds:
         rids = tuple(range(rid, rid + bs))
         for r in range(rounds):
-            d = ctl.observe(SchedView(rids=rids, emitted=emitted, admitted=admitted))
+            d = ctl.observe(SchedView(rids=rids, emitted=emitted, admitted=admitted,
+                                      pinned=bool(pinned and pinned(now[0]))))
             if d.pending:
                 t0 = now[0]
                 if d.excursion:
@@ -199,6 +203,8 @@ def drive(ctl, q, seconds, bs=4, round_s=0.05, rounds=20, switch_s=0.002, rebuil
                 explore += now[0] - start
                 largest = max(largest, now[0] - start)
                 start = None
+            if _log is not None:
+                _log.append((now[0], ctl.regime))
             emitted, admitted = bs * q(ctl.regime, now[0]) * round_s, 0
             now[0] += round_s
         rid, admitted = rid + bs, bs
@@ -262,3 +268,42 @@ def test_round_policy_answers_speculation_without_a_regime_controller():
     assert d.regime == SPEC and d.pending is None and pol.optimistic_spec_ratio(2) is None
     pol.start_regime(RegimeController(clock=lambda: 0.0, start=PLAIN))
     assert pol.regime(SchedView(rids=(1, 2))).regime == PLAIN
+
+
+def test_a_request_pinning_a_tree_budget_is_served_by_speculation_where_plain_wins():
+    """Speculation loses (0.7x), but from 100 s to 200 s every batch holds a request that pins a
+    tree budget: the controller (plain start) is in speculation from the first launch after 100 s
+    (a decided switch, not an excursion) until 200 s, whatever it measures, and back in plain
+    decoding within 20 s after (its excursions aside).  Control: the same run without the pins never speculates from
+    100 s to 200 s but on its excursions (under 30 % of those launches)."""
+    def pins(t):
+        return 100.0 <= t < 200.0
+
+    for pinned, bar in ((pins, None), (None, 0.3)):
+        ctl, log = RegimeController(clock=None, start=PLAIN), []
+        drive(ctl, losing, 300, pinned=pinned, _log=log)
+        inside = [r for t, r in log if 100.6 <= t < 200.0]   # after the switch at the first launch
+        share = inside.count(SPEC) / len(inside)
+        if bar is None:
+            assert share == 1.0, (share, ctl.report())
+            after = [r for t, r in log if 220.0 <= t < 300.0]    # plain again, but for excursions
+            assert after[0] == PLAIN and after.count(SPEC) / len(after) < 0.3, ctl.report()
+        else:
+            assert share < bar, (share, ctl.report())
+
+
+def test_the_launch_tracker_marks_a_batch_whose_request_pins_a_tree_budget():
+    """``SchedView.pinned`` from the requests' ``custom_params["ddtree_budget"]``: a pin > 0 marks the
+    batch; a pin of 0 (no speculation: the narrowest pin wins) or none does not."""
+    import types
+
+    from sglang_ddtree.policy.regime import LaunchTracker
+
+    def req(rid, cp):
+        return types.SimpleNamespace(rid=rid, output_ids=[0],
+                                     sampling_params=types.SimpleNamespace(custom_params=cp))
+
+    t = LaunchTracker()
+    assert not t.view([req(1, None), req(2, {})]).pinned
+    assert t.view([req(1, None), req(2, {"ddtree_budget": 15})]).pinned
+    assert not t.view([req(1, {"ddtree_budget": 0}), req(2, {"ddtree_budget": 15})]).pinned

@@ -51,6 +51,7 @@ import time
 from typing import Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 from .adaptive import synced_tokens_left
+from .adaptive_config import requested_width
 
 PLAIN = "plain"
 SPEC = "spec"
@@ -65,12 +66,15 @@ class SchedView:
     ``rids``: its requests' ids (bs = len); ``emitted``: tokens emitted by the decode batch whose
     result was processed since the previous launch; ``admitted``: requests admitted (prefilled)
     since the previous launch; ``reqs``: its SGLang requests, for the sync verdict (None: unsynced);
-    ``no_spec``: in the spec regime, the width controller ran this batch at ``NO_SPEC``."""
+    ``no_spec``: in the spec regime, the width controller ran this batch at ``NO_SPEC``;
+    ``pinned``: a request of the batch pins a tree budget (``custom_params["ddtree_budget"]`` > 0,
+    none pins 0: ``adaptive_config.requested_width`` > 1), which only the spec regime serves."""
     rids: Sequence[Hashable]
     emitted: float = 0.0
     admitted: int = 0
     reqs: Optional[Sequence] = None
     no_spec: bool = False
+    pinned: bool = False
 
     @property
     def bs(self) -> int:
@@ -171,6 +175,7 @@ class RegimeController:
         self.expected_excursion_s = self.EXCURSION_S
         self.credit = self.expected_excursion_s if start == PLAIN else 0.0
         self._first_free = start == PLAIN         # the starting excursion may leave a synced batch
+        self._pinned = False                      # the launch at hand pins a tree budget
         self.time_s = {PLAIN: 0.0, SPEC: 0.0, "switching": 0.0}
         self.switches = self.excursions = self.windows = 0
         self.explore_s = self.explore_loss_s = 0.0
@@ -197,6 +202,14 @@ class RegimeController:
         self._t_last, self._bs_last = now, view.bs
         w.rounds += 1
         w.no_spec += bool(view.no_spec)
+        self._pinned = view.pinned
+        if view.pinned and self.regime == PLAIN:
+            # a request pins a tree budget: speculation serves it, now (a decided switch, no
+            # exploration); the plain window so far measures nothing
+            self.time_s[PLAIN] += w.busy
+            self._win = _Window(view)
+            self._switch(SPEC, now, count=True)
+            return self._decision()
         if ((w.busy >= self.t_min_s and ((not w.cohort and w.admitted > 0) or w.busy >= self.t_max_s))
                 or bucket(view.bs) != w.bucket):
             self._close(view, now)
@@ -249,6 +262,9 @@ class RegimeController:
             old = self.estimate(self.regime, wk)
             self.est[self._slot(self.regime, wk)] = (q if old is None else (1 - self.ALPHA) * old + self.ALPHA * q, now)
         exc = self._excursion
+        if exc is not None and self._pinned:
+            self._end_excursion(now)           # a pinned request keeps speculation: no going back
+            exc = None
         if exc is not None:
             if not measured:
                 return
@@ -267,6 +283,8 @@ class RegimeController:
         p, s = self.estimate(PLAIN, k), self.estimate(SPEC, k)
         over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
         if self.regime == SPEC:
+            if self._pinned:
+                return                         # a pinned request is served by speculation
             if over or (w.rounds and w.no_spec >= self.NOSPEC_EXIT * w.rounds) or (
                     p is not None and s is not None and p >= (1 + self.h) * s):
                 self._switch(PLAIN, now, count=True)
@@ -404,5 +422,6 @@ class LaunchTracker:
                 admitted += 1
         self._out = {rid: len(r.output_ids) for rid, r in cur.items()}
         self._prev = list(reqs)
+        width = requested_width(reqs)
         return SchedView(rids=tuple(cur), emitted=float(emitted), admitted=admitted, reqs=reqs,
-                         no_spec=no_spec)
+                         no_spec=no_spec, pinned=width is not None and width > 1)
