@@ -53,7 +53,9 @@ class Switches:
     issue 52 item 4; A/B arm suffix and stage suffix ``_regimeplain``), or ``cycle<k>``: the regime
     flips every k decode launches (``policy.regime.CycleRegime``; the test bed's transitions, stage
     suffix ``regimecycle``), or ``auto``: the measured switch (``policy.regime.RegimeController``;
-    A/B arm suffix ``_regimeauto``; not the default until measured)."""
+    A/B arm suffix ``_regimeauto``; not the default until measured; a batch whose request pins a
+    tree budget is served by speculation).  ``plain`` serves such a request plainly (forced: the
+    floor); its output is the same."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
     kv_commit: str = "remap"

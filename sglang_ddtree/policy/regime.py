@@ -2,8 +2,10 @@
 
 Whether the server decodes plainly (SGLang's own decode path, step 2 of the design's plan) or
 speculates, decided on windows of host-clock time that contain the admissions a regime causes (no
-device reads).  ``RoundPolicy.regime`` owns one; nothing in the serving path calls it yet (the
-scheduler hook is step 3).
+device reads).  ``RoundPolicy.regime`` owns one (switch ``regime=auto``: the worker feeds it each
+decode launch through :class:`LaunchTracker`, ``patches/regime_transition.py`` makes the switch).
+A batch whose request pins a tree budget is served by speculation: the controller switches into
+it at that launch and does not leave it while a pin runs.
 
 A window opens at a regime entry (after its drain and rebuild) or at the previous window's close
 and closes at a decode launch when every request running at its opening has finished and at least
