@@ -1,34 +1,37 @@
-"""The proof table of issue 39 (``bench/results/default_h200.{json,md}``): DDTREE-GPU's default arm
-against base and DFLASH under ``sglang.bench_serving``, one cell per (pair, workload, concurrency),
+"""The proof table of issue 52 item 5 (``bench/results/default_<gpu>.{json,md}``): DDTREE-GPU's default
+arm against base and DFLASH under ``sglang.bench_serving``, one cell per (pair, workload, concurrency),
 assembled from the A/B's serving reports (``python -m sglang_ddtree.ab --client bench_serving``, one
-JSON per device call).
+JSON per device call), and the floor of item 4.
 
-usage: python bench/default_report.py OUT_PREFIX REPORT.json[.gz] [REPORT ...]
-       (writes OUT_PREFIX.json and OUT_PREFIX.md)
+usage: python bench/default_report.py [--default-arm ARM] OUT_PREFIX REPORT.json[.gz] [REPORT ...]
+       (writes OUT_PREFIX.json and OUT_PREFIX.md; ARM: the arm judged as the default, ``ddtree``
+       unless given, e.g. ``ddtree_regimeauto`` for the candidate default)
 
 A cell takes all three arms from ONE report (ratios only within one run: one device call, or several
 on one warm machine joined by the A/B's ``--resume``); where several reports hold the cell, the one
 with the most arms measured, then the most repeats, then the latest, is used.  A report without all
 three arms at c gives an INCOMPLETE cell naming the missing ones.  The GPU column is each report's.  Per cell:
 
-* measured: every arm's level complete (not partial), >= 3 repeats, no repeat shorter than 20 s
-  (the report's ``min_level_seconds`` >= 20 and the level not flagged short); else INCOMPLETE;
-* bar 1: ``ddtree >= 0.97 x max(base, dflash)`` (median output tok/s of the repeats);
-* bar 2: where DFLASH beats base, ``ddtree >= 1.05 x dflash``;
-* outputs: the ddtree arm's identity verdict identical, or every difference a classified bf16 near
-  tie and no error.
+* measured: every arm's level complete (not partial), >= 2 repeats, and >= 3 where a ratio the cell
+  is judged on lies within 3 % of its bar; no repeat shorter than 20 s (the report's
+  ``min_level_seconds`` >= 20 and the level not flagged short); else INCOMPLETE;
+* bar 1: ``default >= 0.98 x max(base, dflash)`` (median output tok/s of the repeats);
+* bar 2: where DFLASH beats base, ``default >= 1.05 x dflash``;
+* outputs: the default arm's identity verdict identical, or every difference a classified bf16 near
+  tie and no error;
+* the regime (where the default arm's level has the A/B's ``regime`` record, ``sglang_ddtree.ab.regime_log``):
+  its exploration <= 1 % of busy time (item 1); the share of time it speculated is shown.
 PASS needs all of them.  The markdown also lists what the issue's matrix still lacks: pairs (the
 text pair and the chain pair at the Qwen3-8B shape, one MoE shape), workloads random / natural / long
-/ mix, concurrency 1 / 4 / 16 / 64.
+/ mix, concurrency 1 / 16 / 64.
 
-The floor (the issue's item 2), from the reports that hold a forced no-speculation arm
-(``ddtree_nospec``: the default server with every round plain) beside ``base``, one cell per (pair,
-workload, c), the same measured rule and the same choice among reports:
+The floor (item 4), from the reports that hold a server forced into the plain regime
+(``ddtree_regimeplain``) beside ``base``, one cell per (pair, workload, c), the same measured rule
+(the close-to-bar rule on its one ratio) and the same choice among reports:
 
-* ``ddtree_nospec >= 0.98 x base`` output tok/s;
-* its median ITL <= 1.03 x base's: with one token per round and a batch of c, the ITL is the
-  round time the client sees, against base's decode step measured the same way (bs 1-64 = c 1-64);
-* its outputs token-identical to base's (no near-tie allowance: its rounds are SGLang's decode step).
+* ``ddtree_regimeplain >= 0.99 x base`` output tok/s;
+* its outputs token-identical to base's (no near-tie allowance: its steps are SGLang's decode step);
+* median ITL shown beside base's (not a bar).
 """
 from __future__ import annotations
 
@@ -41,13 +44,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from rawio import open_maybe_gz  # noqa: E402
 
-ARMS = ("base", "dflash", "ddtree")
-FLOOR_ARMS = ("base", "ddtree_nospec")
+DEFAULT_ARM = "ddtree"
+FLOOR_ARM = "ddtree_regimeplain"
 WORKLOADS = ("random", "natural", "long", "mix")
-CONCURRENCY = (1, 4, 16, 64)
-MIN_REPEATS, MIN_SECONDS = 3, 20.0
-BAR_MAX, BAR_DFLASH = 0.97, 1.05
-FLOOR_TPUT, FLOOR_ITL = 0.98, 1.03
+CONCURRENCY = (1, 16, 64)
+MIN_REPEATS, CLOSE_REPEATS, CLOSE, MIN_SECONDS = 2, 3, 0.03, 20.0
+BAR_MAX, BAR_DFLASH = 0.98, 1.05
+FLOOR_TPUT = 0.99
+EXPLORE_MAX = 0.01
+
+
+def arms_of(default: str = DEFAULT_ARM) -> Tuple[str, str, str]:
+    """The three arms of a cell: base, dflash and the arm judged as the default."""
+    return ("base", "dflash", default)
+
+
+def close_to(x: Optional[float], bar: float) -> bool:
+    """``x`` lies within ``CLOSE`` (relative) of ``bar``: three repeats are needed to call it."""
+    return x is not None and abs(x / bar - 1.0) < CLOSE
 
 
 def pair_label(doc: dict) -> str:
@@ -103,6 +117,17 @@ def _levels_at(doc: dict, c: int, arms) -> Tuple[Dict[str, dict], List[str]]:
     return {k: (v or {}) for k, v in got.items()}, why
 
 
+def _close_repeats(lv: Dict[str, dict], ratios: List[Tuple[Optional[float], float]]) -> List[str]:
+    """Why a cell whose ratio lies within ``CLOSE`` of its bar is not yet called: an arm with fewer
+    than ``CLOSE_REPEATS`` repeats.  ``ratios``: (ratio, bar) pairs the cell is judged on."""
+    near = [bar for x, bar in ratios if close_to(x, bar)]
+    if not near:
+        return []
+    few = [k for k, v in lv.items() if int(v.get("repeats") or 0) < CLOSE_REPEATS]
+    return [f"{k} {lv[k].get('repeats')} repeats (a ratio within {CLOSE:.0%} of {near[0]}: "
+            f"{CLOSE_REPEATS} needed)" for k in few]
+
+
 def _cell_head(doc: dict, c: int, source: str, lv: Dict[str, dict]) -> dict:
     s = doc.get("settings") or {}
     return dict(pair=pair_label(doc), workload=(s.get("workload") or {}).get("name"), concurrency=c,
@@ -112,24 +137,37 @@ def _cell_head(doc: dict, c: int, source: str, lv: Dict[str, dict]) -> dict:
                 median_ttft_ms={k: v.get("median_ttft_ms") for k, v in lv.items()})
 
 
-def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
+def regime_of(level: dict) -> Optional[dict]:
+    """The default arm's regime at a level (the A/B's ``regime`` record): {spec_share, switches,
+    explore_share}, or None when the level has none (a server without a regime controller)."""
+    r = level.get("regime")
+    if not r:
+        return None
+    return dict(spec_share=r.get("spec_share"), switches=r.get("switches"), explore_share=r.get("explore_share"),
+                partial=bool(r.get("partial")))
+
+
+def cell_from(doc: dict, c: int, source: str, default: str = DEFAULT_ARM) -> Optional[dict]:
     """One (pair, workload, c) cell from one report (INCOMPLETE, naming them, when arms are missing at
-    c), or None when the report has no arm at c."""
-    lv, why = _levels_at(doc, c, ARMS)
-    if not (lv["dflash"] or lv["ddtree"]):    # base alone (or beside the floor's arm) is no cell here
+    c), or None when the report has no arm at c; ``default``: the arm judged as the default."""
+    arms = arms_of(default)
+    lv, why = _levels_at(doc, c, arms)
+    if not (lv["dflash"] or lv[default]):    # base alone (or beside the floor's arm) is no cell here
         return None
     cell = _cell_head(doc, c, source, lv)
+    cell["default_arm"] = default
     cell["accept_length"] = {k: v.get("accept_length") for k, v in lv.items()}
+    cell["regime"] = regime_of(lv[default])
     tput = cell["tok_s"]
-    ok_out, out_txt = outputs_verdict(doc, "ddtree")
+    ok_out, out_txt = outputs_verdict(doc, default)
     cell["outputs"] = out_txt
-    if any(not tput[k] for k in ARMS):
+    if any(not tput[k] for k in arms):
         cell.update(status="INCOMPLETE", why=why)
         return cell
     best = max(tput["base"], tput["dflash"])
-    cell["x_best"] = tput["ddtree"] / best
-    cell["x_base"] = tput["ddtree"] / tput["base"]
-    cell["x_dflash"] = tput["ddtree"] / tput["dflash"]
+    cell["x_best"] = tput[default] / best
+    cell["x_base"] = tput[default] / tput["base"]
+    cell["x_dflash"] = tput[default] / tput["dflash"]
     cell["dflash_beats_base"] = tput["dflash"] > tput["base"]
     fails = []
     if cell["x_best"] < BAR_MAX:
@@ -138,6 +176,11 @@ def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
         fails.append(f"{cell['x_dflash']:.2f}x dflash < {BAR_DFLASH} where dflash beats base")
     if not ok_out:
         fails.append(f"outputs: {out_txt}")
+    reg = cell["regime"]
+    if reg and reg["explore_share"] is not None and reg["explore_share"] > EXPLORE_MAX:
+        fails.append(f"exploration {reg['explore_share']:.1%} of busy time > {EXPLORE_MAX:.0%}")
+    why = why + _close_repeats(lv, [(cell["x_best"], BAR_MAX)]
+                               + ([(cell["x_dflash"], BAR_DFLASH)] if cell["dflash_beats_base"] else []))
     if why:
         cell.update(status="INCOMPLETE", why=why, fails=fails)
     else:
@@ -146,30 +189,26 @@ def cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
 
 
 def floor_cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
-    """One floor cell (forced no-speculation vs base) from one report, or None when the report has no
-    ``ddtree_nospec`` level at c."""
-    lv, why = _levels_at(doc, c, FLOOR_ARMS)
-    nospec = FLOOR_ARMS[1]
-    if not lv[nospec]:
+    """One floor cell (a server forced into the plain regime vs base) from one report, or None when the
+    report has no ``ddtree_regimeplain`` level at c."""
+    lv, why = _levels_at(doc, c, ("base", FLOOR_ARM))
+    if not lv[FLOOR_ARM]:
         return None
     cell = _cell_head(doc, c, source, lv)
     cell["median_itl_ms"] = itl = {k: v.get("median_itl_ms") for k, v in lv.items()}
-    round_ms = (lv[nospec].get("stage_profile") or {}).get("round_ms")
-    cell["nospec_gpu_round_ms"] = round_ms
     tput = cell["tok_s"]
-    identical, cell["outputs"] = outputs_verdict(doc, nospec, near_ties=False)
-    if not all(tput.values()) or not all(itl.values()):
-        cell.update(status="INCOMPLETE", why=why or ["no ITL"])
+    identical, cell["outputs"] = outputs_verdict(doc, FLOOR_ARM, near_ties=False)
+    if not all(tput.values()):
+        cell.update(status="INCOMPLETE", why=why)
         return cell
-    cell["x_base"] = tput[nospec] / tput["base"]
-    cell["itl_x_base"] = itl[nospec] / itl["base"]
+    cell["x_base"] = tput[FLOOR_ARM] / tput["base"]
+    cell["itl_x_base"] = itl[FLOOR_ARM] / itl["base"] if all(itl.values()) else None
     fails = []
     if cell["x_base"] < FLOOR_TPUT:
-        fails.append(f"{cell['x_base']:.2f}x base tok/s < {FLOOR_TPUT}")
-    if cell["itl_x_base"] > FLOOR_ITL:
-        fails.append(f"ITL {cell['itl_x_base']:.2f}x base's > {FLOOR_ITL}")
+        fails.append(f"{cell['x_base']:.3f}x base tok/s < {FLOOR_TPUT}")
     if not identical:
         fails.append(f"outputs: {cell['outputs']}")
+    why = why + _close_repeats(lv, [(cell["x_base"], FLOOR_TPUT)])
     cell.update(status="INCOMPLETE" if why else ("FAIL" if fails else "PASS"), fails=fails)
     if why:
         cell["why"] = why
@@ -232,75 +271,90 @@ def floor_missing(floor: Dict[tuple, dict]) -> List[str]:
         lack = [c for c in CONCURRENCY if (p, w, c) not in floor]
         if lack:
             out.append(f"floor, {p} / {w}: c = {', '.join(map(str, lack))} not measured")
-    return out or ([] if floor else ["floor: no report with a ddtree_nospec arm yet"])
+    return out or ([] if floor else [f"floor: no report with a {FLOOR_ARM} arm yet"])
 
 
 def render_floor(floor: Dict[tuple, dict]) -> List[str]:
     keys = _table_keys(floor)
     n_pass = sum(1 for k in keys if floor[k]["status"] == "PASS")
-    L = ["", "## The floor: a forced no-speculation server against base (item 2)", "",
-         f"`ddtree_nospec` is the default server with every round plain. Bars per cell: >= {FLOOR_TPUT} x "
-         f"base's output tok/s; median ITL (one token per round: the round time the client sees) <= "
-         f"{FLOOR_ITL} x base's decode step measured the same way; outputs token-identical; >= "
-         f"{MIN_REPEATS} repeats of >= {MIN_SECONDS:.0f} s. GPU round: the no-spec arm's own profile, "
-         "where recorded.", "", f"**{n_pass} of {len(keys)} cells pass.**", ""]
+    L = ["", "## The floor: a server forced into the plain regime against base (item 4)", "",
+         f"`{FLOOR_ARM}` is the DDTREE-GPU server with switch `regime=plain`: every batch on SGLang's plain "
+         f"decode path. Bars per cell: >= {FLOOR_TPUT} x base's output tok/s; outputs token-identical; >= "
+         f"{MIN_REPEATS} repeats of >= {MIN_SECONDS:.0f} s ({CLOSE_REPEATS} where the ratio is within "
+         f"{CLOSE:.0%} of the bar). Median ITL beside base's, not a bar.", "",
+         f"**{n_pass} of {len(keys)} cells pass.**", ""]
     if not keys:
-        return L[:-2] + ["No report with a `ddtree_nospec` arm yet."]
-    L += ["| pair | workload | c | base tok/s | nospec tok/s | x base | base ITL | nospec ITL | ITL x base | "
-          "GPU round | outputs | status | GPU | report |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+        return L[:-2] + [f"No report with a `{FLOOR_ARM}` arm yet."]
+    L += ["| pair | workload | c | base tok/s | plain regime tok/s | x base | base ITL | plain ITL | "
+          "outputs | status | GPU | report |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for k in keys:
         x = floor[k]
         t, i = x["tok_s"], x["median_itl_ms"]
         f = lambda v, nd=0: "-" if not v else f"{v:.{nd}f}"
-        st = _status_text(x)
-        L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['ddtree_nospec'])} | {f(x.get('x_base'), 2)} | "
-                 f"{f(i['base'], 2)} | {f(i['ddtree_nospec'], 2)} | {f(x.get('itl_x_base'), 2)} | "
-                 f"{f(x.get('nospec_gpu_round_ms'), 2)} | {x['outputs']} | {st} | {x.get('card', '?')} | "
-                 f"`{os.path.basename(x['source'])}` |")
+        L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t[FLOOR_ARM])} | {f(x.get('x_base'), 3)} | "
+                 f"{f(i['base'], 2)} | {f(i[FLOOR_ARM], 2)} | {x['outputs']} | {_status_text(x)} | "
+                 f"{x.get('card', '?')} | `{os.path.basename(x['source'])}` |")
     return L
 
 
-def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple, dict]] = None) -> str:
+def _regime_text(reg: Optional[dict]) -> str:
+    if not reg:
+        return "-"
+    sp, ex = reg.get("spec_share"), reg.get("explore_share")
+    return (f"spec {'-' if sp is None else f'{sp:.0%}'}, {reg.get('switches') or 0} sw, explore "
+            f"{'-' if ex is None else f'{ex:.1%}'}" + (" (partial)" if reg.get("partial") else ""))
+
+
+def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple, dict]] = None,
+           default: str = DEFAULT_ARM) -> str:
     keys = _table_keys(cells)
     n_pass = sum(1 for k in keys if cells[k]["status"] == "PASS")
-    L = ["# DDTREE-GPU default vs base and DFLASH under sglang.bench_serving (issue 39)", "",
-         f"Produced by `bench/default_report.py` from the serving reports named per row. Bars per cell: "
-         f"ddtree >= {BAR_MAX} x max(base, dflash); >= {BAR_DFLASH} x dflash where dflash beats base; "
-         f"ddtree's outputs identical to base's (or classified bf16 near ties, no error); >= {MIN_REPEATS} "
-         f"repeats of >= {MIN_SECONDS:.0f} s. Output tok/s, median of repeats; ratios within one report.", "",
+    L = ["# DDTREE-GPU default vs base and DFLASH under sglang.bench_serving (issue 52)", "",
+         f"Produced by `bench/default_report.py` from the serving reports named per row; the default is "
+         f"the `{default}` arm. Bars per cell: default >= {BAR_MAX} x max(base, dflash); >= {BAR_DFLASH} x "
+         f"dflash where dflash beats base; its outputs identical to base's (or classified bf16 near ties, "
+         f"no error); its exploration <= {EXPLORE_MAX:.0%} of busy time where it has a regime; >= "
+         f"{MIN_REPEATS} repeats of >= {MIN_SECONDS:.0f} s ({CLOSE_REPEATS} where a ratio is within "
+         f"{CLOSE:.0%} of its bar). Output tok/s, median of repeats; ratios within one report.", "",
          f"**{n_pass} of {len(keys)} cells pass.**", "",
-         "| pair | workload | c | base | dflash | ddtree | x max | x dflash | outputs | status | GPU | report |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+         "| pair | workload | c | base | dflash | default | x max | x dflash | regime | outputs | status | GPU | report |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
     for k in keys:
         x = cells[k]
         t = x["tok_s"]
         f = lambda v: "-" if not v else f"{v:.0f}"
         r = lambda v: "-" if v is None else f"{v:.2f}"
-        st = _status_text(x)
-        L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['dflash'])} | {f(t['ddtree'])} | "
-                 f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {x['outputs']} | {st} | {x.get('card', '?')} | "
-                 f"`{os.path.basename(x['source'])}` |")
+        L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['dflash'])} | {f(t[x['default_arm']])} | "
+                 f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {_regime_text(x.get('regime'))} | "
+                 f"{x['outputs']} | {_status_text(x)} | {x.get('card', '?')} | `{os.path.basename(x['source'])}` |")
     L += render_floor(floor or {})
     L += ["", "## Not measured yet", ""] + ([f"- {g}" for g in gaps] or ["- nothing: the matrix is complete"])
     return "\n".join(L) + "\n"
 
 
 def main(argv: List[str]) -> int:
-    if len(argv) < 3:
+    args = list(argv[1:])
+    default = DEFAULT_ARM
+    if args[:1] == ["--default-arm"]:
+        if len(args) < 2:
+            print("--default-arm needs an arm name", file=sys.stderr)
+            return 2
+        default, args = args[1], args[2:]
+    if len(args) < 2:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    out, paths = argv[1], argv[2:]
+    out, paths = args[0], args[1:]
     docs = []
     for p in paths:
         with open_maybe_gz(p) as fh:
             docs.append((p, json.load(fh)))
-    cells = assemble(docs)
+    cells = assemble(docs, make=lambda d, c, src: cell_from(d, c, src, default=default))
     floor = assemble(docs, make=floor_cell_from)
     gaps = missing(cells) + floor_missing(floor)
-    doc = dict(kind="default_report", bars=dict(x_max=BAR_MAX, x_dflash=BAR_DFLASH, repeats=MIN_REPEATS,
-                                                level_seconds=MIN_SECONDS, floor_tok_s=FLOOR_TPUT,
-                                                floor_itl=FLOOR_ITL),
+    doc = dict(kind="default_report", default_arm=default,
+               bars=dict(x_max=BAR_MAX, x_dflash=BAR_DFLASH, repeats=MIN_REPEATS, close_repeats=CLOSE_REPEATS,
+                         close=CLOSE, level_seconds=MIN_SECONDS, floor_tok_s=FLOOR_TPUT, explore_max=EXPLORE_MAX),
                sources=[os.path.relpath(p) for p in paths],
                cells=[cells[k] for k in sorted(cells)], missing=gaps,
                passed=sum(1 for c in cells.values() if c["status"] == "PASS"), total=len(cells),
@@ -309,7 +363,7 @@ def main(argv: List[str]) -> int:
     with open(out + ".json", "w") as fh:
         json.dump(doc, fh, indent=1)
     with open(out + ".md", "w") as fh:
-        fh.write(render(cells, gaps, floor))
+        fh.write(render(cells, gaps, floor, default=default))
     print(f"{doc['passed']} of {doc['total']} cells pass, floor {doc['floor_passed']} of {doc['floor_total']}; "
           f"wrote {out}.json / .md")
     return 0
