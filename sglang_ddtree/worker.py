@@ -84,8 +84,10 @@ logger = logging.getLogger(__name__)
 
 # regime=auto under TP: the ranks agree on rank 0's regime decision every this many decode launches
 REGIME_SYNC_EVERY = 16
-# a regime controller's report (time per regime, switches, exploration) is logged this often (s)
-REGIME_LOG_EVERY_S = 60.0
+# a regime controller's report (time per regime, switches, exploration) is logged this often (s), at a
+# decode launch (an idle server writes nothing); the A/B splits the counters by level from these lines
+# (sglang_ddtree/ab/regime_log.py, whose LOG_EVERY_S is this value)
+REGIME_LOG_EVERY_S = 5.0
 
 # Test/diagnostic switch: count host synchronisations per round (see _sync_checked_round).
 _SYNC_CHECK_FILE = os.environ.get("SGLANG_DDTREE_SYNC_CHECK_FILE") or None

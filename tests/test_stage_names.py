@@ -11,7 +11,7 @@ ST = load_bench("device/stage")
 KEYS = ("SGLANG_DDTREE_BUDGETS", switches.ENV,
         "SGLANG_DDTREE_VERIFY_ATTN", "DDTREE_STAGE_MOE_BACKEND", "DDTREE_STAGE_UNCAPPED",
         "DDTREE_STAGE_REGIME_PLAIN", "DDTREE_STAGE_REGIME_SWITCHES",
-        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY")
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY", "SGLANG_DDTREE_SYNC_CHECK_FILE")
 SET_BY_EVERY_NAME = ("SGLANG_DDTREE_ADAPTIVE", "DDTREE_STAGE_DEFAULT_BUDGET")   # cleaned up as well
 
 
@@ -116,3 +116,12 @@ def test_regimecycle_flips_the_regime_on_the_default():
         ST.parse_name("gqa_ddtree_graph_b16_regimecycle")
     ST.parse_name("gqa_ddtree_graph_default_regimeauto")
     assert switches.CURRENT.regime == "auto"
+
+
+def test_dfastplan_sets_the_draft_fast_plan_switch():
+    """dfastplan: the drafter's flashinfer graphs re-plan from host lengths (switch draft_fast_plan);
+    with synccheck the stage also counts the rounds' host syncs."""
+    assert ST.parse_name("gqa_ddtree_graph_default_dfastplan_synccheck_flashinfer")[4] == "flashinfer"
+    assert _switches() == {"draft_fast_plan": True}
+    assert switches.CURRENT.draft_fast_plan
+    assert os.environ["SGLANG_DDTREE_SYNC_CHECK_FILE"].endswith("dfastplan_synccheck_flashinfer.jsonl")

@@ -7,7 +7,7 @@
 # GROUPS: groups separated by ';', run one after the other; the stages of a group run in parallel
 # (one process each, sharing the GPU).  Stages:
 #   <gqa|mla>_<base|dflash>_<eager|graph>   stage.py (offline Engine, token check vs target greedy)
-#                                           suffixes (stage.py parse_name): _b<N> _synccheck _nomaskpatch _moetriton
+#                                           suffixes (stage.py parse_name): _b<N> _synccheck _dfastplan _nomaskpatch _moetriton
 #                                           _cycle (adaptive budget, forced widths incl. no-spec) _auto (its policy)
 #                                           _vattn (SGLANG_DDTREE_VERIFY_ATTN=ddtree: our verify attention required)
 #                                           _sglattn (=sglang: SGLang's masked verify kernel; default auto: ours where covered)

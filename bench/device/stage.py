@@ -18,7 +18,9 @@ NAME = <pair>_<algo>_<mode>[_b<budget>][_<backend>]:  pair gqa | mla | text (the
        regimeplain (with default): every batch in the plain regime (switch regime=plain: SGLang's
        plain decode path); checked: no request ran a verify round (plain_path);  regimecycle (with
        default): the regime flips every 7 decode launches (switch regime=cycle7: the transitions);
-       regimeauto (with default): the measured regime switch (switch regime=auto);  memcheck:
+       regimeauto (with default): the measured regime switch (switch regime=auto);  dfastplan: the
+       drafter's flashinfer TARGET_VERIFY graphs re-plan with SGLang's sync-free fast_prefill_plan
+       (switch draft_fast_plan; with flashinfer);  memcheck:
        SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1 (a KV leak fails the stage).
 Every stage greedy-decodes the same prompts and checks the output against the toy target's known
 greedy chain perm^k(last prompt token) (see mk_models.py), so every algorithm's output is compared
@@ -104,6 +106,8 @@ def parse_name(name):
             os.environ["SGLANG_DDTREE_VERIFY_ATTN"] = "sglang"   # is auto: ours where covered)
         elif p == "dattn":  # the drafter's block forward through our kernel too (all-set bitmask)
             _switch(draft_attn="ddtree")
+        elif p == "dfastplan":  # the drafter's flashinfer graphs re-plan from host lengths (no plan() sync)
+            _switch(draft_fast_plan=True)
         elif p == "regimeplain":  # with default: every batch in the plain regime (SGLang's plain path)
             _switch(regime="plain")
             os.environ["DDTREE_STAGE_REGIME_PLAIN"] = "1"

@@ -78,7 +78,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import client
+from . import client, regime_log
 from .client import http_json
 from .environment import env_info
 from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_prompts
@@ -878,6 +878,10 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
     t0 = time.time()
     server = None
     bsc = make_client(args, cenv, tmpdir, client_log)
+    rlog = regime_log.RegimeLog(log_path)    # its regime controller's report lines, if it has one
+
+    def flush():   # one short request: its decode launch logs the regime line due (regime_log.await_line)
+        client.run_level(f"http://127.0.0.1:{port}", id_prompts[:1], 1, 2, deadline_at, progress=False, timeout=60)
 
     def left(default=3600.0):
         return default if deadline_at is None else max(5.0, deadline_at - time.time())
@@ -968,6 +972,10 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                       f"{' SHORT' if lv.get('short') else ''}{' ERRORS ' + str(lv['errors'])[:300] if lv.get('errors') else ''}"
                       f"{' (calibration ' + ', '.join(str(x['num_prompts']) + ' in ' + _f(x['seconds']) + ' s' for x in calibration) + ')' if calibration else ''}",
                       flush=True)
+                if lv.get("_window") and rlog.reports():   # a server with a regime controller: its share
+                    regime_log.await_line(rlog, lv["_window"][1], flush, deadline_at)
+                    lv["regime"] = regime_log.level_regime(rlog.reports(), lv["_window"])
+                    print(f"[{arm['name']}] c={c:3d} regime {regime_log.summary(lv['regime'])}", flush=True)
             if prof is not None:   # each level's split of its counted repeats (a flush request closes the last record)
                 _profiles_by_window(rec["levels"], prof, f"http://127.0.0.1:{port}", id_prompts, deadline_at)
             for lv in rec["levels"]:
@@ -999,11 +1007,14 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
             except Exception as e:  # noqa: BLE001
                 stop_error = repr(e)
         total_s = round(time.time() - t0, 1)
+        final = rlog.reports()
         for r in recs:
             r["client"] = info
             r["total_s"] = total_s
             if stop_error:
                 r["stop_error"] = stop_error
+            if final:                           # the regime controller's totals over the server's life
+                r["regime_final"] = final[-1].d
     return recs
 
 
