@@ -15,9 +15,16 @@ line at or after its end.  The harness and the server share the host: a stamp is
 (``time.mktime``) and compared with ``time.time()`` windows; at one-second resolution a stamp ``s``
 means a moment in ``[s, s + 1)``, so a line counts as at-or-after an end only when ``s >= end`` (never
 one logged before the end: that would lose the level's last seconds), and as at-or-before a start
-when ``s <= start`` (at most 1 s after it: a line in a level's first second carries none of its
-closed windows).  After a level the server is idle and logs nothing: :func:`await_line` sends one
-short request once the worker's interval has passed, whose decode launch writes the closing line."""
+when ``s <= start`` (the line :func:`await_line` got just before the level; the next one cannot come
+within ``LOG_EVERY_S`` of it).
+
+After a level the server is idle and logs nothing, so waiting alone never brings the closing line:
+:func:`await_line` waits until the worker's next line is due and sends one short request (one
+request, 2 new tokens), whose decode launch writes it.  That launch also closes the level's last
+window (the controller counts closed windows only: a bs-1 batch is another bs bucket, except after a
+c=1 level, whose last window, at most ``T_MAX_S`` = 4 s of busy time, then goes to the next level),
+and the controller decides on it like on any batch: in the CPU tests its one plain trip for the bs-1
+state, a switch counted to the level before (once a server: a state is tripped once)."""
 from __future__ import annotations
 
 import ast
@@ -83,14 +90,15 @@ class RegimeLog:
 
 
 def await_line(log: RegimeLog, end: float, send: Callable[[], object], deadline_at: Optional[float] = None,
-               every: float = LOG_EVERY_S, now: Callable[[], float] = time.time,
-               sleep: Callable[[float], None] = time.sleep) -> bool:
+               every: float = LOG_EVERY_S, now: Optional[Callable[[], float]] = None,
+               sleep: Optional[Callable[[float], None]] = None) -> bool:
     """Make sure a report line stamped at or after ``end`` exists: wait until the worker's next line
     is due (``every`` s after its last periodic line, whose stamp is truncated to the second: + 1 s;
     without one, after ``end``; never before the second after ``end``), then ``send()`` one short
     request so its decode launch logs it (again every ``POLL_S`` while none comes).  At most
     ``every`` + 2 s after ``end``, less when ``deadline_at`` (kept 5 s clear) is near.  -> whether
-    the line came."""
+    the line came.  ``now`` / ``sleep``: ``time.time`` / ``time.sleep`` unless given."""
+    now, sleep = now or time.time, sleep or time.sleep
     limit = max(now(), end) + every + 2.0
     if deadline_at is not None:
         limit = min(limit, deadline_at - 5.0)
@@ -110,7 +118,7 @@ def await_line(log: RegimeLog, end: float, send: Callable[[], object], deadline_
             send()
         except Exception:  # noqa: BLE001 - the flush request is best effort
             pass
-        sleep(POLL_S)
+        sleep(max(0.0, min(POLL_S, limit - now())))
 
 
 def _num(d: dict, key: str) -> float:

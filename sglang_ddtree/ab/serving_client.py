@@ -911,6 +911,8 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                 w = bsc.run(wc, left())
                 rec["warmup"] = dict(ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
                                      output_throughput=(w.get("result") or {}).get("output_throughput"))
+                if rlog.reports():      # a regime controller: the warm-up's last window closed and logged
+                    regime_log.await_line(rlog, time.time(), flush, deadline_at)
             for c in levels:
                 if c in done:           # completed by an earlier call on this machine (--resume)
                     rec["levels"].append(dict(done[c], resumed=True))
@@ -1133,6 +1135,18 @@ def render_markdown(doc: dict) -> str:
     table("Requests: completed / sent, duration (s), request/s, accept length (server)",
           lambda lv: f"{lv.get('completed')}/{lv.get('num_prompts')}, {_f(lv.get('duration'))} s, "
                      f"{_f(lv.get('request_throughput'), 2)}, {_f(lv.get('accept_length'), 2)}")
+    ra = [a for a in arms if a.get("regime_final") or any(lv.get("regime") for lv in a.get("levels") or [])]
+    if ra:   # arms with a regime controller only (sglang_ddtree/ab/regime_log.py)
+        L.extend(["", "## Regime (the server's regime controller over each level's counted repeats, from its log): "
+                  "spec share of plain + spec busy time, decided switches, exploration share of busy time", "",
+                  "| arm | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---:|" * len(levels)])
+        for a in ra:
+            L.append(f"| {a['name']} | " + " | ".join(
+                regime_log.summary(lv["regime"]) if lv and lv.get("regime") else "-"
+                for lv in (_level(a, c) for c in levels)) + " |")
+        tot = [f"- `{a['name']}` whole server (its last report): {regime_log.total_summary(a['regime_final'])}"
+               for a in ra if a.get("regime_final")]
+        L += [""] + tot if tot else []
     if any(lv.get("stage_profile") for a in arms for lv in a.get("levels") or []):
         def split(lv):
             sp = lv.get("stage_profile")
