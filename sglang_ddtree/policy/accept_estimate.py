@@ -17,7 +17,7 @@ from them (the root is slot 0).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -58,5 +58,18 @@ def expected_accept(tree, log_probs: torch.Tensor, token_ids: torch.Tensor,
     live = (slot >= 1) & (slot < tree.num_nodes.view(bs, 1))
     p = torch.where(live, score.exp(), torch.zeros_like(score))
     cum = torch.cumsum(p.to(torch.float64), dim=1)                          # cum[:, j]: slots 0..j
-    idx = torch.tensor([int(w) - 1 for w in widths], device=score.device)
-    return cum.index_select(1, idx).to(torch.float32)
+    return cum.index_select(1, _width_columns(widths, score.device)).to(torch.float32)
+
+
+_COLUMNS: Dict[Tuple[Tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _width_columns(widths: Sequence[int], device) -> torch.Tensor:
+    """[len(widths)] int64 on ``device``: the columns ``w - 1``, made once per (widths, device).  A
+    tensor made from a host list is a copy from pageable memory, which waits for the stream: made in
+    every predicting round, it stalled the host behind the GPU (the GPU sync check, run 24)."""
+    key = (tuple(int(w) for w in widths), torch.device(device))
+    idx = _COLUMNS.get(key)
+    if idx is None:
+        idx = _COLUMNS[key] = torch.tensor([w - 1 for w in key[0]], dtype=torch.int64, device=key[1])
+    return idx

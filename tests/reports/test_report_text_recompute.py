@@ -168,6 +168,19 @@ def test_report_text_divergence_run23_regime_recomputes():
     check_run23_regime_near_ties(REPO, None)
 
 
+@reads(f"{RES}/text_divergence_h100_run24.json", f"{RAW}/worker_h100_run24.jsonl.gz")
+def check_run24_regime_near_ties(root, tmp):
+    """Run 24 (H100, 2026-12-06: the drafter rebuild at every re-entry, regime=auto): every divergence
+    of the text pair's cycling and auto stages, bs 16 and mixed, is a near tie."""
+    _default_near_ties(root, f"{RES}/text_divergence_h100_run24.json", "worker_h100_run24.jsonl.gz",
+                       stages=("text_ddtree_graph_default_regimecycle", "text_ddtree_graph_default_regimeauto"),
+                       checks=("bs16", "mixed"))
+
+
+def test_report_text_divergence_run24_regime_recomputes():
+    check_run24_regime_near_ties(REPO, None)
+
+
 def _check_ab_text_run(root, run_id):
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "ab_divergence.py"), "--check-merged",
                         resolve(root, f"{RES}/ab_h200.json"), resolve(root, f"{RAW}/ab_h200_text_{run_id}.ids.json.gz"),
@@ -244,6 +257,9 @@ CONTROLS = {
     "run23_regime_near_ties": (check_run23_regime_near_ties, _moved(
         f"{RES}/text_divergence_h100_run23.json",
         lambda r: r["stage"] == "text_ddtree_graph_default_regimecycle" and r["check"] == "bs16", "below_top")),
+    "run24_regime_near_ties": (check_run24_regime_near_ties, _moved(
+        f"{RES}/text_divergence_h100_run24.json",
+        lambda r: r["stage"] == "text_ddtree_graph_default_regimeauto" and r["check"] == "bs16", "below_top")),
 }
 
 
