@@ -102,7 +102,8 @@ class FakeServer:
 
     def _reqs(self, c):
         self.rid += c
-        return [types.SimpleNamespace(rid=f"r{self.rid - i}", output_ids=[0]) for i in range(c)]
+        return [types.SimpleNamespace(rid=f"r{self.rid - i}", output_ids=[0],
+                                      sampling_params=types.SimpleNamespace(custom_params=None)) for i in range(c)]
 
     def _launch(self, reqs):
         for r in reqs:

@@ -235,7 +235,8 @@ def test_the_regime_switch_and_its_arm_and_stage_names():
 
 # ------------------------------------------------------------------ the regime controller's feed
 def _req(rid, n):
-    return types.SimpleNamespace(rid=rid, output_ids=[0] * n)
+    return types.SimpleNamespace(rid=rid, output_ids=[0] * n,
+                                 sampling_params=types.SimpleNamespace(custom_params=None))
 
 
 def test_launch_tracker_counts_the_tokens_and_admissions_between_launches():

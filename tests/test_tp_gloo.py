@@ -216,7 +216,8 @@ def _rank_regime_checks(rank, P, group):
         for launch in range(1, 200):
             if rank == 0:
                 clock[0] += 0.05 * (1 + 0.1 * rank)
-            w._regime_launch(types.SimpleNamespace(reqs=[types.SimpleNamespace(rid="a", output_ids=[0] * launch)]),
+            w._regime_launch(types.SimpleNamespace(reqs=[types.SimpleNamespace(
+                rid="a", output_ids=[0] * launch, sampling_params=types.SimpleNamespace(custom_params=None))]),
                              no_spec=True)
             if regime_state.STATE.pending is not None:
                 asked = launch

@@ -21,6 +21,8 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
+from ..tree_ops import host_to_device
+
 
 def node_log_probs(tree, log_probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """[bs, N] fp32: the drafter log-prob of each slot's token at its depth (0 for the root and for
@@ -65,11 +67,12 @@ _COLUMNS: Dict[Tuple[Tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
 def _width_columns(widths: Sequence[int], device) -> torch.Tensor:
-    """[len(widths)] int64 on ``device``: the columns ``w - 1``, made once per (widths, device).  A
-    tensor made from a host list is a copy from pageable memory, which waits for the stream: made in
-    every predicting round, it stalled the host behind the GPU (the GPU sync check, run 24)."""
+    """[len(widths)] int64 on ``device``: the columns ``w - 1``, made once per (widths, device) through
+    ``tree_ops.host_to_device``.  Made from a host list in every predicting round it was a copy from
+    pageable memory, which waits for the stream: the host stalled behind the GPU (the GPU sync
+    check, run 24)."""
     key = (tuple(int(w) for w in widths), torch.device(device))
     idx = _COLUMNS.get(key)
     if idx is None:
-        idx = _COLUMNS[key] = torch.tensor([w - 1 for w in key[0]], dtype=torch.int64, device=key[1])
+        idx = _COLUMNS[key] = host_to_device([w - 1 for w in key[0]], key[1], torch.int64)
     return idx

@@ -121,7 +121,7 @@ def requested_width(reqs) -> Optional[int]:
     asks.  Host values only."""
     width = None
     for req in reqs:
-        cp = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        cp = req.sampling_params.custom_params
         if cp:
             b = cp.get(REQUEST_BUDGET_KEY)
             if b is not None:

@@ -177,7 +177,6 @@ class RegimeController:
         self.expected_excursion_s = self.EXCURSION_S
         self.credit = self.expected_excursion_s if start == PLAIN else 0.0
         self._first_free = start == PLAIN         # the starting excursion may leave a synced batch
-        self._pinned = False                      # the launch at hand pins a tree budget
         self.time_s = {PLAIN: 0.0, SPEC: 0.0, "switching": 0.0}
         self.switches = self.excursions = self.windows = 0
         self.explore_s = self.explore_loss_s = 0.0
@@ -204,7 +203,6 @@ class RegimeController:
         self._t_last, self._bs_last = now, view.bs
         w.rounds += 1
         w.no_spec += bool(view.no_spec)
-        self._pinned = view.pinned
         if view.pinned and self.regime == PLAIN:
             # a request pins a tree budget: speculation serves it, now (a decided switch, no
             # exploration); the plain window so far measures nothing
@@ -264,7 +262,7 @@ class RegimeController:
             old = self.estimate(self.regime, wk)
             self.est[self._slot(self.regime, wk)] = (q if old is None else (1 - self.ALPHA) * old + self.ALPHA * q, now)
         exc = self._excursion
-        if exc is not None and self._pinned:
+        if exc is not None and view.pinned:
             self._end_excursion(now)           # a pinned request keeps speculation: no going back
             exc = None
         if exc is not None:
@@ -285,7 +283,7 @@ class RegimeController:
         p, s = self.estimate(PLAIN, k), self.estimate(SPEC, k)
         over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
         if self.regime == SPEC:
-            if self._pinned:
+            if view.pinned:
                 return                         # a pinned request is served by speculation
             if over or (w.rounds and w.no_spec >= self.NOSPEC_EXIT * w.rounds) or (
                     p is not None and s is not None and p >= (1 + self.h) * s):
