@@ -46,8 +46,13 @@ from rawio import open_maybe_gz  # noqa: E402
 
 DEFAULT_ARM = "ddtree"
 FLOOR_ARM = "ddtree_regimeplain"
-WORKLOADS = ("random", "natural", "long", "mix")
+WORKLOADS = ("random", "varied", "ids", "natural", "long", "mix")
 CONCURRENCY = (1, 16, 64)
+# item 5's matrix per kind of pair (the first key in the pair's name): (workload, concurrencies)
+MATRIX = (("chain", (("varied", CONCURRENCY), ("ids", CONCURRENCY))),
+          ("text", (("natural", CONCURRENCY), ("long", (1, 4, 16)))),
+          ("code", (("natural", CONCURRENCY),)))
+FLOOR_CONCURRENCY, FLOOR_WORKLOADS = (16, 64), 2      # item 4: c = 16 and 64 on two workloads
 MIN_REPEATS, CLOSE_REPEATS, CLOSE, MIN_SECONDS = 2, 3, 0.03, 20.0
 BAR_MAX, BAR_DFLASH = 0.98, 1.05
 FLOOR_TPUT = 0.99
@@ -238,17 +243,28 @@ def assemble(docs: List[Tuple[str, dict]], make=cell_from) -> Dict[tuple, dict]:
     return cells
 
 
+def matrix_of(pair: str, cells: Dict[tuple, dict]) -> tuple:
+    """Item 5's (workload, concurrencies) for ``pair`` (:data:`MATRIX`, by the first key its name holds),
+    else every workload it has cells in at :data:`CONCURRENCY`."""
+    for key, rows in MATRIX:
+        if key in pair:
+            return rows
+    return tuple((w, CONCURRENCY) for w in WORKLOADS if any(k[0] == pair and k[1] == w for k in cells))
+
+
 def missing(cells: Dict[tuple, dict]) -> List[str]:
-    """What the issue's matrix lacks, given the cells (pairs named as the reports name them)."""
+    """What the issue's matrix lacks, given the cells (pairs named as the reports name them): item 5's
+    workloads per kind of pair (:data:`MATRIX`: the chain pair varied and its own prompts, the text
+    pair natural and long, the code pair natural)."""
     out = []
     pairs = sorted({k[0] for k in cells})
     if len(pairs) < 3:
         out.append(f"pairs: {len(pairs)} measured ({', '.join(pairs) or 'none'}); the issue asks the text "
                    "pair and the chain pair at the Qwen3-8B shape and one MoE shape")
     for p in pairs:
-        for w in WORKLOADS:
+        for w, levels in matrix_of(p, cells):
             have = sorted(c for (pp, ww, c) in cells if pp == p and ww == w)
-            lack = [c for c in CONCURRENCY if c not in have]
+            lack = [c for c in levels if c not in have]
             if lack:
                 out.append(f"{p} / {w}: c = {', '.join(map(str, lack))} not measured")
     return out
@@ -265,12 +281,17 @@ def _status_text(cell: dict) -> str:
 
 
 def floor_missing(floor: Dict[tuple, dict]) -> List[str]:
-    """The floor's gaps: per (pair, workload) with a floor cell, the concurrencies not measured."""
+    """The floor's gaps (item 4: c = 16 and 64 on two workloads): per (pair, workload) with a floor
+    cell, those concurrencies not measured; per pair, fewer than two workloads."""
     out = []
     for p, w in sorted({k[:2] for k in floor}):
-        lack = [c for c in CONCURRENCY if (p, w, c) not in floor]
+        lack = [c for c in FLOOR_CONCURRENCY if (p, w, c) not in floor]
         if lack:
             out.append(f"floor, {p} / {w}: c = {', '.join(map(str, lack))} not measured")
+    for p in sorted({k[0] for k in floor}):
+        n = len({k[1] for k in floor if k[0] == p})
+        if n < FLOOR_WORKLOADS:
+            out.append(f"floor, {p}: {n} workload measured; the issue asks {FLOOR_WORKLOADS}")
     return out or ([] if floor else [f"floor: no report with a {FLOOR_ARM} arm yet"])
 
 

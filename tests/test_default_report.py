@@ -119,9 +119,12 @@ def test_missing_lists_the_matrix_gaps_and_refuses_other_reports():
                      report({16: dict(base=1.0, dflash=1.0, ddtree=1.0)}, workload="long"))
     gaps = R.missing(cells)
     assert not any(g.startswith("text / random") for g in gaps)
-    assert "text / long: c = 1, 64 not measured" in gaps
+    assert "text / long: c = 1, 4 not measured" in gaps       # item 5: 8k prompts at c = 1, 4, 16
     assert any(g.startswith("text / natural: c = 1, 16, 64") for g in gaps)
     assert gaps[0].startswith("pairs: 1 measured")
+    chain = R.missing(cells_of(report({16: dict(base=1.0, dflash=1.0, ddtree=1.0)}, pair="qwen3-8bchain_target")))
+    assert chain[1:] == ["qwen3-8bchain_target / varied: c = 1, 16, 64 not measured",    # item 5's chain pair rows
+                         "qwen3-8bchain_target / ids: c = 1, 16, 64 not measured"], chain
     with pytest.raises(ValueError, match="not a bench_serving"):
         R.assemble([("x.json", dict(kind="ab"))])
 
@@ -188,6 +191,7 @@ def test_the_command_renders_the_floor_and_its_gaps(tmp_path):
                    check=True, capture_output=True)
     doc = json.loads((tmp_path / "default_h200.json").read_text())
     assert (doc["total"], doc["floor_passed"], doc["floor_total"]) == (0, 1, 1)
-    assert "floor, text / random: c = 1, 64 not measured" in doc["missing"]
+    assert "floor, text / random: c = 64 not measured" in doc["missing"]      # item 4: c = 16 and 64
+    assert "floor, text: 1 workload measured; the issue asks 2" in doc["missing"]
     md = (tmp_path / "default_h200.md").read_text()
     assert "| text | random | 16 | 2000 | 1990 | 0.995 | 7.50 | 7.60 | identical (8) | PASS |" in md

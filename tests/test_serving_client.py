@@ -43,6 +43,7 @@ def _opt(cmd, flag):
     ("random", "random-ids", "512", "256", "1.0"),
     ("long", "random-ids", "8192", "256", "1.0"),
     ("mix", "random-ids", "4096", "256", "0.0625"),
+    ("varied", "random-ids", "512", "256", "0.5"),
 ])
 def test_command_line_of_each_random_workload(name, dataset, inp, out, ratio):
     w = S.workload_settings(name)
@@ -82,6 +83,126 @@ def test_command_line_of_the_natural_workload_and_overrides(tmp_path):
     a = _args("--workload", "mix", "--serving-output-len", "128")
     assert a.workload == "mix" and a.serving_output_len == 128 and a.min_level_seconds == 20.0
     assert cli.build_parser().parse_args([]).client == "ab"      # the default client is unchanged
+
+
+def test_command_line_of_the_ids_workload():
+    """The chain pair's own prompts as token ids: bench_serving's arguments, run through
+    sglang_ddtree.ab.bs_ids (its custom dataset reading token-id rows), output 64-256."""
+    w = S.workload_settings("ids")
+    with pytest.raises(ValueError, match="dataset file"):
+        S.bench_serving_cmd("PY", 1, "/m", w, 1, 8, "/o")
+    with pytest.raises(ValueError, match="prompts' own"):
+        S.workload_settings("ids", input_len=100)
+    cmd = S.bench_serving_cmd("PY", 31000, "/m/t", w, 16, 160, "/tmp/o.jsonl", seed=7, dataset_path="/w/ids.jsonl")
+    assert cmd[:3] == ["PY", "-m", "sglang_ddtree.ab.bs_ids"]
+    assert _opt(cmd, "--dataset-name") == "custom" and _opt(cmd, "--dataset-path") == "/w/ids.jsonl"
+    assert _opt(cmd, "--random-output-len") == "256" and _opt(cmd, "--random-range-ratio") == "0.25"
+    assert "--tokenize-prompt" not in cmd and "--random-input-len" not in cmd and "--sharegpt-output-len" not in cmd
+    assert _opt(cmd, "--num-prompts") == "160" and _opt(cmd, "--max-concurrency") == "16"
+
+
+def test_bs_ids_rows_and_lengths(tmp_path):
+    from sglang_ddtree.ab import bs_ids
+    lens = bs_ids.output_lengths(400, 256, 0.25, seed=5)
+    assert min(lens) >= 64 and max(lens) <= 256 and len(set(lens)) > 50
+    assert lens == bs_ids.output_lengths(400, 256, 0.25, seed=5) != bs_ids.output_lengths(400, 256, 0.25, seed=6)
+    assert set(bs_ids.output_lengths(50, 3, 0.0, seed=1)) <= {1, 2, 3}
+    with pytest.raises(ValueError):
+        bs_ids.output_lengths(4, 0, 0.5, seed=1)
+    good = tmp_path / "ids.jsonl"
+    good.write_text('{"input_ids": [5, 6, 7]}\n\n{"input_ids": [9]}\n')
+    assert bs_ids.is_ids_file(str(good)) and bs_ids.read_ids_rows(str(good)) == [[5, 6, 7], [9]]
+    text = tmp_path / "conv.jsonl"
+    text.write_text(json.dumps({"conversations": [{"value": "hi"}, {"value": "ok"}]}) + "\n")
+    assert not bs_ids.is_ids_file(str(text)) and not bs_ids.is_ids_file(str(tmp_path / "absent.jsonl"))
+    for bad in ('{"input_ids": []}', '{"input_ids": [1, -2]}', '{"input_ids": [1, true]}', '{"input_ids": "12"}',
+                '{"input_ids": [1.5]}'):
+        f = tmp_path / "bad.jsonl"
+        f.write_text('{"input_ids": [3]}\n' + bad + "\n")
+        with pytest.raises(ValueError, match="line 2"):
+            bs_ids.read_ids_rows(str(f))
+
+
+@needs_sglang
+def test_ids_workload_sends_the_file_rows_as_token_ids_through_the_real_bench_serving(tmp_path):
+    """bench_serving (per pass: `python -m sglang_ddtree.ab.bs_ids`; persistent: the client process
+    installs the loader) sends request i the file's row i mod rows as input_ids with the output length
+    drawn from the seed; SGLang's own custom loader still reads a conversation file (the hook takes
+    token-id files only); and a whole --workload ids run reports where its prompts came from."""
+    from sglang_ddtree.ab import bs_ids
+    model = _model_dir(tmp_path)
+    rows = [[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]]
+    f = S.write_ids_file([dict(input_ids=r) for r in rows], str(tmp_path / "ids.jsonl"))
+    port = _free_port()
+    srv = FakeServer(["x", "--port", str(port)], model)
+    w = S.workload_settings("ids", output_len=8, range_ratio=0.5)
+    env = S.client_env(None, None)
+    want = bs_ids.output_lengths(10, 8, 0.5, seed=3)
+    bsc = S.PersistentClient(env, str(tmp_path), str(tmp_path / "p.log"))
+    try:
+        for how in ("per-pass", "persistent"):
+            k = len(srv.requests)
+            cmd = S.bench_serving_cmd(sys.executable, port, model, w, 1, 10, str(tmp_path / f"{how}.jsonl"), seed=3,
+                                      dataset_path=f, warmup_requests=0)
+            r = (S.run_bench_serving(cmd, env, str(tmp_path), 300, str(tmp_path / "pp.log")) if how == "per-pass"
+                 else bsc.run(cmd, 300))
+            assert r["ok"], (how, open(tmp_path / ("pp.log" if how == "per-pass" else "p.log")).read()[-3000:])
+            got = srv.requests[k:]
+            assert [list(x["ids"]) for x in got] == [rows[i % 4] for i in range(10)], how     # c = 1: in order
+            assert [x["max_new"] for x in got] == want and all(x["kind"] == "ids" for x in got)
+            assert r["result"]["total_input_tokens"] == sum(len(rows[i % 4]) for i in range(10))
+            assert r["result"]["total_output_tokens"] == sum(want)
+        # the same process then runs a random-ids pass unchanged
+        k = len(srv.requests)
+        cmd = S.bench_serving_cmd(sys.executable, port, model, S.workload_settings("random", input_len=20, output_len=4),
+                                  2, 4, str(tmp_path / "rnd.jsonl"), seed=3, warmup_requests=0)
+        assert bsc.run(cmd, 300)["ok"] and bsc.info()["processes"] == 1
+        assert all(x["n_in"] == 20 and x["max_new"] == 4 for x in srv.requests[k:])
+    finally:
+        bsc.close()
+        srv.stop()
+    # SGLang's own custom loader behind the hook, for a file that is not token ids
+    import argparse
+    from sglang.benchmark import datasets as D
+    bs_ids.install()
+    bs_ids.install()                                        # idempotent
+    assert D.DATASET_MAPPING["custom"].reads_token_ids and D.DATASET_MAPPING["custom"].__mro__[1].__name__ == "CustomDataset"
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text("\n".join(json.dumps({"conversations": [{"value": f"say {i} words"}, {"value": "ok fine"}]})
+                              for i in range(3)) + "\n")
+    a = argparse.Namespace(dataset_path=str(conv), num_prompts=2, sharegpt_output_len=5, sharegpt_context_len=None,
+                           prompt_suffix="", apply_chat_template=False, tokenize_prompt=False, seed=1,
+                           random_output_len=9, random_range_ratio=0.5)
+    from transformers import AutoTokenizer
+    rows_text = D.DATASET_MAPPING["custom"].from_args(a).load(tokenizer=AutoTokenizer.from_pretrained(model))
+    assert len(rows_text) == 2 and all(isinstance(r.prompt, str) and r.output_len == 5 for r in rows_text)
+
+
+@needs_sglang
+def test_a_whole_ids_run_reports_its_prompts(tmp_path):
+    model = _model_dir(tmp_path)
+    prompts = tmp_path / "chain.jsonl"
+    prompts.write_text("\n".join(json.dumps({"input_ids": [7 + i, 8 + i, 9 + i][: 1 + i % 3]}) for i in range(5)))
+    out = str(tmp_path / "rep")
+    args = _args("--model-path", model, "--arms", "base", "--workload", "ids", "--concurrency", "2",
+                 "--requests-per-level", "6", "--repeats", "1", "--warmup", "0", "--min-level-seconds", "0",
+                 "--serving-output-len", "6", "--identity-prompts", "2", "--identity-new-tokens", "4",
+                 "--port", str(_free_port()), "--workdir", str(tmp_path / "w"), "--out", out, "--no-env-probe",
+                 "--prompts", str(prompts))
+    servers = []
+
+    def launcher(cmd, env, log_path):
+        servers.append(FakeServer(cmd, model))
+        return servers[-1]
+    doc = S.run(args, launcher=launcher)
+    lv = doc["arms"][0]["levels"][0]
+    assert doc["arms"][0]["status"] == "ok" and lv["completed"] == 6 and lv["dataset_name"] == "custom"
+    load = [r for r in servers[0].requests if r["max_new"] != 4]
+    assert {r["ids"] for r in load} <= {(7,), (8, 9), (9, 10, 11), (10,), (11, 12)} and all(r["kind"] == "ids" for r in load)
+    ids = doc["settings"]["ids"]
+    assert ids["prompts"] == 5 and ids["input_len"] == [1, 3] and ids["source"] == str(prompts)
+    md = open(out + ".md").read()
+    assert "the pair's own prompts as token ids (5 from" in md and "output 1-6 tokens (range ratio 0.25)" in md
 
 
 def test_server_command_is_what_a_user_types():

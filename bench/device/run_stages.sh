@@ -55,7 +55,7 @@
 #   ab_<text|gqa|mla|kimicost>[-fp32]       bench/ab_serve.py on that pair (alone on its GPU; set STAGE_CAP,
 #                                           DDTREE_COMMIT; AB_ARMS / AB_CONCURRENCY / AB_PROMPTS / AB_NEW / AB_EXTRA /
 #                                           AB_SERVER_ARGS: flags for every server, kept as one --server-args value;
-#                                           AB_CLIENT=bench_serving + AB_WORKLOAD=random|natural|long|mix: the load from
+#                                           AB_CLIENT=bench_serving + AB_WORKLOAD=random|varied|natural|long|mix|ids: the load from
 #                                           python -m sglang.bench_serving, identity check on top; also for scale_*;
 #                                           several comma-separated (random,long): each arm's server serves them in
 #                                           turn, one report per workload)
@@ -184,7 +184,7 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
         defarms=base,dflash,ddtree_b16
       fi
       # AB_CLIENT=bench_serving: python -m sglang.bench_serving drives the levels (sglang_ddtree/ab/serving_client.py),
-      # AB_WORKLOAD=random|natural|long|mix (default random; several comma-separated), arms default
+      # AB_WORKLOAD=random|varied|natural|long|mix|ids (default random; several comma-separated), arms default
       # base,dflash,ddtree; writes serving_h200_<tag>_<workload>.{json,md} for each workload
       local cl=() outname=ab_h200_$tag
       if [ "${AB_CLIENT:-ab}" = bench_serving ]; then
@@ -203,8 +203,9 @@ run_stage() {  # name[@GPU] port limit   (@GPU: pin the stage to one GPU of a mu
                    # shape's disk), the A/B on chain prompts (token ids), then check-outputs: every arm = the chain
                    # (AB_PROMPT_LEN=8000-8192: a long-context arm; add AB_EXTRA "--max-input-tokens 8192" and
                    # AB_SERVER_ARGS "--context-length 9000": the configs allow 40960 positions)
-      # AB_CLIENT=bench_serving: sglang.bench_serving drives the load (AB_WORKLOAD random|long|mix: token ids;
-      # natural has no meaning on a permutation pair), arms default base,dflash,ddtree, every server launched with
+      # AB_CLIENT=bench_serving: sglang.bench_serving drives the load (AB_WORKLOAD random|varied|long|mix: random
+      # token ids; ids: the chain prompts themselves, 64-256 out, where drafters accept long blocks; natural has no
+      # meaning on a permutation pair), arms default base,dflash,ddtree, every server launched with
       # only its own flags; the identity requests are the chain prompts (16, 256 new tokens, 4 in flight) and
       # check-outputs compares every arm's with the chain; report serving_h200_<shape>chain_<workload>
       local shape=${st#scalechain_}; local sd=/tmp/models

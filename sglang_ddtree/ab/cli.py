@@ -126,7 +126,9 @@ def build_parser(default_out: str = DEFAULT_OUT):
                         "--backend sglang` per level (default arms then " + SERVING_DEFAULT_ARMS + ")")
     g.add_argument("--workload", type=_workloads, default="random",
                    help="bench_serving: random (random-ids 512 in / 256 out), long (8192 / 256), mix (input 256-4096, "
-                        "output 16-256), natural (the pair's natural prompts as a ShareGPT file, 256 out); several "
+                        "output 16-256), varied (input 256-512, output 128-256), natural (the pair's natural prompts "
+                        "as a ShareGPT file, 256 out), ids (the pair's own prompts as token ids, output 64-256: "
+                        "through sglang_ddtree.ab.bs_ids); several "
                         "comma-separated (random,natural): each arm's server serves them in turn, one report each "
                         "(--out + _<workload>)")
     g.add_argument("--serving-input-len", type=int, default=None, help="bench_serving: override the workload's input length")

@@ -35,6 +35,14 @@ Workloads (``--workload``; ``--serving-input-len`` / ``--serving-output-len`` /
 - ``long``: the same with 8192 in / 256 out (the servers' context must hold 8448 tokens);
 - ``mix``: random ids, input 256-4096, output 16-256 (range ratio 1/16, bench_serving draws each
   length uniformly between ratio x len and len);
+- ``varied``: random ids, input 256-512, output 128-256 (range ratio 0.5: issue 52 item 5's chain
+  pair workload, finishes spread where ``random`` runs lock-step waves);
+- ``ids``: the pair's own prompts as token ids (``--prompts``: token-id items as they are, text items
+  through the model's tokenizer.json), output 64-256 (range ratio 1/4): the chain pair on its chain
+  prompts (issue 52 item 5), where drafters accept long blocks.  bench_serving's file datasets read
+  text only, so this pass runs ``python -m sglang_ddtree.ab.bs_ids`` (:mod:`.bs_ids`: bench_serving
+  itself, its ``custom`` dataset also reading a JSON-lines file of ``{"input_ids": [...]}`` rows,
+  output lengths drawn from ``--random-output-len`` / ``--random-range-ratio`` with ``--seed``);
 - ``natural``: the pair's natural prompts (``--prompts`` if given, else the text pair's held-out
   standard-library windows for ``--pair text``, else the A/B's standard-library prompts) written as
   a ShareGPT-format JSON (``--dataset-name sharegpt --dataset-path F --sharegpt-output-len 256``):
@@ -98,8 +106,14 @@ WORKLOADS = {
     "random": dict(dataset="random-ids", input_len=512, output_len=256, range_ratio=1.0),
     "long": dict(dataset="random-ids", input_len=8192, output_len=256, range_ratio=1.0),
     "mix": dict(dataset="random-ids", input_len=4096, output_len=256, range_ratio=0.0625),
+    "varied": dict(dataset="random-ids", input_len=512, output_len=256, range_ratio=0.5),
     "natural": dict(dataset="sharegpt", input_len=None, output_len=256, range_ratio=None),
+    "ids": dict(dataset="custom", input_len=None, output_len=256, range_ratio=0.25),
 }
+# file datasets (their prompts from --prompts; no --serving-input-len) and the module a pass runs
+FILE_DATASETS = ("sharegpt", "custom")
+BENCH_MODULE = "sglang.bench_serving"
+IDS_MODULE = "sglang_ddtree.ab.bs_ids"
 
 # the stand-in for the `datasets` package (only load_dataset is imported, by datasets bench_serving never uses here)
 DATASETS_STANDIN = ("def load_dataset(*a, **k): raise ImportError('the datasets package is not installed "
@@ -178,8 +192,8 @@ def workload_settings(name: str, input_len=None, output_len=None, range_ratio=No
         raise ValueError(f"--workload {name!r}: one of {', '.join(WORKLOADS)}")
     w = dict(WORKLOADS[name], name=name)
     if input_len is not None:
-        if w["dataset"] == "sharegpt":
-            raise ValueError("--serving-input-len: the natural workload's lengths are the prompts' own")
+        if w["dataset"] in FILE_DATASETS:
+            raise ValueError(f"--serving-input-len: the {name} workload's lengths are the prompts' own")
         w["input_len"] = int(input_len)
     if output_len is not None:
         w["output_len"] = int(output_len)
@@ -197,7 +211,8 @@ def bench_serving_cmd(python: str, port: int, model: str, workload: dict, c: int
     (``--request-rate inf``), greedy (its default temperature 0, ignore_eos on), the result line
     appended to ``output_file``.  ``output_len`` overrides the workload's (the warm-up pass)."""
     out_len = int(output_len if output_len is not None else workload["output_len"])
-    cmd = [python, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
+    module = IDS_MODULE if workload["dataset"] == "custom" else BENCH_MODULE
+    cmd = [python, "-m", module, "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
            "--model", model, "--tokenizer", tokenizer or model, "--dataset-name", workload["dataset"],
            "--num-prompts", str(int(n)), "--max-concurrency", str(int(c)), "--request-rate", "inf",
            "--seed", str(int(seed)), "--output-file", output_file, "--flush-cache",
@@ -206,6 +221,11 @@ def bench_serving_cmd(python: str, port: int, model: str, workload: dict, c: int
         if not dataset_path:
             raise ValueError("the natural workload needs its dataset file")
         cmd += ["--dataset-path", dataset_path, "--sharegpt-output-len", str(out_len)]
+    elif workload["dataset"] == "custom":
+        if not dataset_path:
+            raise ValueError("the ids workload needs its dataset file")
+        cmd += ["--dataset-path", dataset_path, "--random-output-len", str(out_len),
+                "--random-range-ratio", repr(float(workload["range_ratio"]))]
     else:
         cmd += ["--random-input-len", str(int(workload["input_len"])), "--random-output-len", str(out_len),
                 "--random-range-ratio", repr(float(workload["range_ratio"])), "--tokenize-prompt"]
@@ -340,7 +360,9 @@ def _pass_result(rc, out_file: str, t0: float, log_path: str, prefix: str = "") 
 # pass), set_ulimit (idempotent).  Its output goes where the per-pass processes' went (the arm's client
 # log: this process's stdout / stderr); each pass's status line ({"rc", "seconds"}) goes to the fd in
 # argv[1].  SystemExit (argparse errors, bench_serving's sys.exit(1)) becomes the pass's exit code, an
-# exception exit code 1 (traceback in the log); KeyboardInterrupt ends the process.
+# exception exit code 1 (traceback in the log); KeyboardInterrupt ends the process.  A pass whose
+# command runs IDS_MODULE first calls that module's install() (idempotent: bench_serving's custom
+# dataset also reads token-id files), as its __main__ does.
 WORKER_SRC = r'''
 import json, os, sys, time, traceback, warnings
 proto = os.fdopen(int(sys.argv[1]), "w", buffering=1)
@@ -367,6 +389,8 @@ while True:
     sys.argv = ["sglang.bench_serving"] + list(req["argv"])
     rc = 0
     try:
+        if req.get("install"):
+            __import__(req["install"], fromlist=["install"]).install()
         bs.cli_main()
     except SystemExit as e:
         rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
@@ -477,7 +501,7 @@ class PersistentClient(PerPassClient):
         self.proc, self._rfd, self._buf = None, None, b""
 
     def run(self, cmd: List[str], timeout: float) -> dict:
-        if cmd[1:3] != ["-m", "sglang.bench_serving"]:
+        if cmd[1] != "-m" or cmd[2] not in (BENCH_MODULE, IDS_MODULE):
             raise ValueError(f"not a bench_serving command line: {cmd[:3]}")
         self.passes += 1
         out_file = _fresh_output_file(cmd)
@@ -492,7 +516,8 @@ class PersistentClient(PerPassClient):
                     return dict(ok=False, rc=None, error=why, seconds=round(time.time() - t0, 1),
                                 log_tail=log_tail(self.log_path, 20))
             try:
-                self.proc.stdin.write((json.dumps({"argv": cmd[3:]}) + "\n").encode())
+                req = {"argv": cmd[3:], **({"install": IDS_MODULE} if cmd[2] == IDS_MODULE else {})}
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
                 self.proc.stdin.flush()
                 msg = self._read(deadline)
             except BrokenPipeError:
@@ -558,21 +583,37 @@ def level_summary(c: int, n: int, reps: List[dict], min_s: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the run
-def identity_inputs(args, model: str) -> tuple:
-    """The identity requests' prompts (token ids, the same for every arm) and their source."""
+def token_id_prompts(args, model: str, n: Optional[int]) -> tuple:
+    """(prompts as ``{"input_ids"}``, source, how tokenized): ``--prompts`` (its first n items, all for
+    None), else the text pair's held-out windows (``--pair text``), else the A/B's standard-library
+    prompts (n of them; ``--num-prompts`` for None); text through the model's tokenizer.json."""
     from .prompts import tokenize_prompts
-    n = int(args.identity_prompts)
     if args.prompts:
         prompts = load_prompts_file(args.prompts, args.prompt_template)[:n]
         source = os.path.abspath(args.prompts)
     elif args.pair == "text":
-        prompts = textpair_prompts(n, args.prompt_template)
+        prompts = textpair_prompts(int(n or args.num_prompts), args.prompt_template)
         source = "the text pair's held-out standard-library files"
     else:
-        prompts = make_prompts(n, args.prompt_template)
+        prompts = make_prompts(int(n or args.num_prompts), args.prompt_template)
         source = "the standard library (code windows and prose)"
+    if not prompts:
+        raise ValueError(f"no prompts from {source}")
     how = tokenize_prompts(prompts, model, args.max_input_tokens, args.vocab_size)
     return [dict(input_ids=p["input_ids"]) for p in prompts], source, how
+
+
+def identity_inputs(args, model: str) -> tuple:
+    """The identity requests' prompts (token ids, the same for every arm) and their source."""
+    return token_id_prompts(args, model, int(args.identity_prompts))
+
+
+def write_ids_file(prompts: List[dict], path: str) -> str:
+    """The ``ids`` workload's dataset: one ``{"input_ids": [...]}`` row per prompt (:mod:`.bs_ids`)."""
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"input_ids": [int(x) for x in p["input_ids"]]}) + "\n")
+    return path
 
 
 def resolve_model(args) -> tuple:
@@ -692,6 +733,8 @@ class _Load:
         self.id_prompts = id_prompts
         self._args, self._tmpdir = args, tmpdir
         self.natural = dict(files={}, source=None) if self.workload["dataset"] == "sharegpt" else None
+        self.ids = dict(file=None, source=None) if self.workload["dataset"] == "custom" else None
+        self._model = model
         self.counts: Dict[int, int] = {}        # the calibrated request count per level (every arm's)
         self.outputs: Dict[str, Dict[int, list]] = {}
         self.state_path = os.path.join(tmpdir, state_file(name))
@@ -739,6 +782,13 @@ class _Load:
                       f"{self.doc['resumed'].get('levels', {})} from {self.state_path}", flush=True)
 
     def dataset_for(self, n):
+        if self.ids is not None:     # one file of every prompt; bench_serving cycles it (bs_ids)
+            if self.ids["file"] is None:
+                prompts, self.ids["source"], how = token_id_prompts(self._args, self._model, None)
+                self.ids["file"] = write_ids_file(prompts, os.path.join(self._tmpdir, f"ids_{self.name}.jsonl"))
+                lens = [len(p["input_ids"]) for p in prompts]
+                self.ids.update(prompts=len(prompts), tokenized_with=how, input_len=[min(lens), max(lens)])
+            return self.ids["file"]
         if self.natural is None:
             return None
         if n not in self.natural["files"]:
@@ -760,6 +810,8 @@ class _Load:
         self.doc["elapsed_s"] = round(time.time() - t_start, 1)
         if self.natural is not None:
             self.doc["settings"]["natural"] = dict(source=self.natural["source"], distinct=self.natural.get("distinct"))
+        if self.ids is not None:
+            self.doc["settings"]["ids"] = {k: v for k, v in self.ids.items() if k != "file"}
         if final and args.save_output_ids:   # output_ids[arm][c], prompt_ids
             self.doc["output_ids"] = {a: {str(c): v for c, v in o.items()} for a, o in self.outputs.items()}
             self.doc["prompt_ids"] = [p["input_ids"] for p in self.id_prompts]
@@ -1089,6 +1141,13 @@ def render_markdown(doc: dict) -> str:
         nat = s.get("natural") or {}
         wl = (f"natural prompts ({nat.get('source')}; distinct per level {nat.get('distinct')}) as a ShareGPT file, "
               f"`--dataset-name sharegpt --sharegpt-output-len {w['output_len']}` (text; the server tokenizes)")
+    elif w["dataset"] == "custom":
+        ids = s.get("ids") or {}
+        wl = (f"the pair's own prompts as token ids ({ids.get('prompts')} from {ids.get('source')}, "
+              f"{'-'.join(str(x) for x in ids.get('input_len') or [])} tokens, cycled in order), "
+              f"`--dataset-name custom` through `python -m {IDS_MODULE}` (bench_serving, its custom dataset "
+              f"also reading token-id rows), output {max(int(w['output_len'] * w['range_ratio']), 1)}-"
+              f"{w['output_len']} tokens (range ratio {w['range_ratio']})")
     else:
         lo = max(int(w["input_len"] * w["range_ratio"]), 1)
         wl = (f"`--dataset-name {w['dataset']} --tokenize-prompt` (token ids), input {lo}-{w['input_len']}, output "
