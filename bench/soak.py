@@ -365,9 +365,28 @@ def server_cmd(args, algo: Optional[str], port: int) -> List[str]:
            "--disable-prefill-cuda-graph", "--random-seed", "0", "--grammar-backend", "none",
            "--skip-server-warmup", "--log-level", "info"]
     if algo:
-        cmd += ["--speculative-algorithm", algo, "--speculative-draft-model-path", args.draft_model_path,
-                "--speculative-num-draft-tokens", str(args.budget + 1)]
+        cmd += ["--speculative-algorithm", algo, "--speculative-draft-model-path", args.draft_model_path]
+        if args.budget > 0:            # 0: the plugin's default (the adaptive budget), as a user launches it
+            cmd += ["--speculative-num-draft-tokens", str(args.budget + 1)]
     return cmd + (args.server_args.split() if args.server_args else [])
+
+
+def soak_env(args) -> dict:
+    """The soak server's environment: this one, plus ``DDTREE_SWITCHES`` when ``--switches`` gives
+    them (the A/B's launcher then puts the switches plugin on the server's PYTHONPATH and checks that
+    the worker logged them: ``sglang_ddtree/ab/servers.py``)."""
+    env = dict(os.environ)
+    if args.switches:
+        from sglang_ddtree import switches
+        try:
+            fields = json.loads(args.switches)
+        except ValueError as e:
+            raise SystemExit(f"--switches {args.switches!r}: not JSON ({e})")
+        if not isinstance(fields, dict) or not fields:
+            raise SystemExit(f"--switches {args.switches!r}: a JSON object of switches, e.g. '{{\"regime\": \"auto\"}}'")
+        switches.Switches(**fields)    # unknown fields: TypeError now, not a server that ignores them
+        env[switches.ENV] = json.dumps(fields, sort_keys=True)
+    return env
 
 
 def cmd_run(args) -> int:
@@ -379,6 +398,7 @@ def cmd_run(args) -> int:
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     doc = dict(kind="soak", env=AB.env_info(sys.executable), settings=dict(
         requests=args.requests, concurrency=args.concurrency, budget=args.budget, seed=args.seed,
+        switches=json.loads(args.switches) if args.switches else None,
         context_len=args.context_len, model_path=args.model_path, draft_model_path=args.draft_model_path,
         algo=args.algo, vocab=vocab, mem_flat_mib=MEM_FLAT_MIB), plan=plan)
     phases = [("soak", args.algo)] + ([] if args.no_reference else [("reference", None)])
@@ -386,7 +406,7 @@ def cmd_run(args) -> int:
         port = args.port + (0 if phase == "soak" else 50)
         base = f"http://127.0.0.1:{port}"
         log = f"{args.out}.{phase}.log"
-        srv = AB.popen_launcher(server_cmd(args, algo, port), dict(os.environ), log)
+        srv = AB.popen_launcher(server_cmd(args, algo, port), soak_env(args) if algo else dict(os.environ), log)
         try:
             why = AB.wait_healthy(base, srv, args.start_limit)
             if why:
@@ -572,7 +592,11 @@ def render_md(doc: dict, summ: dict) -> str:
     L = [f"# Soak: {s['algo']} HTTP server, {s['requests']} requests at concurrency {s['concurrency']}", "",
          f"Made by `bench/soak.py` on {e.get('date')}, commit {e.get('git_commit')}, GPU {e.get('gpu')}, "
          f"versions {json.dumps(e.get('versions'))}.",
-         f"Text pair (bench/textpair), budget {s['budget']} (verify width {s['budget'] + 1}), context {s['context_len']}, "
+         f"Text pair (bench/textpair), "
+         + (f"budget {s['budget']} (verify width {s['budget'] + 1})" if s["budget"] > 0 else
+            "the default budget (no --speculative-num-draft-tokens: the adaptive widths)")
+         + (f", switches {json.dumps(s['switches'], sort_keys=True)}" if s.get("switches") else "")
+         + f", context {s['context_len']}, "
          f"seed {s['seed']}. The load: see the module docstring of `bench/soak.py`.", "",
          f"**Verdict: {'PASS' if summ['ok'] else 'FAIL'}**", "", "| check | result |", "|---|---|"]
     kinds = {}
@@ -730,7 +754,11 @@ def main(argv=None):
     r.add_argument("--model-path", required=True)
     r.add_argument("--draft-model-path", required=True)
     r.add_argument("--algo", default="DDTREE-GPU")
-    r.add_argument("--budget", type=int, default=16)
+    r.add_argument("--budget", type=int, default=16,
+                   help="tree budget (--speculative-num-draft-tokens B+1); 0: none given, the plugin's default")
+    r.add_argument("--switches", default="",
+                   help="JSON object of sglang_ddtree switches for the soak server (DDTREE_SWITCHES through the "
+                        "switches plugin), e.g. '{\"regime\": \"auto\"}' for the candidate default")
     r.add_argument("--requests", type=int, default=1000)
     r.add_argument("--concurrency", type=int, default=64)
     r.add_argument("--context-len", type=int, default=4096)

@@ -119,3 +119,29 @@ def test_warmup_plan_covers_every_sampling_mode_then_a_full_batch():
     assert all(w["prompt_len"] + w["sampling_params"]["max_new_tokens"] < CTX for w in wp)
     assert min(w["prompt_len"] for w in wp[5:]) > 1000            # the batch is long prompts
     assert len({w["rid"] for w in wp}) == len(wp) and all(w["i"] < 0 for w in wp)  # never a plan index
+
+
+def test_the_soak_runs_the_default_or_a_fixed_budget_with_the_switches_it_is_given(monkeypatch):
+    """--budget 0: the server a user launches (no --speculative-num-draft-tokens); --switches: the soak
+    server (not the plain reference) gets them as DDTREE_SWITCHES, refused when not a JSON object of
+    known switches."""
+    import argparse
+    from sglang_ddtree import switches
+    monkeypatch.delenv(switches.ENV, raising=False)
+    a = argparse.Namespace(model_path="/m", draft_model_path="/d", mem_fraction=0.3, context_len=4096,
+                           max_total_tokens=1000, concurrency=64, server_args="", budget=0, switches="")
+    cmd = soak.server_cmd(a, "DDTREE-GPU", 31000)
+    assert cmd[cmd.index("--speculative-algorithm") + 1] == "DDTREE-GPU"
+    assert "--speculative-num-draft-tokens" not in cmd and "--speculative-draft-model-path" in cmd
+    assert "--speculative-algorithm" not in soak.server_cmd(a, None, 31050)
+    a.budget = 16
+    cmd = soak.server_cmd(a, "DDTREE-GPU", 31000)
+    assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "17"
+    assert switches.ENV not in soak.soak_env(a)
+    a.switches = '{"regime": "auto"}'
+    env = soak.soak_env(a)
+    assert switches.fields_of(env[switches.ENV]) == {"regime": "auto"}
+    for bad in ('{"regime": ', '["auto"]', '{}', '{"no_such_switch": 1}'):
+        a.switches = bad
+        with pytest.raises((SystemExit, TypeError)):
+            soak.soak_env(a)
