@@ -496,6 +496,8 @@ class DDTreeWorker(DFlashWorkerV2):
         output).  Decode: one token a request on the plain decode state (SGLang's DECODE graphs on
         the user's decode backend), its input the previous step's sampled token, which the
         scheduler's resolve left in ``batch.input_ids`` (``patches/regime_forward_inputs.py``).
+        A prefill asks for the hidden capture SGLang's prefill CUDA graph was captured with
+        (:meth:`_plain_prefill_capture`), so that it replays that graph as base's prefill does.
         Returns SGLang's plain result (``next_token_ids`` [bs], no draft input)."""
         self._policy.interrupt()               # a later tree round's interval does not span this batch
         if self._catch_up is not None and self._catch_up.rows:
@@ -514,11 +516,25 @@ class DDTreeWorker(DFlashWorkerV2):
                                    "(patches/regime_forward_inputs.py not installed?)")
             with self._verify_states.installed(NO_SPEC):
                 out = self.target_worker.forward_batch_generation(batch)
+        elif mode.is_extend() and self._plain_prefill_capture() is not None:
+            out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=self._plain_prefill_capture())
         else:
             out = self.target_worker.forward_batch_generation(batch)
         if out.logits_output is not None and not getattr(batch, "return_hidden_states", False):
             out.logits_output.hidden_states = None   # the plain state's graphs output them; unused
         return out
+
+    def _plain_prefill_capture(self) -> "Optional[CaptureHiddenMode]":
+        """The hidden capture a plain-regime prefill asks for: the one SGLang's prefill CUDA graph was
+        captured with when it captured one with hidden output, else None (no capture).  SGLang 0.5.16
+        captures a DFLASH-family server's prefill graph with FULL capture (its prefill feeds the
+        drafter; ``PrefillCudaGraphRunner.__init__``) and replays it only for a batch asking exactly that
+        mode (``can_run_graph``): a plain prefill asking none ran eager, its TTFT 8 % above base's at
+        c = 16 (s38, `serving_h100_qwen3-8bchain_random_s38.md`).  The hidden rows it then returns are
+        dropped (:meth:`_forward_plain_batch`), as the plain decode state's are."""
+        runner = self._target_worker.model_runner.prefill_cuda_graph_runner
+        mode = getattr(runner, "capture_hidden_mode", None)     # None: no graph, or SGLang's EagerRunner
+        return None if mode is None or mode == CaptureHiddenMode.NULL else mode
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         """The prefill (extend) batch: the target's extend with its hidden states captured, then the

@@ -122,6 +122,7 @@ class FakeTarget:
 
     def __init__(self, mr):
         self.mr, self.calls = mr, []
+        self.model_runner = types.SimpleNamespace(prefill_cuda_graph_runner=None)   # no prefill graph
 
     def forward_batch_generation(self, batch, **kw):
         self.calls.append((batch, kw, self.mr.attn_backend))
@@ -419,3 +420,42 @@ def test_auto_under_tp_switches_every_rank_at_the_same_launch_on_rank_0s_decisio
     # control: without the sync (each rank on its own decisions), the ranks ask at different launches
     asked, _ = ranks(shared=False)
     assert asked[0][:1] == [3] and asked[1] == []
+
+
+def test_a_plain_prefill_asks_for_the_capture_sglangs_prefill_graph_replays(monkeypatch):
+    """SGLang 0.5.16 captures a DFLASH-family server's prefill CUDA graph with FULL hidden capture and
+    replays it only for batches asking that mode: a plain-regime prefill asks for it (its hidden rows
+    dropped), so it replays the graph as base's prefill does; with no prefill graph (or SGLang's eager
+    runner) it asks for none; plain decode batches never ask (the decode runner replays a FULL graph
+    for a batch asking none)."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    # the premise: DDTREE-GPU is of the DFLASH family, whose prefill graph SGLang captures with FULL
+    assert DDTREE.is_dflash_family() and "is_dflash_family()" in inspect.getsource(PrefillCudaGraphRunner.__init__)
+    # SGLang's own rule, on its class: a batch asking another mode does not replay the graph
+    graph = PrefillCudaGraphRunner.__new__(PrefillCudaGraphRunner)
+    graph._is_full_backend, graph.capture_hidden_mode = False, CaptureHiddenMode.FULL
+    monkeypatch.setattr(PrefillCudaGraphRunner, "_has_unsupported_mha_prefix", lambda self, fb: False)
+    fb = types.SimpleNamespace(input_embeds=None, replace_embeds=None, forward_mode=ForwardMode.EXTEND,
+                               capture_hidden_mode=CaptureHiddenMode.NULL)
+    assert PrefillCudaGraphRunner.can_run_graph(graph, fb) is False
+
+    w = _worker()
+    w._target_worker.model_runner.prefill_cuda_graph_runner = graph
+    out = w.forward_batch_generation(_batch(NONE, ForwardMode.EXTEND), on_publish=None)
+    _, kw, backend = w._target_worker.calls[-1]
+    assert kw == {"capture_hidden_mode": CaptureHiddenMode.FULL} and backend == "backend_widest"
+    assert out.logits_output.hidden_states is None
+    w.forward_batch_generation(_batch(NONE, ForwardMode.DECODE), on_publish=None)
+    assert w._target_worker.calls[-1][1] == {}
+    # controls: no prefill graph, SGLang's eager runner, a graph captured without hidden output
+    for runner in (None, EagerRunner.__new__(EagerRunner)):
+        w._target_worker.model_runner.prefill_cuda_graph_runner = runner
+        w.forward_batch_generation(_batch(NONE, ForwardMode.EXTEND), on_publish=None)
+        assert w._target_worker.calls[-1][1] == {}, runner
+    graph.capture_hidden_mode = CaptureHiddenMode.NULL
+    w._target_worker.model_runner.prefill_cuda_graph_runner = graph
+    w.forward_batch_generation(_batch(NONE, ForwardMode.EXTEND), on_publish=None)
+    assert w._target_worker.calls[-1][1] == {}
