@@ -572,6 +572,34 @@ def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
     assert "identical (2 of 2)" in md and "| base | 200 (1.00x / 1.00x)" in md
 
 
+def test_each_arm_warms_each_level_up_uncounted_when_asked(tmp_path, monkeypatch):
+    """--level-warmup-waves W: before a level, every arm runs one pass of W x c requests that counts
+    nowhere (not in the sizing, not in the repeats, not in the level's window); the report says so.
+    Control: without it, the passes are the sizing and the repeats alone."""
+    model = _model_dir(tmp_path)
+
+    def run(*extra):
+        calls = _fake_clients(monkeypatch, lambda port, c, n, k: n / (2.0 * c))
+        args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "dflash,base", "--concurrency",
+                     "1,4", "--repeats", "2", "--warmup", "0", "--min-level-seconds", "20", "--level-seconds-margin",
+                     "1.5", "--identity-prompts", "2", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                     "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)), *extra)
+        return calls, S.run(args, launcher=lambda cmd, env, log: _Srv())
+    calls, doc = run("--level-warmup-waves", "3")
+    assert doc["settings"]["requests_per_level"] == {"1": 60, "4": 240}      # as without (the test above)
+    assert calls == ([(1, 3), (1, 16)] + [(1, 60)] * 2 + [(4, 12), (4, 16)] + [(4, 240)] * 2
+                     + [(1, 3)] + [(1, 60)] * 2 + [(4, 12)] + [(4, 240)] * 2)
+    for a in doc["arms"]:
+        assert {c: w["num_prompts"] for c, w in a["level_warmups"].items()} == {"1": 3, "4": 12}
+        assert [lv["repeats"] for lv in a["levels"]] == [2, 2]
+    assert doc["settings"]["level_warmup_waves"] == 3
+    assert "preceded by one uncounted pass of 3 x c requests" in open(str(tmp_path / "r") + ".md").read()
+    calls, doc = run()
+    assert calls == [(1, 16)] + [(1, 60)] * 2 + [(4, 16)] + [(4, 240)] * 2 + [(1, 60)] * 2 + [(4, 240)] * 2
+    assert not any("level_warmups" in a for a in doc["arms"])
+    assert "uncounted pass of" not in open(str(tmp_path / "r") + ".md").read()
+
+
 def test_dry_run_through_the_cli_prints_servers_and_client_commands(tmp_path, capsys):
     """`sglang-ddtree-ab --client bench_serving --dry-run`: runner.run hands over to serving_client,
     the default arms are base, DFLASH and DDTREE-GPU default, and nothing starts."""

@@ -135,6 +135,11 @@ def build_parser(default_out: str = DEFAULT_OUT):
     g.add_argument("--serving-output-len", type=int, default=None, help="bench_serving: override the workload's output length")
     g.add_argument("--serving-range-ratio", type=float, default=None, help="bench_serving: override the workload's range ratio")
     g.add_argument("--serving-seed", type=int, default=42, help="bench_serving's --seed (the same requests in every arm)")
+    g.add_argument("--level-warmup-waves", type=int, default=0, metavar="W",
+                   help="bench_serving: before each level, every arm runs one uncounted pass of W x c requests "
+                        "of the workload (0: none): a server that learns online (the regime controller of "
+                        "DDTREE-GPU's regime=auto, the adaptive widths' estimates) is measured in its steady "
+                        "state, not in its first seconds at that load")
     g.add_argument("--min-level-seconds", type=float, default=20.0,
                    help="bench_serving: the first arm scales a level's request count until it lasts >= this x "
                         "--level-seconds-margin (0: --requests-per-level as given)")

@@ -743,6 +743,7 @@ class _Load:
             settings=dict(client="bench_serving", model_path=model, draft_model_path=draft, pair=pair,
                           arms=[a["name"] for a in arms], arm_attention=attention, concurrency=levels,
                           workload=self.workload, repeats=args.repeats, seed=args.serving_seed,
+                          level_warmup_waves=int(getattr(args, "level_warmup_waves", 0) or 0),
                           min_level_seconds=args.min_level_seconds, level_seconds_margin=args.level_seconds_margin,
                           requests_per_level_spec=args.requests_per_level, requests_per_level={},
                           server_args=args.server_args, reference_arm=args.reference_arm, deadline_s=args.deadline,
@@ -825,7 +826,7 @@ def state_file(workload: str) -> str:
 
 # the settings an arm's numbers depend on: --resume keeps an arm only when every one is the same
 RESUME_SETTINGS = ("client", "model_path", "draft_model_path", "pair", "arm_attention", "concurrency", "workload",
-                   "repeats", "seed", "min_level_seconds", "level_seconds_margin", "requests_per_level_spec",
+                   "repeats", "level_warmup_waves", "seed", "min_level_seconds", "level_seconds_margin", "requests_per_level_spec",
                    "server_args", "reference_arm", "identity")
 
 
@@ -977,6 +978,15 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                 if c not in L.counts:
                     L.counts[c] = requests_per_level(args.requests_per_level, c, 1 << 30)
                 n = L.counts[c]
+                if int(getattr(args, "level_warmup_waves", 0) or 0) > 0:
+                    # one uncounted pass of W waves at this concurrency, every arm alike: a server that
+                    # learns online (regime=auto, the widths' estimates) is then measured past its
+                    # first seconds at this load (the reference arm's calibration passes follow it)
+                    nw = int(args.level_warmup_waves) * c
+                    w = _one_run(args, bsc, port, opts, L.workload, c, nw, L.dataset_for, tmpdir, arm, "lwarm", left())
+                    rec.setdefault("level_warmups", {})[str(c)] = dict(
+                        num_prompts=nw, ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
+                        output_throughput=(w.get("result") or {}).get("output_throughput"))
                 calibration, reps = [], []
                 while len(reps) < max(1, args.repeats):
                     if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
@@ -1158,7 +1168,10 @@ def render_markdown(doc: dict) -> str:
           f"sent at once with at most c in flight (`--max-concurrency c --request-rate inf`), seed {s.get('seed')}. "
           f"Requests per level {s.get('requests_per_level')} (first count {s.get('requests_per_level_spec')}, scaled by "
           f"the first arm so a level lasts >= {s.get('min_level_seconds')} s x {s.get('level_seconds_margin')}); each "
-          f"level run {s.get('repeats')} times, the median output tok/s reported. Every arm launched with only its own "
+          f"level run {s.get('repeats')} times, the median output tok/s reported"
+          + (f", each arm's level preceded by one uncounted pass of {s['level_warmup_waves']} x c requests "
+             "(`--level-warmup-waves`)" if s.get("level_warmup_waves") else "")
+          + ". Every arm launched with only its own "
           f"flags (attention backends {s.get('arm_attention') or 'none'}; every arm also gets `{s.get('server_args') or ''}`). "
           "Command: `" + " ".join(m.get("argv") or []) + "`.", ""]
     hdr = "| arm | " + " | ".join(f"c={c}" for c in levels) + " | outputs vs base |"
