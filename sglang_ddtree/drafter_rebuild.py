@@ -26,6 +26,12 @@ drafter slot from a recomputed hidden state changes it by bf16 noise only.  Why 
 recomputed target K/V is not bit-identical to the K/V the decode wrote, and the target's own K/V
 must stay what plain decoding wrote so that outputs stay token-identical.
 
+What a rebuild costs is measured and handed to the regime controller as the switch's time, not
+speculation's (:meth:`DrafterRebuild.take_seconds`): two CUDA events, one recorded before the plan's
+host read (it fires when the GPU has finished the work before the rebuild) and one after the
+context write, so their interval holds the rebuild's GPU work and the bubble its host read leaves;
+read without waiting (an event not yet reached stays for a later launch).
+
 Host synchronisation: :meth:`DrafterRebuild.plan` reads the per-request first stale positions
 (``[bs]`` ints) once per rebuild, i.e. once per plain -> spec switch (plus once per spec prefill
 that hit a cached prefix after a plain stretch, :data:`RECHECK_CACHED_PREFIXES`).  Nothing else
@@ -184,6 +190,8 @@ class DrafterRebuild:
         self.rebuilds = 0
         self.rebuilt_tokens = 0
         self.skipped_tokens = 0
+        self._timed: List[tuple] = []   # (start, end) events of runs whose time is not yet taken
+        self.charged_s = 0.0            # the time taken so far (s)
 
     # ---------------------------------------------------------------- the map's upkeep
     def drafted(self, cache_loc, *, cache_loc_2d=None, commit_lens=None) -> None:
@@ -267,6 +275,25 @@ class DrafterRebuild:
         ``logits_output.hidden_states`` is ``[T, H_aux]``; ``append(target_hidden=, cache_loc=,
         positions=)``: the drafter's context write (not marking the map: done here)."""
         self.pending = False
+        start = _event(req_to_token.device)
+        try:
+            return self._run(reqs, req_to_token, allocator, build_forward_batch, target_forward, append)
+        finally:
+            end = _event(req_to_token.device)
+            self._timed.append((start, end))
+
+    def take_seconds(self) -> float:
+        """The time (s) of the finished rebuilds not yet taken, from their events; never waits (a
+        rebuild the GPU has not finished stays for a later call)."""
+        done = [(a, b) for a, b in self._timed if b.query()]
+        if not done:
+            return 0.0
+        self._timed = [x for x in self._timed if x not in done]
+        s = sum(max(0.0, a.elapsed_time(b)) for a, b in done) / 1e3
+        self.charged_s += s
+        return s
+
+    def _run(self, reqs, req_to_token, allocator, build_forward_batch, target_forward, append) -> int:
         plan = self.plan(reqs, req_to_token, available=allocator.available_size())
         total = plan.tokens
         if total == 0:
@@ -297,6 +324,30 @@ class DrafterRebuild:
         self.rebuilds += 1
         self.rebuilt_tokens += total
         return total
+
+
+class _HostEvent:
+    """:class:`torch.cuda.Event`'s four calls on the host clock, for a device without CUDA events
+    (the CPU, where the work is done when the call returns)."""
+
+    def __init__(self):
+        import time
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _event(device):
+    """A timing event recorded now on ``device``'s current stream (CUDA), or on the host clock."""
+    if torch.device(device).type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return _HostEvent()
 
 
 def extend_forward_batch(plan: RebuildPlan, scratch: torch.Tensor, *, model_runner, spec_algorithm,

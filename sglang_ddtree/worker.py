@@ -275,6 +275,10 @@ class DDTreeWorker(DFlashWorkerV2):
         if ctl is None:
             return
         self._regime_launches += 1
+        if self._rebuild is not None:          # the rebuild's time is the switch's, not speculation's
+            spent = self._rebuild.take_seconds()
+            if spent:
+                self._policy.regime_charge(spent)
         pending = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec)).pending
         now = time.monotonic()
         if self.ps.tp_rank == 0 and now - self._regime_logged >= REGIME_LOG_EVERY_S:

@@ -203,7 +203,8 @@ def test_the_worker_marks_at_every_drafter_write_and_clears_at_plain_batches(mon
     w.algo_name = "DDTREE-GPU"
     w.target_server_args = types.SimpleNamespace(max_prefill_tokens=64, chunked_prefill_size=32)
     alloc = FakeAllocator(20)
-    mr = types.SimpleNamespace(token_to_kv_pool_allocator=alloc, device="cpu", attn_backend="b")
+    mr = types.SimpleNamespace(token_to_kv_pool_allocator=alloc, device="cpu", attn_backend="b",
+                               prefill_cuda_graph_runner=None)
     w._target_worker = types.SimpleNamespace(
         model_runner=mr, forward_batch_generation=lambda batch, **kw: types.SimpleNamespace(
             logits_output=types.SimpleNamespace(hidden_states=None)))
@@ -420,3 +421,47 @@ def test_the_worker_rebuilds_once_at_the_first_spec_launch_after_a_switch(monkey
     assert world.drafter_exact(a) and world.target_untouched(a)
     w._maybe_rebuild_drafter(batch)
     assert target_calls == [(None, True)]                      # control: no switch, nothing runs
+
+
+def test_a_rebuilds_time_is_taken_once_when_done_and_handed_to_the_regime_controller(monkeypatch):
+    """``take_seconds``: the rebuild's time from its events (host clock on the CPU), each run taken
+    once; a run whose end event the device has not reached stays for a later call; the worker hands
+    what it takes to the policy before the launch's observation (the switch's time, not
+    speculation's). Control: with nothing rebuilt since, nothing is handed over."""
+    import time as _time
+    w = World()
+    a = w.admit("a", 6, row=2, regime=SPEC)
+    w.step(a, PLAIN, 5)
+    slow = w.target_forward
+
+    def slow_forward(fb):
+        _time.sleep(0.02)
+        return slow(fb)
+    w.target_forward = slow_forward
+    assert w.rebuild([a]) == 5
+    s = w.rb.take_seconds()
+    assert 0.02 <= s < 5.0 and w.rb.take_seconds() == 0.0 and abs(w.rb.charged_s - s) < 1e-12
+
+    class NotYet:
+        def query(self):
+            return False
+    w.rb._timed.append((R._event("cpu"), NotYet()))
+    assert w.rb.take_seconds() == 0.0 and len(w.rb._timed) == 1         # waits for nothing
+    w.rb._timed.clear()
+
+    # the worker: taken at the launch, handed to the policy, before the controller observes
+    charged, seen = [], []
+    wk = W.DDTreeWorker.__new__(W.DDTreeWorker)
+    wk._rebuild = w.rb
+    wk._regime_launches, wk._regime_logged, wk._regime_shared = 0, 0.0, False
+    wk.ps = types.SimpleNamespace(tp_rank=0)
+    wk._launches = types.SimpleNamespace(view=lambda reqs, no_spec: "view")
+    wk._policy = types.SimpleNamespace(regime_controller=object(), regime_charge=charged.append,
+                                       regime=lambda v: (seen.append(list(charged)),
+                                                         types.SimpleNamespace(pending=None))[1])
+    regime_state.enable(regime_state.SPEC)
+    w.rb._timed.append((R._event("cpu"), R._event("cpu")))
+    wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False)
+    assert len(charged) == 1 and charged[0] >= 0.0 and seen == [charged[:1]]
+    wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False)
+    assert len(charged) == 1                                             # control: nothing new

@@ -319,3 +319,70 @@ def test_the_launch_tracker_marks_a_batch_whose_request_pins_a_tree_budget():
     assert not t.view([req(1, None), req(2, {})]).pinned
     assert t.view([req(1, None), req(2, {"ddtree_budget": 15})]).pinned
     assert not t.view([req(1, {"ddtree_budget": 0}), req(2, {"ddtree_budget": 15})]).pinned
+
+
+def _drive_rebuilds(ctl, q, seconds, rebuild_s, charge, bs=4, round_s=0.05, rounds=20):
+    """As :func:`drive`, but the drafter's rebuild runs where the worker runs it: in the first
+    speculative launch after a switch into speculation (its interval is ``rebuild_s`` longer), its
+    time handed to the controller at the next launch (``charge``; the worker reads it off the
+    rebuild's CUDA events then) or never.  -> the share of busy time in speculation."""
+    now = [0.0]
+    ctl._clock = lambda: now[0]
+    rid, emitted, admitted, rebuild_next, owed = 0, 0.0, bs, False, 0.0
+    while now[0] < seconds:
+        rids = tuple(range(rid, rid + bs))
+        for r in range(rounds):
+            if owed and charge:
+                ctl.charge(owed)
+            owed = 0.0
+            d = ctl.observe(SchedView(rids=rids, emitted=emitted, admitted=admitted))
+            if d.pending:
+                now[0] += 0.002
+                ctl.switched()
+                rebuild_next = ctl.regime == SPEC
+            emitted, admitted = bs * q(ctl.regime, now[0]) * round_s, 0
+            now[0] += round_s
+            if rebuild_next and ctl.regime == SPEC:
+                now[0] += rebuild_s
+                owed, rebuild_next = rebuild_s, False
+        rid, admitted = rid + bs, bs
+    t = ctl.report()["time_s"]
+    return t[SPEC] / (t[SPEC] + t[PLAIN])
+
+
+def winning_by_5_percent(regime, t):
+    return 105.0 if regime == SPEC else 100.0
+
+
+def test_the_rebuild_is_the_switchs_time_not_speculations():
+    """Speculation wins by 5 %; a server that starts plain explores it with one excursion, whose one
+    window (0.5 s) decides, and every entry into speculation pays a 0.15 s rebuild inside that
+    window (shorter than an idle gap, so it counts as busy). Charged to the switch (the worker
+    hands the rebuild's measured time over), the excursion reads speculation's own rate and keeps
+    it (>= 90 % of busy time over 120 s); the switching time holds the rebuild. Control: the same
+    rebuild left in the window reads speculation at ~0.77x its rate, and the controller goes back
+    to plain decoding and stays there."""
+    ctl = RegimeController(clock=None, start=PLAIN)
+    share = _drive_rebuilds(ctl, winning_by_5_percent, 120, 0.15, charge=True, rounds=10)
+    assert share >= 0.9 and ctl.regime == SPEC, (share, ctl.report())
+    assert ctl.report()["time_s"]["switching"] >= 0.15, ctl.report()
+    ctl0 = RegimeController(clock=None, start=PLAIN)
+    share0 = _drive_rebuilds(ctl0, winning_by_5_percent, 120, 0.15, charge=False, rounds=10)
+    assert share0 < 0.1 and ctl0.regime == PLAIN, (share0, ctl0.report())
+
+
+def test_a_charge_larger_than_the_open_window_carries_to_the_next():
+    ctl = RegimeController(clock=None)
+    now = [0.0]
+    ctl._clock = lambda: now[0]
+    for k in range(3):
+        ctl.observe(SchedView(rids=(1, 2), emitted=2.0, admitted=0))
+        now[0] += 0.05
+    ctl.charge(0.25)
+    ctl.observe(SchedView(rids=(1, 2), emitted=2.0, admitted=0))
+    assert abs(ctl.time_s["switching"] - 0.15) < 1e-9 and ctl._win.busy == 0.0 and abs(ctl._charge - 0.1) < 1e-9
+    now[0] += 0.05
+    ctl.observe(SchedView(rids=(1, 2), emitted=2.0, admitted=0))
+    assert abs(ctl.time_s["switching"] - 0.2) < 1e-9 and abs(ctl._charge - 0.05) < 1e-9
+    ctl.charge(-1.0)                                        # nothing negative is ever charged
+    assert abs(ctl._charge - 0.05) < 1e-9

@@ -180,6 +180,7 @@ class RegimeController:
         self.time_s = {PLAIN: 0.0, SPEC: 0.0, "switching": 0.0}
         self.switches = self.excursions = self.windows = 0
         self.explore_s = self.explore_loss_s = 0.0
+        self._charge = 0.0                        # switch time measured after the switch, not yet taken
 
     # ------------------------------------------------------------------ measurement
     def observe(self, view: SchedView) -> RegimeDecision:
@@ -199,6 +200,14 @@ class RegimeController:
                 w.occ += self._bs_last * dt
                 w.emitted += float(view.emitted)
                 w.admitted += int(view.admitted)
+            if self._charge > 0.0 and w.busy > 0.0:
+                # a switch's cost measured after it (the drafter's rebuild): out of the window, whose
+                # rate is the regime's own, into the switching time
+                c = min(self._charge, w.busy)
+                w.occ -= w.occ * c / w.busy
+                w.busy -= c
+                self.time_s["switching"] += c
+                self._charge -= c
             w.cohort.intersection_update(view.rids)
         self._t_last, self._bs_last = now, view.bs
         w.rounds += 1
@@ -214,6 +223,13 @@ class RegimeController:
                 or bucket(view.bs) != w.bucket):
             self._close(view, now)
         return self._decision()
+
+    def charge(self, seconds: float) -> None:
+        """Time the last switch cost that was measured after the switch was made (the drafter's
+        rebuild at the first speculative launch, ``DrafterRebuild.take_seconds``): taken out of the
+        window(s) it fell in, so speculation's rate is not lowered by it, and counted as switching."""
+        if seconds > 0.0:
+            self._charge += float(seconds)
 
     def _decision(self) -> RegimeDecision:
         return RegimeDecision(self.regime, self.pending,
@@ -362,6 +378,9 @@ class CycleRegime:
                 self.pending = PLAIN if self.regime == SPEC else SPEC
         return RegimeDecision(self.regime, self.pending)
 
+    def charge(self, seconds: float) -> None:
+        """Nothing to weigh: the cycle does not measure."""
+
     def switched(self) -> None:
         if self.pending is None:
             raise RuntimeError("CycleRegime.switched: no switch was pending")
@@ -389,6 +408,9 @@ class FollowerRegime:
         """Rank 0 decided ``to`` (None: nothing)."""
         if to is not None and self.pending is None and to != self.regime:
             self.pending = to
+
+    def charge(self, seconds: float) -> None:
+        """Nothing to weigh: rank 0 decides (its own rebuild is charged there)."""
 
     def switched(self) -> None:
         if self.pending is None:

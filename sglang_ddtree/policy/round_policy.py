@@ -173,6 +173,11 @@ class RoundPolicy:
         """The scheduler hook made the pending switch (drain, conversion, rebuild done)."""
         self.regime_controller.switched()
 
+    def regime_charge(self, seconds: float) -> None:
+        """A switch's cost measured after it was made (the drafter's rebuild): the controller's."""
+        if self.regime_controller is not None:
+            self.regime_controller.charge(seconds)
+
     def optimistic_spec_ratio(self, bs: int) -> Optional[float]:
         """What speculation could serve over plain decoding at ``bs`` by the width controller's model
         (``BudgetPolicy.tokens_per_ms``: the start-up cost table, the measured overheads and
