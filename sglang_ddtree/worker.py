@@ -520,10 +520,10 @@ class DDTreeWorker(DFlashWorkerV2):
                                    "(patches/regime_forward_inputs.py not installed?)")
             with self._verify_states.installed(NO_SPEC):
                 out = self.target_worker.forward_batch_generation(batch)
-        elif mode.is_extend() and self._plain_prefill_capture() is not None:
-            out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=self._plain_prefill_capture())
         else:
-            out = self.target_worker.forward_batch_generation(batch)
+            capture = self._plain_prefill_capture() if mode.is_extend() else None
+            out = self.target_worker.forward_batch_generation(
+                batch, **({} if capture is None else {"capture_hidden_mode": capture}))
         if out.logits_output is not None and not getattr(batch, "return_hidden_states", False):
             out.logits_output.hidden_states = None   # the plain state's graphs output them; unused
         return out
