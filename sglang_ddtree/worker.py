@@ -107,6 +107,7 @@ class DDTreeWorker(DFlashWorkerV2):
     _regime_shared = False        # TP ranks share rank 0's regime decisions (regime=auto under TP)
     _regime_logged = 0.0          # time.monotonic() of the last regime report line
     _rebuild = None               # drafter_rebuild.DrafterRebuild while the regime is served
+    _rebuild_runs_seen = 0        # its runs the regime controller was told of
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -275,11 +276,15 @@ class DDTreeWorker(DFlashWorkerV2):
         if ctl is None:
             return
         self._regime_launches += 1
-        if self._rebuild is not None:          # the rebuild's time is the switch's, not speculation's
-            spent = self._rebuild.take_seconds()
+        pending = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec)).pending
+        rb = self._rebuild
+        if rb is not None:                     # the rebuild's time is the switch's, not speculation's
+            if rb.runs != self._rebuild_runs_seen:
+                self._rebuild_runs_seen = rb.runs
+                self._policy.regime_rebuilt()  # launched with this batch: its time lies ahead
+            spent = rb.take_seconds()
             if spent:
                 self._policy.regime_charge(spent)
-        pending = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec)).pending
         now = time.monotonic()
         if self.ps.tp_rank == 0 and now - self._regime_logged >= REGIME_LOG_EVERY_S:
             if self._regime_logged:            # not at the first launch: nothing measured yet

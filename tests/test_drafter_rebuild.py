@@ -449,19 +449,22 @@ def test_a_rebuilds_time_is_taken_once_when_done_and_handed_to_the_regime_contro
     assert w.rb.take_seconds() == 0.0 and len(w.rb._timed) == 1         # waits for nothing
     w.rb._timed.clear()
 
-    # the worker: taken at the launch, handed to the policy, before the controller observes
-    charged, seen = [], []
+    # the worker: after the launch's observation, the controller told of a rebuild launched with
+    # it, then handed the finished rebuilds' time
+    charged, seen, told = [], [], []
     wk = W.DDTreeWorker.__new__(W.DDTreeWorker)
     wk._rebuild = w.rb
     wk._regime_launches, wk._regime_logged, wk._regime_shared = 0, 0.0, False
     wk.ps = types.SimpleNamespace(tp_rank=0)
     wk._launches = types.SimpleNamespace(view=lambda reqs, no_spec: "view")
     wk._policy = types.SimpleNamespace(regime_controller=object(), regime_charge=charged.append,
+                                       regime_rebuilt=lambda: told.append(len(seen)),
                                        regime=lambda v: (seen.append(list(charged)),
                                                          types.SimpleNamespace(pending=None))[1])
     regime_state.enable(regime_state.SPEC)
+    wk._rebuild_runs_seen = w.rb.runs - 1                                # one run not yet told
     w.rb._timed.append((R._event("cpu"), R._event("cpu")))
     wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False)
-    assert len(charged) == 1 and charged[0] >= 0.0 and seen == [charged[:1]]
+    assert seen == [[]] and told == [1] and len(charged) == 1 and charged[0] >= 0.0
     wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False)
-    assert len(charged) == 1                                             # control: nothing new
+    assert len(charged) == 1 and told == [1]                             # control: nothing new

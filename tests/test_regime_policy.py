@@ -323,19 +323,20 @@ def test_the_launch_tracker_marks_a_batch_whose_request_pins_a_tree_budget():
 
 def _drive_rebuilds(ctl, q, seconds, rebuild_s, charge, bs=4, round_s=0.05, rounds=20):
     """As :func:`drive`, but the drafter's rebuild runs where the worker runs it: in the first
-    speculative launch after a switch into speculation (its interval is ``rebuild_s`` longer), its
-    time handed to the controller at the next launch (``charge``; the worker reads it off the
-    rebuild's CUDA events then) or never.  -> the share of busy time in speculation."""
+    speculative launch after a switch into speculation (its interval is ``rebuild_s`` longer; the
+    controller told after that launch's observation, ``rebuilt``), its time handed to the
+    controller at the next launch (``charge``; the worker reads it off the rebuild's CUDA events
+    then) or never.  -> the share of busy time in speculation."""
     now = [0.0]
     ctl._clock = lambda: now[0]
     rid, emitted, admitted, rebuild_next, owed = 0, 0.0, bs, False, 0.0
     while now[0] < seconds:
         rids = tuple(range(rid, rid + bs))
         for r in range(rounds):
+            d = ctl.observe(SchedView(rids=rids, emitted=emitted, admitted=admitted))
             if owed and charge:
                 ctl.charge(owed)
             owed = 0.0
-            d = ctl.observe(SchedView(rids=rids, emitted=emitted, admitted=admitted))
             if d.pending:
                 now[0] += 0.002
                 ctl.switched()
@@ -343,6 +344,7 @@ def _drive_rebuilds(ctl, q, seconds, rebuild_s, charge, bs=4, round_s=0.05, roun
             emitted, admitted = bs * q(ctl.regime, now[0]) * round_s, 0
             now[0] += round_s
             if rebuild_next and ctl.regime == SPEC:
+                ctl.rebuilt()                  # the worker: after the launch that ran it
                 now[0] += rebuild_s
                 owed, rebuild_next = rebuild_s, False
         rid, admitted = rid + bs, bs
@@ -371,18 +373,47 @@ def test_the_rebuild_is_the_switchs_time_not_speculations():
     assert share0 < 0.1 and ctl0.regime == PLAIN, (share0, ctl0.report())
 
 
-def test_a_charge_larger_than_the_open_window_carries_to_the_next():
+def _launches(ctl, now, gaps, bs=2):
+    """Launches of one batch of ``bs`` (no admissions) separated by ``gaps`` (s)."""
+    for g in gaps:
+        now[0] += g
+        ctl.observe(SchedView(rids=tuple(range(bs)), emitted=float(bs), admitted=0))
+
+
+def test_a_charge_comes_out_of_the_busy_time_counted_after_the_rebuild_and_never_twice():
+    """The charge is taken from the open window up to the busy time counted in the two launch
+    intervals after the rebuild's launch, whenever it arrives (before those intervals: it waits);
+    a rebuild longer than an idle gap was already left out of the window, and its charge is then
+    not taken again (it would read the regime faster than it is). Control: without ``rebuilt``
+    nothing is taken; a negative charge is ignored."""
     ctl = RegimeController(clock=None)
     now = [0.0]
     ctl._clock = lambda: now[0]
-    for k in range(3):
-        ctl.observe(SchedView(rids=(1, 2), emitted=2.0, admitted=0))
-        now[0] += 0.05
-    ctl.charge(0.25)
-    ctl.observe(SchedView(rids=(1, 2), emitted=2.0, admitted=0))
-    assert abs(ctl.time_s["switching"] - 0.15) < 1e-9 and ctl._win.busy == 0.0 and abs(ctl._charge - 0.1) < 1e-9
-    now[0] += 0.05
-    ctl.observe(SchedView(rids=(1, 2), emitted=2.0, admitted=0))
-    assert abs(ctl.time_s["switching"] - 0.2) < 1e-9 and abs(ctl._charge - 0.05) < 1e-9
-    ctl.charge(-1.0)                                        # nothing negative is ever charged
-    assert abs(ctl._charge - 0.05) < 1e-9
+    _launches(ctl, now, [0.0, 0.05, 0.05])                  # window open, 0.1 s busy
+    ctl.rebuilt()
+    ctl.charge(0.12)                                         # read early: waits for its intervals
+    assert ctl.time_s["switching"] == 0.0 and ctl._owed == 0.12
+    _launches(ctl, now, [0.05, 0.17])                        # the rebuild lies in the second interval
+    busy = ctl._win.busy
+    assert abs(ctl.time_s["switching"] - 0.12) < 1e-9 and abs(busy - (0.1 + 0.22 - 0.12)) < 1e-9
+    _launches(ctl, now, [0.05])
+    assert abs(ctl._win.busy - busy - 0.05) < 1e-9           # nothing more is taken
+    # a rebuild longer than MAX_GAP_S: its interval is idle, out of the window already
+    ctl2 = RegimeController(clock=None)
+    ctl2._clock = lambda: now[0]
+    _launches(ctl2, now, [0.0, 0.05, 0.05])
+    ctl2.rebuilt()
+    _launches(ctl2, now, [0.05, 0.9])                        # 0.9 s: idle, not counted
+    busy2 = ctl2._win.busy
+    ctl2.charge(0.85)
+    _launches(ctl2, now, [0.05])
+    assert ctl2.time_s["switching"] <= 0.05 + 1e-9 and ctl2._win.busy >= busy2, ctl2.report()
+    # controls
+    ctl3 = RegimeController(clock=None)
+    ctl3._clock = lambda: now[0]
+    _launches(ctl3, now, [0.0, 0.05, 0.05, 0.05])
+    ctl3.charge(0.05)                                        # no rebuild told: nothing to take it from
+    _launches(ctl3, now, [0.05])
+    assert ctl3.time_s["switching"] == 0.0 and ctl3._owed == 0.0
+    ctl3.charge(-1.0)
+    assert ctl3._owed == 0.0

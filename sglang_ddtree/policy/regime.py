@@ -149,6 +149,8 @@ class RegimeController:
     CREDIT_CAP = 2.0     # credit kept, in expected excursions
     EXCURSION_S = 5.0    # first guess of an excursion's wall time: one T_MAX_S window plus the
                          # switches (the rebuild is a design assumption, 0.3-0.8 s); then measured
+    REBUILD_INTERVALS = 2  # launch intervals after a rebuild's launch that can hold its GPU time
+                           # (the second under overlap scheduling: a launch waits for the batch before)
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter, start: str = SPEC,
                  h: float = H, credit_rate: float = CREDIT_RATE, t_min_s: float = T_MIN_S,
@@ -180,7 +182,9 @@ class RegimeController:
         self.time_s = {PLAIN: 0.0, SPEC: 0.0, "switching": 0.0}
         self.switches = self.excursions = self.windows = 0
         self.explore_s = self.explore_loss_s = 0.0
-        self._charge = 0.0                        # switch time measured after the switch, not yet taken
+        self._owed = 0.0                          # a rebuild's measured time, not yet taken out
+        self._rebuild_busy = 0.0                  # busy time counted in the intervals after a rebuild
+        self._rebuild_intervals = 0               # such intervals still to come
 
     # ------------------------------------------------------------------ measurement
     def observe(self, view: SchedView) -> RegimeDecision:
@@ -195,19 +199,16 @@ class RegimeController:
             w = self._win = _Window(view)
         elif self._t_last is not None:
             dt = now - self._t_last
-            if 0.0 < dt <= self.MAX_GAP_S:       # else idle: its admissions' prefill is not in the window
+            counted = 0.0 < dt <= self.MAX_GAP_S
+            if counted:                          # else idle: its admissions' prefill is not in the window
                 w.busy += dt
                 w.occ += self._bs_last * dt
                 w.emitted += float(view.emitted)
                 w.admitted += int(view.admitted)
-            if self._charge > 0.0 and w.busy > 0.0:
-                # a switch's cost measured after it (the drafter's rebuild): out of the window, whose
-                # rate is the regime's own, into the switching time
-                c = min(self._charge, w.busy)
-                w.occ -= w.occ * c / w.busy
-                w.busy -= c
-                self.time_s["switching"] += c
-                self._charge -= c
+            if self._rebuild_intervals > 0:
+                self._rebuild_busy += dt if counted else 0.0
+                self._rebuild_intervals -= 1
+            self._take_owed(w)
             w.cohort.intersection_update(view.rids)
         self._t_last, self._bs_last = now, view.bs
         w.rounds += 1
@@ -224,12 +225,33 @@ class RegimeController:
             self._close(view, now)
         return self._decision()
 
+    def rebuilt(self) -> None:
+        """The drafter's rebuild was launched with the batch just observed: its GPU time lies in the
+        next :data:`REBUILD_INTERVALS` launch intervals, counted busy or (longer than ``MAX_GAP_S``)
+        already left out as idle."""
+        self._rebuild_intervals = self.REBUILD_INTERVALS
+        self._rebuild_busy = 0.0
+
     def charge(self, seconds: float) -> None:
-        """Time the last switch cost that was measured after the switch was made (the drafter's
-        rebuild at the first speculative launch, ``DrafterRebuild.take_seconds``): taken out of the
-        window(s) it fell in, so speculation's rate is not lowered by it, and counted as switching."""
+        """A rebuild's measured time (``DrafterRebuild.take_seconds``, read when its events are done,
+        maybe launches later): the switch's cost, not speculation's.  Taken out of the open window,
+        up to the busy time counted in the intervals after the rebuild (:meth:`rebuilt`; what an idle
+        gap already left out is not taken twice), and counted as switching."""
         if seconds > 0.0:
-            self._charge += float(seconds)
+            self._owed += float(seconds)
+            if self._win is not None:
+                self._take_owed(self._win)
+
+    def _take_owed(self, w: "_Window") -> None:
+        c = min(self._owed, self._rebuild_busy, w.busy)
+        if c > 0.0:
+            w.occ -= w.occ * c / w.busy
+            w.busy -= c
+            self._rebuild_busy -= c
+            self._owed -= c
+            self.time_s["switching"] += c
+        if self._rebuild_intervals == 0 and self._rebuild_busy <= 0.0:
+            self._owed = 0.0                   # nothing counted is left to take it from: it was idle
 
     def _decision(self) -> RegimeDecision:
         return RegimeDecision(self.regime, self.pending,
@@ -381,6 +403,9 @@ class CycleRegime:
     def charge(self, seconds: float) -> None:
         """Nothing to weigh: the cycle does not measure."""
 
+    def rebuilt(self) -> None:
+        """Nothing to weigh."""
+
     def switched(self) -> None:
         if self.pending is None:
             raise RuntimeError("CycleRegime.switched: no switch was pending")
@@ -411,6 +436,9 @@ class FollowerRegime:
 
     def charge(self, seconds: float) -> None:
         """Nothing to weigh: rank 0 decides (its own rebuild is charged there)."""
+
+    def rebuilt(self) -> None:
+        """Nothing to weigh: rank 0 decides."""
 
     def switched(self) -> None:
         if self.pending is None:

@@ -173,8 +173,13 @@ class RoundPolicy:
         """The scheduler hook made the pending switch (drain, conversion, rebuild done)."""
         self.regime_controller.switched()
 
+    def regime_rebuilt(self) -> None:
+        """The drafter's rebuild was launched with the batch just observed (``RegimeController.rebuilt``)."""
+        if self.regime_controller is not None:
+            self.regime_controller.rebuilt()
+
     def regime_charge(self, seconds: float) -> None:
-        """A switch's cost measured after it was made (the drafter's rebuild): the controller's."""
+        """A rebuild's measured time, the switch's cost (``RegimeController.charge``)."""
         if self.regime_controller is not None:
             self.regime_controller.charge(seconds)
 
