@@ -190,7 +190,6 @@ class DrafterRebuild:
         self.rebuilds = 0
         self.rebuilt_tokens = 0
         self.skipped_tokens = 0
-        self.runs = 0                   # rebuilds launched (a run with nothing stale included)
         self._timed: List[tuple] = []   # (start, end) events of runs whose time is not yet taken
         self.charged_s = 0.0            # the time taken so far (s)
 
@@ -276,7 +275,6 @@ class DrafterRebuild:
         ``logits_output.hidden_states`` is ``[T, H_aux]``; ``append(target_hidden=, cache_loc=,
         positions=)``: the drafter's context write (not marking the map: done here)."""
         self.pending = False
-        self.runs += 1
         start = _event(req_to_token.device)
         try:
             return self._run(reqs, req_to_token, allocator, build_forward_batch, target_forward, append)

@@ -107,7 +107,6 @@ class DDTreeWorker(DFlashWorkerV2):
     _regime_shared = False        # TP ranks share rank 0's regime decisions (regime=auto under TP)
     _regime_logged = 0.0          # time.monotonic() of the last regime report line
     _rebuild = None               # drafter_rebuild.DrafterRebuild while the regime is served
-    _rebuild_runs_seen = 0        # its runs the regime controller was told of
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
@@ -266,10 +265,11 @@ class DDTreeWorker(DFlashWorkerV2):
             logger.info("%s regime switch %d: now %s; %s", self.algo_name, n, regime_state.STATE.regime,
                         self._policy.regime_controller.report())
 
-    def _regime_launch(self, batch, no_spec: bool) -> None:
+    def _regime_launch(self, batch, no_spec: bool, rebuilt: bool = False) -> None:
         """A decode batch of either regime is being launched: the regime controller sees it (host
         values: ``LaunchTracker``) and a switch it decides is handed to the scheduler's transition
-        hook (``regime_state.request``), made before a later batch.  Nothing without a controller."""
+        hook (``regime_state.request``), made before a later batch.  ``rebuilt``: the drafter's
+        rebuild was launched with it.  Nothing without a controller."""
         if not regime_state.STATE.enabled:
             return
         ctl = self._policy.regime_controller
@@ -277,12 +277,10 @@ class DDTreeWorker(DFlashWorkerV2):
             return
         self._regime_launches += 1
         pending = self._policy.regime(self._launches.view(batch.reqs, no_spec=no_spec)).pending
-        rb = self._rebuild
-        if rb is not None:                     # the rebuild's time is the switch's, not speculation's
-            if rb.runs != self._rebuild_runs_seen:
-                self._rebuild_runs_seen = rb.runs
-                self._policy.regime_rebuilt()  # launched with this batch: its time lies ahead
-            spent = rb.take_seconds()
+        if rebuilt:                            # its time lies in the intervals ahead
+            self._policy.regime_rebuilt()
+        if self._rebuild is not None:          # the rebuild's time is the switch's, not speculation's
+            spent = self._rebuild.take_seconds()
             if spent:
                 self._policy.regime_charge(spent)
         now = time.monotonic()
@@ -490,8 +488,8 @@ class DDTreeWorker(DFlashWorkerV2):
             return self._prefill(batch, on_publish)
         if is_idle:
             return super().forward_batch_generation(batch, on_publish=on_publish)
-        self._maybe_rebuild_drafter(batch)
-        self._regime_launch(batch, no_spec=self._last_width == NO_SPEC)
+        rebuilt = self._maybe_rebuild_drafter(batch)
+        self._regime_launch(batch, no_spec=self._last_width == NO_SPEC, rebuilt=rebuilt)
         if _SYNC_CHECK_FILE:
             return self._sync_checked_round(batch, on_publish)
         return self._forward_tree_round(batch, on_publish)
@@ -608,13 +606,13 @@ class DDTreeWorker(DFlashWorkerV2):
             self._rebuild.drafted(kw["cache_loc"], cache_loc_2d=kw.get("cache_loc_2d"),
                                   commit_lens=kw.get("commit_lens"))
 
-    def _maybe_rebuild_drafter(self, batch) -> None:
+    def _maybe_rebuild_drafter(self, batch) -> bool:
         """At a speculative decode launch after a switch (or a cached prefix after plain): the stale
         drafter context of the batch's requests rebuilt (``DrafterRebuild.run``: one host read, one
-        target extend on scratch KV slots, on the target's default state)."""
+        target extend on scratch KV slots, on the target's default state).  -> whether it ran."""
         rb = self._drafter_rebuild()
         if rb is None or not rb.due(regime_state.STATE.switches):
-            return
+            return False
         if self._catch_up is not None and self._catch_up.rows:
             self._catch_up.flush()             # pending rows first: their slots may have new owners
         mr = self._target_worker.model_runner
@@ -625,6 +623,7 @@ class DDTreeWorker(DFlashWorkerV2):
                target_forward=lambda fb: self._target_worker.forward_batch_generation(
                    batch=None, forward_batch=fb, is_verify=True),
                append=lambda **kw: DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc(self, **kw))
+        return True
 
     def _sync_checked_round(self, batch, on_publish):
         """SGLANG_DDTREE_SYNC_CHECK_FILE=path: run the round under torch's CUDA sync debug mode

@@ -462,9 +462,8 @@ def test_a_rebuilds_time_is_taken_once_when_done_and_handed_to_the_regime_contro
                                        regime=lambda v: (seen.append(list(charged)),
                                                          types.SimpleNamespace(pending=None))[1])
     regime_state.enable(regime_state.SPEC)
-    wk._rebuild_runs_seen = w.rb.runs - 1                                # one run not yet told
     w.rb._timed.append((R._event("cpu"), R._event("cpu")))
-    wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False)
+    wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False, rebuilt=True)
     assert seen == [[]] and told == [1] and len(charged) == 1 and charged[0] >= 0.0
     wk._regime_launch(types.SimpleNamespace(reqs=[a]), no_spec=False)
     assert len(charged) == 1 and told == [1]                             # control: nothing new

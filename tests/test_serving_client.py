@@ -132,7 +132,7 @@ def test_ids_workload_sends_the_file_rows_as_token_ids_through_the_real_bench_se
     from sglang_ddtree.ab import bs_ids
     model = _model_dir(tmp_path)
     rows = [[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]]
-    f = S.write_ids_file([dict(input_ids=r) for r in rows], str(tmp_path / "ids.jsonl"))
+    f = bs_ids.write_ids_rows(rows, str(tmp_path / "ids.jsonl"))
     port = _free_port()
     srv = FakeServer(["x", "--port", str(port)], model)
     w = S.workload_settings("ids", output_len=8, range_ratio=0.5)

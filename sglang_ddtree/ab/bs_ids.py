@@ -42,6 +42,14 @@ def is_ids_file(path: str) -> bool:
     return False
 
 
+def write_ids_rows(rows: List[List[int]], path: str) -> str:
+    """The file :func:`read_ids_rows` reads: one ``{"input_ids": [...]}`` line per prompt."""
+    with open(path, "w") as f:
+        for ids in rows:
+            f.write(json.dumps({IDS_KEY: [int(x) for x in ids]}) + "\n")
+    return path
+
+
 def read_ids_rows(path: str) -> List[List[int]]:
     """Every row's token ids; ValueError naming the row when one is not a non-empty list of ints >= 0."""
     rows = []
@@ -95,8 +103,9 @@ def install() -> None:
         def load(self, tokenizer=None, model_id=None) -> list:
             rows = read_ids_rows(self.path)
             outs = output_lengths(self.num_requests, self.output_len, self.range_ratio, self.seed)
-            return [DatasetRow(prompt=list(rows[i % len(rows)]), prompt_len=len(rows[i % len(rows)]),
-                               output_len=outs[i]) for i in range(self.num_requests)]
+            picked = [rows[i % len(rows)] for i in range(self.num_requests)]     # the file's order, cycled
+            return [DatasetRow(prompt=list(ids), prompt_len=len(ids), output_len=out)
+                    for ids, out in zip(picked, outs)]
 
     class CustomOrTokenIds(base):
         """SGLang's ``custom`` dataset, or :class:`TokenIdsDataset` for a token-id file."""

@@ -86,7 +86,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import client, regime_log
+from . import bs_ids, client, regime_log
 from .client import http_json
 from .environment import env_info
 from .prompts import load_prompts_file, make_prompts, prompt_digest, textpair_prompts
@@ -113,7 +113,7 @@ WORKLOADS = {
 # file datasets (their prompts from --prompts; no --serving-input-len) and the module a pass runs
 FILE_DATASETS = ("sharegpt", "custom")
 BENCH_MODULE = "sglang.bench_serving"
-IDS_MODULE = "sglang_ddtree.ab.bs_ids"
+IDS_MODULE = bs_ids.__name__
 
 # the stand-in for the `datasets` package (only load_dataset is imported, by datasets bench_serving never uses here)
 DATASETS_STANDIN = ("def load_dataset(*a, **k): raise ImportError('the datasets package is not installed "
@@ -608,14 +608,6 @@ def identity_inputs(args, model: str) -> tuple:
     return token_id_prompts(args, model, int(args.identity_prompts))
 
 
-def write_ids_file(prompts: List[dict], path: str) -> str:
-    """The ``ids`` workload's dataset: one ``{"input_ids": [...]}`` row per prompt (:mod:`.bs_ids`)."""
-    with open(path, "w") as f:
-        for p in prompts:
-            f.write(json.dumps({"input_ids": [int(x) for x in p["input_ids"]]}) + "\n")
-    return path
-
-
 def resolve_model(args) -> tuple:
     if args.config:
         raise SystemExit("--client bench_serving launches every arm as a user would: give --model-path / --pair, "
@@ -743,7 +735,7 @@ class _Load:
             settings=dict(client="bench_serving", model_path=model, draft_model_path=draft, pair=pair,
                           arms=[a["name"] for a in arms], arm_attention=attention, concurrency=levels,
                           workload=self.workload, repeats=args.repeats, seed=args.serving_seed,
-                          level_warmup_waves=int(getattr(args, "level_warmup_waves", 0) or 0),
+                          level_warmup_waves=int(args.level_warmup_waves),
                           min_level_seconds=args.min_level_seconds, level_seconds_margin=args.level_seconds_margin,
                           requests_per_level_spec=args.requests_per_level, requests_per_level={},
                           server_args=args.server_args, reference_arm=args.reference_arm, deadline_s=args.deadline,
@@ -786,7 +778,8 @@ class _Load:
         if self.ids is not None:     # one file of every prompt; bench_serving cycles it (bs_ids)
             if self.ids["file"] is None:
                 prompts, self.ids["source"], how = token_id_prompts(self._args, self._model, None)
-                self.ids["file"] = write_ids_file(prompts, os.path.join(self._tmpdir, f"ids_{self.name}.jsonl"))
+                self.ids["file"] = bs_ids.write_ids_rows([p["input_ids"] for p in prompts],
+                                                         os.path.join(self._tmpdir, f"ids_{self.name}.jsonl"))
                 lens = [len(p["input_ids"]) for p in prompts]
                 self.ids.update(prompts=len(prompts), tokenized_with=how, input_len=[min(lens), max(lens)])
             return self.ids["file"]
@@ -978,7 +971,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                 if c not in L.counts:
                     L.counts[c] = requests_per_level(args.requests_per_level, c, 1 << 30)
                 n = L.counts[c]
-                if int(getattr(args, "level_warmup_waves", 0) or 0) > 0:
+                if args.level_warmup_waves > 0:
                     # one uncounted pass of W waves at this concurrency, every arm alike: a server that
                     # learns online (regime=auto, the widths' estimates) is then measured past its
                     # first seconds at this load (the reference arm's calibration passes follow it)
