@@ -188,12 +188,14 @@ def test_worker_lines_parse_and_split_by_level(server):
         run = r["time_s"]["plain"] + r["time_s"]["spec"]
         assert r["spec_share"] == pytest.approx(r["time_s"]["spec"] / run, abs=1e-3)
         assert r["explore_s"] == 0.0 and r["explore_share"] == 0.0 and r["excursions"] == 0
-    ra = RL.level_regime(reps, win_a)
-    # level A: plain (the warm-up's trip) until the spec estimate wins, then spec; the flush's bs-1 batch is
-    # a state the controller decides on: its one plain trip for that state, counted at the flush
-    assert ra["switches"] == 2 and ra["time_s"]["plain"] == pytest.approx(8.0, abs=1e-3)
-    assert ra["spec_share"] == pytest.approx(22.0 / 30.0, abs=1e-3)
-    assert ra["time_s"]["switching"] == pytest.approx(0.05, abs=1e-6)
+    ra, rb = RL.level_regime(reps, win_a), RL.level_regime(reps, win_b)
+    # level A: speculation throughout (the warm-up's trip to measure plain decoding at bs 4 ended at its
+    # flush, whose bs-1 batch only passes: no trip there); level B, a new state (bs 8): speculation for
+    # its first measured window, the one-window trip (4 s of plain decoding), then speculation again
+    assert ra["switches"] == 0 and ra["spec_share"] == 1.0
+    assert rb["switches"] == 2 and rb["time_s"]["plain"] == pytest.approx(4.0, abs=1e-3)
+    assert rb["spec_share"] == pytest.approx(15.9 / 19.9, abs=1e-3)
+    assert rb["time_s"]["switching"] == pytest.approx(0.1, abs=1e-6)
 
     # control: the last line at or before the end instead of the first after it
     last_before = max((r for r in reps if r.t <= win_a[1]), key=lambda r: r.t)

@@ -177,15 +177,121 @@ def test_where_trees_win_by_20_percent_the_controller_speculates_within_three_wi
     for start in (PLAIN, SPEC):
         got, ctl, _, _ = serve(Levels(seed=0, **one), 300, start=start)
         assert got >= 0.95 * forced1[SPEC], (start, got / forced1[SPEC], ctl.report())
-    # control: a controller that never gets the measured windows a switch back needs (the GPU test
-    # bed's short stages, run 24): its trip to plain never comes back
-    monkeypatch.setattr(RegimeController, "MIN_WINDOWS", 10 ** 9)
+    # control: a trip that never ends (no window ever counts enough, as on the GPU test bed's short
+    # stages, run 24): it stays in plain decoding
+    monkeypatch.setattr(RegimeController, "TRIP_WINDOWS", 10 ** 9)
     got, ctl, _, _ = serve(Levels(seed=0, **one), 300, start=SPEC)
     assert got < 0.95 * forced1[SPEC] and ctl.regime == PLAIN, ctl.report()
     first = []
     world = Levels(seed=0, **TREES)
     serve(world, 15, start=PLAIN, _log=first)
     assert SPEC in first[:3], first
+
+
+class Passes:
+    """SGLang's ``bench_serving`` as the A/B drives a server (s39): passes of ``n`` requests with at
+    most ``c`` in flight, each request its own output length (uniform in ``[lo, hi]``: the finishes
+    spread from the start), a successor admitted for each finish (one prefill batch a round, ``F +
+    u x n`` ms), the pass's drain, an idle gap, the next pass.  ``plan``: the passes' ``(c, n)``,
+    cycled.  A plain round costs ``plain_ms(bs)`` and emits one token per request, a spec round
+    ``spec_ms(bs)`` and ``1 + Binomial(15, (m - 1) / 15)``; switches as :class:`Levels`.  ``log``:
+    per round (pass index, regime, round ms)."""
+
+    def __init__(self, plan, lo=64, hi=256, m=4.5, F=20.0, u=0.5, switch_ms=20.0, rebuild_ms=100.0,
+                 gap_ms=1500.0, seed=0):
+        self.plan, self.lo, self.hi, self.p = plan, lo, hi, (m - 1) / 15
+        self.F, self.u, self.switch_ms, self.rebuild_ms, self.gap_ms = F, u, switch_ms, rebuild_ms, gap_ms
+        self.rng = np.random.default_rng(seed)
+        self.now = self.busy = 0.0
+        self.tokens = self.next_rid = self.admitted = self.k = 0
+        self.reqs, self.log = [], []
+        self._new_pass()
+
+    @staticmethod
+    def round_ms(regime, bs):
+        return 6.5 + 0.02 * bs if regime == PLAIN else 9.0 + 0.15 * bs
+
+    def _spend(self, ms):
+        self.now += ms
+        self.busy += ms
+
+    def _admit(self, n):
+        for _ in range(n):
+            self.reqs.append(_Req(self.next_rid, int(self.rng.integers(self.lo, self.hi + 1))))
+            self.next_rid += 1
+        self.left -= n
+        self.admitted = n
+        if n:
+            self._spend(self.F + self.u * n)
+
+    def _new_pass(self):
+        c, self.left = self.plan[self.k % len(self.plan)]
+        self.k += 1
+        self._admit(min(c, self.left))
+
+    def round(self, regime):
+        bs = len(self.reqs)
+        ms = self.round_ms(regime, bs)
+        self._spend(ms)
+        emit = [1] * bs if regime == PLAIN else (1 + self.rng.binomial(15, self.p, bs)).tolist()
+        got, keep = 0, []
+        for r, e in zip(self.reqs, emit):
+            have, n = len(r.output_ids), r.sampling_params.max_new_tokens
+            r.output_ids = range(min(n, have + e))
+            got += min(n, have + e) - have
+            if have + e < n:
+                keep.append(r)
+        done, self.reqs = bs - len(keep), keep
+        self.tokens += got
+        self.log.append((self.k - 1, regime, ms))
+        t0 = self.now
+        self._admit(min(done, self.left))
+        if not self.reqs:
+            self.now += self.gap_ms
+            self._new_pass()
+        return got, self.now - t0
+
+    def switch(self, to):
+        self._spend(self.switch_ms + (self.rebuild_ms if to == SPEC else 0.0))
+
+
+def ab_level(c, n):
+    """One level as the A/B runs it: a warm-up pass of 5 c requests, two counted passes of ``n``."""
+    return [(c, 5 * c), (c, n), (c, n)]
+
+
+def counted_spec_share(world):
+    """Speculation's share of the counted passes' round time (every pass but each level's first)."""
+    t = {PLAIN: 0.0, SPEC: 0.0}
+    for k, regime, ms in world.log:
+        if k % 3:
+            t[regime] += ms
+    return t[SPEC] / (t[SPEC] + t[PLAIN])
+
+
+def test_where_trees_win_under_bench_serving_passes_the_counted_passes_speculate(monkeypatch):
+    """s39 (H100, the 8B chain pair on its own prompts, 64-256 out): trees won 1.4-1.8x at c = 16 and
+    64, yet the server spent 26-29 % of the counted repeats in plain decoding (trips into states a
+    ramp or a drain passed through, each held for two windows).  On passes of varied lengths where
+    forced speculation serves >= 1.7x forced plain, the controller serves >= 0.97x forced speculation
+    and speculates >= 99 % of the counted passes' time, at c = 16 and 64 on two seeds and on one
+    server through c = 1, 16, 64.  Control: trips taken at any window close (a passing bucket too)
+    speculate < 99 % of the counted passes' time in every cell."""
+    cells = [(ab_level(16, 352), 120, s) for s in (0, 1)] + [(ab_level(64, 896), 120, s) for s in (0, 1)]
+    cells.append((ab_level(1, 28) + ab_level(16, 352) + ab_level(64, 896), 300, 0))
+    for plan, seconds, seed in cells:
+        forced = {r: serve(Passes(plan, seed=seed), seconds, regime=r)[0] for r in (PLAIN, SPEC)}
+        assert forced[SPEC] >= 1.7 * forced[PLAIN], forced
+        world = Passes(plan, seed=seed)
+        got, ctl, _, _ = serve(world, seconds)
+        share = counted_spec_share(world)
+        assert got >= 0.97 * forced[SPEC] and share >= 0.99, (plan[0], seed, got / forced[SPEC], share,
+                                                             ctl.report())
+    monkeypatch.setattr(RegimeController, "_may_trip", staticmethod(lambda key, w, measured: True))
+    for plan, seconds, seed in cells[:4]:
+        world = Passes(plan, seed=seed)
+        serve(world, seconds)
+        assert counted_spec_share(world) < 0.99, (plan[0], seed)
 
 
 def drive(ctl, q, seconds, bs=4, round_s=0.05, rounds=20, switch_s=0.002, rebuild_s=0.3, pinned=None,
@@ -236,11 +342,12 @@ def alternating(regime, t):
 
 def test_hysteresis_holds_against_2_percent_noise_on_both_estimates():
     """Measured ratios alternating within +-2 %, both estimates moving (the one a regime measures
-    while it runs, and the other's when it is re-measured): at most one switch in 600 s (a spec
-    start's trip to measure plain decoding).  Control: h = 0 switches at least ten times."""
+    while it runs, and the other's when it is re-measured): at most two switches in 600 s (a spec
+    start's trip to measure plain decoding and its way back).  Control: h = 0 switches at least ten
+    times."""
     ctl = RegimeController(clock=None)
     drive(ctl, alternating, 600)
-    assert ctl.switches <= 1, ctl.report()
+    assert ctl.switches <= 2 and ctl.time_s[PLAIN] <= 2.0, ctl.report()
     ctl0 = RegimeController(clock=None, h=0.0)
     drive(ctl0, alternating, 600)
     assert ctl0.switches >= 10, ctl0.report()

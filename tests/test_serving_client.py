@@ -980,3 +980,32 @@ def test_a_repeat_that_cannot_finish_before_the_deadline_is_not_started(tmp_path
     assert lv["repeats"] == 2 and lv["partial"] and lv["missing_repeats"] == 1
     assert arm["unstarted_repeats"] == [4] and arm["status"] == "partial"
     assert clock["t"] == 1090.0            # no fourth pass was started into the deadline
+
+
+def test_a_first_repeat_the_calibration_says_cannot_finish_is_not_started(tmp_path, monkeypatch):
+    """The level's first repeat is sized by its calibration pass: with less time left than that pass
+    scaled to the repeat's requests, it is not started (s39: 352 requests started with 23 s left
+    after 64 in 5.6 s, and the deadline failed all of them); the level is partial with no repeat.
+    Control: with time for it, the repeat runs."""
+    model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
+    for deadline, repeats in ((60, 0), (100, 1)):
+        clock = {"t": 1000.0}
+        monkeypatch.setattr(S.time, "time", lambda: clock["t"])
+        monkeypatch.setattr(S.time, "sleep", lambda s: None)
+
+        def a_pass(port, c, n, k):
+            clock["t"] += 30.0                 # every pass: 30 s of wall time and of duration
+            return 30.0
+
+        _fake_clients(monkeypatch, a_pass)
+        args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
+                     "--repeats", "1", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
+                     "--deadline", str(deadline), "--min-arm-s", "1", "--workdir", str(tmp_path / f"w{deadline}"),
+                     "--out", str(tmp_path / f"r{deadline}"), "--no-env-probe",
+                     "--prompts", prompts)
+        doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+        arm = doc["arms"][0]
+        lv = arm["levels"][0]
+        assert lv.get("repeats", 0) == repeats, (deadline, lv)
+        if repeats == 0:
+            assert lv["partial"] and arm["unstarted_repeats"] == [4] and clock["t"] == 1030.0, arm

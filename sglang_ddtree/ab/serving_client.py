@@ -984,9 +984,8 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                 while len(reps) < max(1, args.repeats):
                     if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
                         break
-                    last = reps[-1] if reps else None
-                    if last is not None and deadline_at is not None and last.get("window") \
-                            and deadline_at - time.time() < REPEAT_FIT * (last["window"][1] - last["window"][0]):
+                    expect = expected_pass_s(reps, calibration, n)
+                    if expect and deadline_at is not None and deadline_at - time.time() < REPEAT_FIT * expect:
                         # a repeat cut by the deadline is device time for nothing: leave it (the level is
                         # partial; --resume runs it again in the next call, keeping the complete ones)
                         rec.setdefault("unstarted_repeats", []).append(c)
@@ -1086,7 +1085,19 @@ def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, ta
     return r
 
 
-REPEAT_FIT = 1.15       # a repeat starts only with this x the previous one's wall time left before the deadline
+REPEAT_FIT = 1.15       # a repeat starts only with this x its expected wall time left before the deadline
+
+
+def expected_pass_s(reps: list, calibration: list, n: int) -> Optional[float]:
+    """The wall time the level's next pass of ``n`` requests should take: the previous repeat's, else
+    the last calibration pass's scaled to ``n`` (s39: a first repeat of 352 requests started with 23 s
+    left after a 64-request calibration of 5.6 s, and the deadline failed all 352), else None."""
+    last = reps[-1] if reps else None
+    if last is not None and last.get("window"):
+        return last["window"][1] - last["window"][0]
+    if calibration and calibration[-1].get("seconds") and calibration[-1].get("num_prompts"):
+        return calibration[-1]["seconds"] * n / calibration[-1]["num_prompts"]
+    return None
 
 
 # ------------------------------------------------------------------------------------------ report

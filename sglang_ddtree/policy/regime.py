@@ -29,10 +29,13 @@ nothing, but the decision is taken (a new level's first batch is such a close).
 
 Two kinds of spec time besides a chosen stretch:
 - a plain *trip*: in speculation with no plain estimate for the key, the controller goes plain to
-  measure it (plain decoding is the floor, measuring it costs no credit) and, if speculation has no
-  estimate for the key it then meets, goes back.  At most one trip per key (the bs buckets times
-  two sync states), whether its measurement lands or not (a level's drain passes through buckets
-  it never measures); plain estimates do not age;
+  measure it (plain decoding is the floor, measuring it costs no credit) for one window, then goes
+  back unless plain decoding won that window by ``h``.  Only from a state speculation has just held
+  for a measured window, or a synced one (``_may_trip``): a ramp's or a drain's passing bucket
+  measures nothing.  At most one trip per key (the bs buckets times two sync states), whether its
+  measurement lands or not; plain estimates do not age.  (s39, H100: trips held for two windows
+  and taken at any close, as first built, kept a server plain for 26-29 % of levels where trees
+  won 1.4-1.8x);
 - an *excursion*: in plain, nothing measures speculation; when the key has no fresh spec estimate,
   an optimistic bound says speculation could win, and the credit covers the expected cost, one
   window of speculation runs.  Credit: ``credit_rate`` of busy time, capped at two excursions; an
@@ -142,6 +145,8 @@ class RegimeController:
     MAX_GAP_S = 0.25     # as WidthController.MAX_GAP_MS: a longer gap between launches is idle
     H = 0.03             # design section 4's hysteresis
     MIN_WINDOWS = 2      # no switch within two windows of the last
+    TRIP_WINDOWS = 1     # a trip measures plain decoding for one window (s39: held for MIN_WINDOWS,
+                         # trips cost speculation 26-29 % of a level where trees won 1.4-1.8x)
     NOSPEC_EXIT = 0.95   # spec -> plain when the width controller ran NO_SPEC this share of a window
     ALPHA = 0.3          # a window's weight in its key's estimate (a change followed in ~3 windows)
     SPEC_STALE_S = 60.0  # a spec estimate older than this is unknown (design section 4)
@@ -315,18 +320,28 @@ class RegimeController:
             else:
                 self._switch(PLAIN, now)       # spent at ``switched``
             return
-        if self._since_switch < self.MIN_WINDOWS:
+        over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
+        if self._trip and self.regime == PLAIN and not over and (
+                not measured or self._since_switch >= self.TRIP_WINDOWS):
+            # a trip's measurement is in (or the state passed): back to speculation unless plain
+            # decoding won by h
+            self._trip = False
+            wk = (w.bucket, w.synced)
+            pw, sw = self.estimate(PLAIN, wk), self.estimate(SPEC, wk)
+            if not (measured and pw is not None and sw is not None and pw >= (1 + self.h) * sw):
+                self._switch(SPEC, now, count=True)
+            return
+        if self._since_switch < self.MIN_WINDOWS or (self._trip and self.regime == PLAIN):
             return
         k = (self._win.bucket, self._win.synced)
         p, s = self.estimate(PLAIN, k), self.estimate(SPEC, k)
-        over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
         if self.regime == SPEC:
             if view.pinned:
                 return                         # a pinned request is served by speculation
             if over or (w.rounds and w.no_spec >= self.NOSPEC_EXIT * w.rounds) or (
                     p is not None and s is not None and p >= (1 + self.h) * s):
                 self._switch(PLAIN, now, count=True)
-            elif p is None and k not in self._tripped:   # a trip: measure plain decoding in this state
+            elif p is None and k not in self._tripped and self._may_trip(k, w, measured):
                 self._tripped.add(k)           # once per state, whether the measurement lands or not
                 self._trip = True
                 self._switch(PLAIN, now, count=True)
@@ -335,16 +350,21 @@ class RegimeController:
         elif s is not None:
             if p is not None and s >= (1 + self.h) * p:
                 self._switch(SPEC, now, count=True)
-            elif p is not None:
-                self._trip = False             # plain decoding chosen on a comparison
-        elif self._trip:                       # left only to measure plain: speculation's own state
-            self._switch(SPEC, now, count=True)
         elif (p is not None and (not k[1] or self._first_free) and self.credit >= self.expected_excursion_s
               and self._may_win(view.bs, p)):
             self._first_free = False
             self._excursion = _Excursion(start=now, key=k)
             self.excursions += 1
             self._switch(SPEC, now)
+
+    @staticmethod
+    def _may_trip(key: Key, w: "_Window", measured: bool) -> bool:
+        """A trip measures plain decoding in state ``key`` (the next window's) only where it can: one
+        speculation has just held for a measured window ``w`` (not a ramp's or a drain's passing
+        bucket, where the trip would measure nothing and keep plain decoding into the next load), or
+        a synced batch (a new level's first: after one wave of speculation its finishes spread, so
+        the state is met only at such a close)."""
+        return key[1] or (measured and key[0] == w.bucket)
 
     def _may_win(self, bs: int, p: float) -> bool:
         """The optimistic bound lets speculation beat plain decoding by ``h`` (no bound: yes)."""
