@@ -1009,3 +1009,60 @@ def test_a_first_repeat_the_calibration_says_cannot_finish_is_not_started(tmp_pa
         assert lv.get("repeats", 0) == repeats, (deadline, lv)
         if repeats == 0:
             assert lv["partial"] and arm["unstarted_repeats"] == [4] and clock["t"] == 1030.0, arm
+
+
+def test_resume_runs_the_arms_never_measured_before_completing_a_cut_one(tmp_path, monkeypatch):
+    """Breadth first: a first call measures base, loses dflash's c=4 to the deadline and never starts
+    ddtree; ``--resume`` starts ddtree's server before dflash's (a lease that ends then still has
+    every arm in the cell), and the report lists the arms in that order.  Control: the first arm
+    keeps its place even when cut (it sizes the levels)."""
+    calls, launched, launcher, args = _resume_world(tmp_path, monkeypatch, "--concurrency", "1,4", "--repeats", "2",
+                                                    "--min-level-seconds", "0", "--arms", "base,dflash,ddtree")
+    algos = []
+
+    def launch(cmd, env, log):
+        algos.append(cmd[cmd.index("--speculative-algorithm") + 1] if "--speculative-algorithm" in cmd else "base")
+        return launcher(cmd, env, log)
+
+    real = S._measure_arm
+
+    def cut(arm, *a, **k):
+        recs = real(arm, *a, **k)
+        for rec in recs:
+            if arm["name"] == "dflash":            # c=4 lost a repeat to the deadline
+                rec["levels"][1].update(partial=True, missing_repeats=1)
+                rec["status"] = "partial"
+            elif arm["name"] == "ddtree":          # never started: the deadline
+                rec.update(status="skipped", error="deadline", levels=[])
+        return recs
+
+    monkeypatch.setattr(S, "_measure_arm", cut)
+    S.run(args(), launcher=launch)
+    monkeypatch.setattr(S, "_measure_arm", real)
+    del algos[:]
+    doc = S.run(args("--resume"), launcher=launch)
+    assert algos == ["DDTREE-GPU", "DFLASH"], algos
+    assert [a["name"] for a in doc["arms"]] == ["base", "ddtree", "dflash"]
+    assert all(a["status"] == "ok" for a in doc["arms"])
+
+    # control: base cut after its c=1 keeps its first place
+    calls, launched, launcher, args = _resume_world(tmp_path / "b", monkeypatch, "--concurrency", "1,4",
+                                                    "--repeats", "2", "--min-level-seconds", "0",
+                                                    "--arms", "base,dflash,ddtree")
+
+    def cut_base(arm, *a, **k):
+        recs = real(arm, *a, **k)
+        for rec in recs:
+            if arm["name"] == "base":
+                rec["levels"][1].update(partial=True, missing_repeats=1)
+                rec["status"] = "partial"
+            else:
+                rec.update(status="skipped", error="deadline", levels=[])
+        return recs
+
+    monkeypatch.setattr(S, "_measure_arm", cut_base)
+    S.run(args(), launcher=launch)
+    monkeypatch.setattr(S, "_measure_arm", real)
+    del algos[:]
+    doc = S.run(args("--resume"), launcher=launch)
+    assert algos == ["base", "DFLASH", "DDTREE-GPU"], algos

@@ -673,6 +673,12 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
         # arms of a state this run does not name come first (e.g. base from the call before)
         extra = [n for L in loads for n in L.kept if n not in named]
         arms = [parse_serving_arm(n) for n in dict.fromkeys(extra)] + arms
+        # breadth first: the arms a cut left with some complete levels run after those with none (the
+        # lease may end before all are done, and a cell with every arm, one of them partial, says more
+        # than one arm completed; s39: the last 200 s re-ran a cut arm's level instead of DFLASH's
+        # first); the first arm keeps its place (it sizes the levels)
+        cut = {n for L in loads for n in L.levels_kept}
+        arms = arms[:1] + [a for a in arms[1:] if a["name"] not in cut] + [a for a in arms[1:] if a["name"] in cut]
         for L in loads:
             L.doc["settings"]["arms"] = [a["name"] for a in arms]
     maxc = max(levels)
