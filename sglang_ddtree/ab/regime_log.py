@@ -23,8 +23,7 @@ After a level the server is idle and logs nothing, so waiting alone never brings
 request, 2 new tokens), whose decode launch writes it.  That launch also closes the level's last
 window (the controller counts closed windows only: a bs-1 batch is another bs bucket, except after a
 c=1 level, whose last window, at most ``T_MAX_S`` = 4 s of busy time, then goes to the next level),
-and the controller decides on it like on any batch: in the CPU tests its one plain trip for the bs-1
-state, a switch counted to the level before (once a server: a state is tripped once)."""
+and the controller decides on it like on any batch (a passing bs-1 batch: no trip, ``_may_trip``)."""
 from __future__ import annotations
 
 import ast
@@ -130,7 +129,7 @@ def level_regime(reports: List[Report], window: Tuple[float, float]) -> Optional
     """The regime of one level from the cumulative counters: the difference between the last line at
     or before ``window[0]`` (none: zeros, the server's start) and the first line at or after
     ``window[1]`` (none: the last line there is, ``partial``).  -> None without report lines, else
-    {time_s: {plain, spec, switching} s, spec_share: spec / (plain + spec) or None, switches,
+    {time_s: {plain, spec, switching} s, spec_share: spec / (plain + spec) or None, switches, trips,
     excursions, explore_s, explore_share: explore_s / busy (the three times) or None, lines: the
     report lines used (0-2)[, partial: True]}.  A field a controller does not report (``CycleRegime``:
     switches only) counts 0."""
@@ -149,6 +148,7 @@ def level_regime(reports: List[Report], window: Tuple[float, float]) -> Optional
     explore = round(_num(db, "explore_s") - _num(da, "explore_s"), 3)
     out = dict(time_s=ts, spec_share=round(ts["spec"] / run, 4) if run > 0 else None,
                switches=int(_num(db, "switches") - _num(da, "switches")),
+               trips=int(_num(db, "trips") - _num(da, "trips")),
                excursions=int(_num(db, "excursions") - _num(da, "excursions")), explore_s=explore,
                explore_share=round(explore / busy, 4) if busy > 0 else None,
                lines=(a is not None) + (b is not a))
@@ -162,8 +162,11 @@ def _pct(v: Optional[float], nd: int = 0) -> str:
 
 
 def summary(r: dict) -> str:
-    """One level's regime in a few words: 'spec 35 %, 2 switches, explore 0.4 %[, partial]'."""
-    return (f"spec {_pct(r.get('spec_share'))}, {r.get('switches')} switches, explore "
+    """One level's regime in a few words: 'spec 35 %, 2 switches (1 trip), explore 0.4 %[, partial]'
+    (trips: first measurements of plain decoding in a state, two switches each)."""
+    trips = r.get("trips") or 0
+    return (f"spec {_pct(r.get('spec_share'))}, {r.get('switches')} switches"
+            f"{f' ({trips} trip' + ('s' if trips > 1 else '') + ')' if trips else ''}, explore "
             f"{_pct(r.get('explore_share'), 1)}{', partial' if r.get('partial') else ''}")
 
 
@@ -172,7 +175,7 @@ def total_summary(d: dict) -> str:
     1 excursions, explore 2.1 s (12.0 %)'; the fields it has."""
     ts = d.get("time_s") or {}
     parts = [f"{k} {_num(ts, k):.1f} s" for k in TIME_KEYS if k in ts]
-    parts += [f"{d[k]} {k}" for k in ("switches", "excursions") if k in d]
+    parts += [f"{d[k]} {k}" for k in ("switches", "trips", "excursions") if k in d]
     if "explore_s" in d:
         parts.append(f"explore {_num(d, 'explore_s'):.1f} s ({_pct(d.get('explore_share'), 1)})")
     return ", ".join(parts)

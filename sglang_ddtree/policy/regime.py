@@ -390,12 +390,13 @@ class RegimeController:
 
     def report(self) -> dict:
         """Host values: the regime, busy s per regime and switching (closed windows), decided
-        switches (excursions not counted unless kept), excursions, ``explore_s`` (their wall time),
+        switches (excursions not counted unless kept; a trip's two included), trips, excursions, ``explore_s`` (their wall time),
         ``explore_share`` (of that busy time), ``explore_loss_s = sum wall x max(0, 1 - q_spec /
         q_plain)``, the credit (s)."""
         busy = sum(self.time_s.values())
         return {"regime": self.regime, "time_s": dict(self.time_s), "switches": self.switches,
-                "excursions": self.excursions, "windows": self.windows, "explore_s": self.explore_s,
+                "trips": len(self._tripped), "excursions": self.excursions, "windows": self.windows,
+                "explore_s": self.explore_s,
                 "explore_share": self.explore_s / busy if busy > 0 else 0.0,
                 "explore_loss_s": self.explore_loss_s, "credit_s": self.credit}
 
