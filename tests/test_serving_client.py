@@ -1066,3 +1066,33 @@ def test_resume_runs_the_arms_never_measured_before_completing_a_cut_one(tmp_pat
     del algos[:]
     doc = S.run(args("--resume"), launcher=launch)
     assert algos == ["base", "DFLASH", "DDTREE-GPU"], algos
+
+
+def test_an_arm_faster_than_the_sizer_runs_each_repeat_as_several_passes(tmp_path, monkeypatch):
+    """Base sizes the level (>= 20 s a pass); an arm 4x faster runs each repeat as ceil(1.05 x 20 /
+    its pass) = 3 back-to-back passes of the same requests: its level lasts >= 20 s (not short),
+    counts 3 x n requests, and its throughput is the passes' tokens over their summed duration.
+    Control: base, as fast as the sizer, runs one pass a repeat."""
+    ports = []
+
+    def dur(port, c, n, k):
+        ports.append(port)
+        return n / (2.0 * c) if port == ports[0] else n / (8.0 * c)
+
+    calls = _fake_clients(monkeypatch, dur)
+    model = _model_dir(tmp_path)
+    args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,ddtree", "--concurrency", "4",
+                 "--repeats", "2", "--warmup", "0", "--min-level-seconds", "20", "--level-seconds-margin", "1.5",
+                 "--identity-prompts", "2", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "r"),
+                 "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
+    doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+    n = doc["settings"]["requests_per_level"]["4"]
+    base, tree = (a["levels"][0] for a in doc["arms"])
+    assert "passes_per_repeat" not in base and not base["short"] and base["completed"] == n
+    assert tree["passes_per_repeat"] == 3 and not tree["short"] and not tree["partial"]
+    assert tree["completed"] == 3 * n and tree["failed"] == 0
+    assert tree["duration"] == pytest.approx(3 * n / 32.0) and tree["duration"] >= 20.0
+    assert tree["output_throughput"] == pytest.approx(100.0 * 3 * n / tree["duration"])
+    assert calls[-6:] == [(4, n)] * 6                    # the arm's two repeats, three passes each
+    md = open(str(tmp_path / "r") + ".md").read()
+    assert f"{3 * n}/{3 * n} (3 passes)" in md

@@ -65,8 +65,11 @@ of c (plus one more wave of c from the third calibration pass on; a margin under
 run-to-run noise, and the repeats below S are flagged), and the level runs again, until
 a pass lasts >= S: that pass is the first repeat (at most :data:`MAX_CALIBRATION_PASSES` uncounted
 passes; the level keeps them as ``calibration_passes``, the first also as ``calibration``).  Every
-later arm runs that same count (the same requests), so a faster arm's level may last less than S:
-the report flags it.
+later arm runs that same count (the same requests); an arm whose first pass lasts less than S
+(faster than the sizer) runs each repeat as ceil(``MIN_SIZING_MARGIN`` x S / duration) passes of
+them back to back (at most :data:`MAX_PASSES`; :func:`merge_passes`: tokens and durations summed,
+latencies from the median pass; the level says ``passes_per_repeat``), so every arm measures the
+same requests for >= S without lengthening the slower arms' levels.
 
 Ratios are only taken within one run (one card, one call).  bench_serving imports the ``datasets``
 package at import time (sglang/benchmark/datasets/mmmu.py); where it is missing (the GPU host's
@@ -96,6 +99,7 @@ from .stats import first_diff, identity_check
 SERVING_DEFAULT_ARMS = "base,dflash,ddtree"
 MAX_CALIBRATION_PASSES = 4     # uncounted sizing passes per level (the first arm's), at most
 MIN_SIZING_MARGIN = 1.05       # sizing aims at least this far over --min-level-seconds (run-to-run noise)
+MAX_PASSES = 8                 # passes of the level's requests in one repeat, at most (an arm faster than the sizer)
 # every arm on the best backend the GPU host's kit has (no FA3 kernels there): a DDTREE arm then keeps
 # flashinfer for its prefill and its no-speculation rounds (SGLang's decode step) and verifies on
 # triton (spec_algo.split_for_prefill_backend), as a user who launches base with it would launch it
@@ -557,9 +561,43 @@ def scaled_count(n: int, c: int, duration: float, min_s: float, margin: float, c
     return max(n, min(cap, m))
 
 
+PASS_SUMS = ("duration", "completed", "total_input_tokens", "total_output_tokens")
+
+
+def merge_passes(passes: List[dict]) -> dict:
+    """One repeat from back-to-back passes of the same requests (:data:`MAX_PASSES`): durations,
+    requests and tokens summed, the rates (throughputs, mean in flight) weighted by duration (the
+    summed counts over the summed duration), acceptance weighted by output tokens; latency percentiles from the pass with the median
+    output throughput; ``passes`` their count, ``window`` from the first start to the last end."""
+    res = [p["result"] for p in passes]
+    out = dict(ok=all(p.get("ok") for p in passes), passes=len(passes),
+               seconds=round(sum(p.get("seconds") or 0.0 for p in passes), 1),
+               command=passes[0].get("command"), window=[passes[0]["window"][0], passes[-1]["window"][1]])
+    ranked = sorted(res, key=lambda r: r.get("output_throughput") or 0.0)
+    m = dict(ranked[(len(ranked) - 1) // 2])
+    for k in PASS_SUMS:
+        if all(r.get(k) is not None for r in res):
+            m[k] = sum(r[k] for r in res)
+    d = sum(r.get("duration") or 0.0 for r in res) or float("nan")
+    # a rate over the passes = their rates weighted by duration (= summed counts / summed duration)
+    for k in ("output_throughput", "input_throughput", "total_throughput", "request_throughput", "concurrency"):
+        if all(r.get(k) is not None for r in res):
+            m[k] = sum(r[k] * (r.get("duration") or 0.0) for r in res) / d
+    acc = [(r["accept_length"], (r.get("output_throughput") or 0.0) * (r.get("duration") or 0.0))
+           for r in res if r.get("accept_length") is not None]
+    if acc and sum(w for _, w in acc):
+        m["accept_length"] = sum(a * w for a, w in acc) / sum(w for _, w in acc)
+    for k in ("max_concurrent_requests", "max_output_tokens_per_s"):
+        if all(r.get(k) is not None for r in res):
+            m[k] = max(r[k] for r in res)
+    out["result"] = m
+    return out
+
+
 def level_summary(c: int, n: int, reps: List[dict], min_s: float) -> dict:
     """A level from its repeats: output_throughput = the median of the repeats'; the other numbers
-    from the repeat with the median throughput (the lower middle one for an even count)."""
+    from the repeat with the median throughput (the lower middle one for an even count).  A repeat of
+    several passes (:func:`merge_passes`) counts ``n`` requests a pass."""
     good = [r for r in reps if r.get("ok")]
     lv = dict(concurrency=c, num_prompts=n, repeats=len(reps),
               output_throughput_repeats=[r["result"]["output_throughput"] if r.get("result") else None for r in reps],
@@ -576,7 +614,10 @@ def level_summary(c: int, n: int, reps: List[dict], min_s: float) -> dict:
     lv.update({k: v for k, v in mid.items() if k not in ("max_concurrency", "concurrency")})
     lv["mean_in_flight"] = mid.get("concurrency")
     lv["output_throughput"] = statistics.median([r["result"]["output_throughput"] or 0.0 for r in good])
-    lv["failed"] = max(0, n - int(mid.get("completed") or 0))
+    k = ranked[(len(ranked) - 1) // 2].get("passes") or 1
+    if k > 1:
+        lv["passes_per_repeat"] = k
+    lv["failed"] = max(0, n * k - int(mid.get("completed") or 0))
     lv["partial"] = len(good) < len(reps) or lv["failed"] > 0
     lv["short"] = bool(min_s) and any((r["result"].get("duration") or 0) < min_s for r in good)
     return lv
@@ -986,7 +1027,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     rec.setdefault("level_warmups", {})[str(c)] = dict(
                         num_prompts=nw, ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
                         output_throughput=(w.get("result") or {}).get("output_throughput"))
-                calibration, reps = [], []
+                calibration, reps, passes, sizer = [], [], 1, sizing
                 while len(reps) < max(1, args.repeats):
                     if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
                         break
@@ -1016,6 +1057,23 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                                 sizing = False
                             continue
                         sizing = False         # long enough (or out of calibration passes): the first repeat
+                    dur = (r.get("result") or {}).get("duration") or 0.0
+                    if not (reps or sizer) and passes == 1 and r.get("ok") and 0.0 < dur < args.min_level_seconds:
+                        # faster than the arm that sized the level: each repeat runs the same requests
+                        # several times back to back, so it lasts --min-level-seconds with every arm
+                        # measuring the same requests (s39: trees at 3.5x base ran 8 s levels)
+                        passes = min(MAX_PASSES, math.ceil(MIN_SIZING_MARGIN * args.min_level_seconds / dur))
+                    if passes > 1:
+                        got = [r]
+                        while len(got) < passes and got[-1].get("ok"):
+                            if deadline_at is not None and deadline_at - time.time() < REPEAT_FIT * dur:
+                                break
+                            got.append(_one_run(args, bsc, port, opts, L.workload, c, n, L.dataset_for, tmpdir,
+                                                arm, f"{tag}p{len(got)}", left()))
+                        if len(got) < passes:          # cut: not a repeat of this level
+                            rec.setdefault("unstarted_repeats", []).append(c)
+                            break
+                        r = merge_passes(got)
                     reps.append(r)
                 L.counts[c] = n
                 lv = level_summary(c, n, reps, args.min_level_seconds)
@@ -1215,7 +1273,10 @@ def render_markdown(doc: dict) -> str:
           lambda lv: " / ".join(_f(lv.get(k)) for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
                                                           "median_tpot_ms", "p99_tpot_ms")))
     table("Requests: completed / sent, duration (s), request/s, accept length (server)",
-          lambda lv: f"{lv.get('completed')}/{lv.get('num_prompts')}, {_f(lv.get('duration'))} s, "
+          lambda lv: f"{lv.get('completed')}/" + (f"{lv.get('num_prompts')}" if not lv.get('passes_per_repeat') else
+                                                    f"{lv['num_prompts'] * lv['passes_per_repeat']} "
+                                                    f"({lv['passes_per_repeat']} passes)") + ", "
+                     f"{_f(lv.get('duration'))} s, "
                      f"{_f(lv.get('request_throughput'), 2)}, {_f(lv.get('accept_length'), 2)}")
     ra = [a for a in arms if a.get("regime_final") or any(lv.get("regime") for lv in a.get("levels") or [])]
     if ra:   # arms with a regime controller only (sglang_ddtree/ab/regime_log.py)
