@@ -76,7 +76,8 @@ def test_report_verify_attention_grid(tmp_path):
 DEFAULT_SOURCES = (f"{RES}/raw/serving_h100_qwen3-8bchain_random_s29_a.json.gz",
                    f"{RES}/raw/serving_h100_qwen3-8bchain_random_s29_b.json.gz",
                    f"{RES}/raw/serving_h100_qwen3-8bchain_random_s32.json.gz",
-                   f"{RES}/raw/serving_h100_qwen3-8bchain_random_s38.json.gz")
+                   f"{RES}/raw/serving_h100_qwen3-8bchain_random_s38.json.gz",
+                   f"{RES}/raw/serving_h100_qwen3-8bchain_ids_s39.json.gz")
 
 
 @reads(f"{RES}/default_h200.json", f"{RES}/default_h200.md", *DEFAULT_SOURCES)
@@ -115,6 +116,41 @@ def test_report_default_h200(tmp_path):
     check_default_report(REPO, tmp_path)
 
 
+@reads(f"{RES}/default_auto_h100.json", f"{RES}/default_auto_h100.md", *DEFAULT_SOURCES)
+def check_default_auto_report(root, tmp):
+    """default_auto_h100.{json,md}: the same table judging the candidate default
+    (``--default-arm ddtree_regimeauto``) over the same reports, byte for byte: four cells (s38's
+    random ids c=16, s39's own prompts c = 1, 16, 64), none passing (no DFLASH beside the candidate
+    in either report); each cell's candidate and base tok/s are the raw report's medians and its
+    regime line the level's record."""
+    import gzip
+    import subprocess
+    import sys
+    doc = json.load(open(resolve(root, f"{RES}/default_auto_h100.json")))
+    assert doc["sources"] == list(DEFAULT_SOURCES) and doc["default_arm"] == "ddtree_regimeauto", doc["sources"]
+    out = os.path.join(str(tmp), "rerender")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "default_report.py"), "--default-arm",
+                        "ddtree_regimeauto", out, *[os.path.relpath(resolve(root, s), root) for s in DEFAULT_SOURCES]],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RendererFailed(r.stderr[-2000:])
+    assert open(out + ".md").read() == open(resolve(root, f"{RES}/default_auto_h100.md")).read(), \
+        "default_auto_h100.md differs"
+    assert json.load(open(out + ".json"))["cells"] == doc["cells"], "default_auto_h100.json's cells differ"
+    assert doc["passed"] == 0 and len(doc["cells"]) == 4
+    assert all(c["status"] == "INCOMPLETE" and "dflash not measured" in c["why"] for c in doc["cells"])
+    for c in doc["cells"]:
+        raw = json.load(gzip.open(resolve(root, c["source"]), "rt"))
+        lv = {(a["name"], l["concurrency"]): l for a in raw["arms"] for l in a["levels"]}
+        for arm in ("base", "ddtree_regimeauto"):
+            assert c["tok_s"][arm] == lv[(arm, c["concurrency"])]["output_throughput"], (c, arm)
+        assert c["regime"]["spec_share"] == lv[("ddtree_regimeauto", c["concurrency"])]["regime"]["spec_share"]
+
+
+def test_report_default_auto_h100(tmp_path):
+    check_default_auto_report(REPO, tmp_path)
+
+
 # ------------------------------------------------------------------------------- the checks can fail
 
 def _plugin_run_died(root):
@@ -144,6 +180,13 @@ def _ddtree_faster(root):
     edit_json(root, DEFAULT_SOURCES[2], fn)
 
 
+def _auto_faster(root):
+    def fn(doc):
+        arm = next(a for a in doc["arms"] if a["name"] == "ddtree_regimeauto")
+        arm["levels"][-1]["output_throughput"] *= 1.1
+    edit_json(root, DEFAULT_SOURCES[4], fn)
+
+
 def _plain_regime_slower(root):
     def fn(doc):
         arm = next(a for a in doc["arms"] if a["name"] == "ddtree_regimeplain")
@@ -154,6 +197,7 @@ def _plain_regime_slower(root):
 CONTROLS = {
     "default_report": (check_default_report, _ddtree_faster),
     "default_report_floor": (check_default_report, _plain_regime_slower),
+    "default_auto_report": (check_default_auto_report, _auto_faster),
     "badids": (check_badids_probe, _plugin_run_died),
     "badids_rerendered": (check_badids_probe, _badids_rerendered),
     "verify_attention": (check_verify_attention, _largest_mla_cell_slower),
