@@ -567,8 +567,9 @@ PASS_SUMS = ("duration", "completed", "total_input_tokens", "total_output_tokens
 def merge_passes(passes: List[dict]) -> dict:
     """One repeat from back-to-back passes of the same requests (:data:`MAX_PASSES`): durations,
     requests and tokens summed, the rates (throughputs, mean in flight) weighted by duration (the
-    summed counts over the summed duration), acceptance weighted by output tokens; latency percentiles from the pass with the median
-    output throughput; ``passes`` their count, ``window`` from the first start to the last end."""
+    summed counts over the summed duration), acceptance weighted by output tokens; the latency
+    percentiles from the pass with the median output throughput; ``passes`` their count,
+    ``window`` from the first start to the last end."""
     res = [p["result"] for p in passes]
     out = dict(ok=all(p.get("ok") for p in passes), passes=len(passes),
                seconds=round(sum(p.get("seconds") or 0.0 for p in passes), 1),
