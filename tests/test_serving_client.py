@@ -1011,28 +1011,24 @@ def test_a_first_repeat_the_calibration_says_cannot_finish_is_not_started(tmp_pa
             assert lv["partial"] and arm["unstarted_repeats"] == [4] and clock["t"] == 1030.0, arm
 
 
-def test_resume_runs_the_arms_never_measured_before_completing_a_cut_one(tmp_path, monkeypatch):
-    """Breadth first: a first call measures base, loses dflash's c=4 to the deadline and never starts
-    ddtree; ``--resume`` starts ddtree's server before dflash's (a lease that ends then still has
-    every arm in the cell), and the report lists the arms in that order.  Control: the first arm
-    keeps its place even when cut (it sizes the levels)."""
+def _resume_order(tmp_path, monkeypatch, cut_arm):
+    """A base,dflash,ddtree run whose first call loses ``cut_arm``'s c=4 to the deadline and never
+    starts the arms after it; -> (the servers the ``--resume`` call starts, by algorithm, its report)."""
     calls, launched, launcher, args = _resume_world(tmp_path, monkeypatch, "--concurrency", "1,4", "--repeats", "2",
                                                     "--min-level-seconds", "0", "--arms", "base,dflash,ddtree")
-    algos = []
+    algos, real, order = [], S._measure_arm, ["base", "dflash", "ddtree"]
 
     def launch(cmd, env, log):
         algos.append(cmd[cmd.index("--speculative-algorithm") + 1] if "--speculative-algorithm" in cmd else "base")
         return launcher(cmd, env, log)
 
-    real = S._measure_arm
-
     def cut(arm, *a, **k):
         recs = real(arm, *a, **k)
         for rec in recs:
-            if arm["name"] == "dflash":            # c=4 lost a repeat to the deadline
+            if arm["name"] == cut_arm:                # c=4 lost a repeat to the deadline
                 rec["levels"][1].update(partial=True, missing_repeats=1)
                 rec["status"] = "partial"
-            elif arm["name"] == "ddtree":          # never started: the deadline
+            elif order.index(arm["name"]) > order.index(cut_arm):   # never started: the deadline
                 rec.update(status="skipped", error="deadline", levels=[])
         return recs
 
@@ -1040,31 +1036,19 @@ def test_resume_runs_the_arms_never_measured_before_completing_a_cut_one(tmp_pat
     S.run(args(), launcher=launch)
     monkeypatch.setattr(S, "_measure_arm", real)
     del algos[:]
-    doc = S.run(args("--resume"), launcher=launch)
+    return algos, S.run(args("--resume"), launcher=launch)
+
+
+def test_resume_runs_the_arms_never_measured_before_completing_a_cut_one(tmp_path, monkeypatch):
+    """Breadth first: a first call measures base, loses dflash's c=4 to the deadline and never starts
+    ddtree; ``--resume`` starts ddtree's server before dflash's (a lease that ends then still has
+    every arm in the cell), and the report lists the arms in that order.  Control: the first arm
+    keeps its place even when cut (it sizes the levels)."""
+    algos, doc = _resume_order(tmp_path / "a", monkeypatch, "dflash")
     assert algos == ["DDTREE-GPU", "DFLASH"], algos
     assert [a["name"] for a in doc["arms"]] == ["base", "ddtree", "dflash"]
     assert all(a["status"] == "ok" for a in doc["arms"])
-
-    # control: base cut after its c=1 keeps its first place
-    calls, launched, launcher, args = _resume_world(tmp_path / "b", monkeypatch, "--concurrency", "1,4",
-                                                    "--repeats", "2", "--min-level-seconds", "0",
-                                                    "--arms", "base,dflash,ddtree")
-
-    def cut_base(arm, *a, **k):
-        recs = real(arm, *a, **k)
-        for rec in recs:
-            if arm["name"] == "base":
-                rec["levels"][1].update(partial=True, missing_repeats=1)
-                rec["status"] = "partial"
-            else:
-                rec.update(status="skipped", error="deadline", levels=[])
-        return recs
-
-    monkeypatch.setattr(S, "_measure_arm", cut_base)
-    S.run(args(), launcher=launch)
-    monkeypatch.setattr(S, "_measure_arm", real)
-    del algos[:]
-    doc = S.run(args("--resume"), launcher=launch)
+    algos, doc = _resume_order(tmp_path / "b", monkeypatch, "base")
     assert algos == ["base", "DFLASH", "DDTREE-GPU"], algos
 
 
