@@ -132,9 +132,10 @@ class DDTreeWorker(DFlashWorkerV2):
         # move_accept_tokens_to_target_kvcache (122 launches on a 61-layer target); both need page size 1
         self._kv_commit = switches.CURRENT.kv_commit
         self._commit_backend = commit_ops_backend(switches.CURRENT, self.tree_backend)
-        if (switches.describe() or os.environ.get(switches.ENV)) and getattr(ps, "tp_rank", 0) == 0:
+        changed = switches.describe()
+        if (changed or os.environ.get(switches.ENV)) and getattr(ps, "tp_rank", 0) == 0:
             # also when the switches given equal the defaults: the A/B checks the line (plugin loaded)
-            logger.info("%s %s", switches.LOG_TAG, switches.describe() or "the defaults")
+            logger.info("%s %s", switches.LOG_TAG, changed or "the defaults")
         # adaptive budget (issues 17, 39): the default set, SGLANG_DDTREE_BUDGETS', or None (fixed); the
         # extra verify states are built after the target's graph capture (init_cuda_graphs)
         self._adaptive_cfg = adaptive_config.parse_config(os.environ, budget=self.budget, algo=self.algo_name)

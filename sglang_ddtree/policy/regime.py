@@ -321,8 +321,8 @@ class RegimeController:
                 self._switch(PLAIN, now)       # spent at ``switched``
             return
         over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
-        if self._trip and self.regime == PLAIN and not over and (
-                not measured or self._since_switch >= self.TRIP_WINDOWS):
+        tripping = self._trip and self.regime == PLAIN
+        if tripping and not over and (not measured or self._since_switch >= self.TRIP_WINDOWS):
             # a trip's measurement is in (or the state passed): back to speculation unless plain
             # decoding won by h
             self._trip = False
@@ -331,7 +331,7 @@ class RegimeController:
             if not (measured and pw is not None and sw is not None and pw >= (1 + self.h) * sw):
                 self._switch(SPEC, now, count=True)
             return
-        if self._since_switch < self.MIN_WINDOWS or (self._trip and self.regime == PLAIN):
+        if self._since_switch < self.MIN_WINDOWS or tripping:
             return
         k = (self._win.bucket, self._win.synced)
         p, s = self.estimate(PLAIN, k), self.estimate(SPEC, k)
@@ -390,8 +390,8 @@ class RegimeController:
 
     def report(self) -> dict:
         """Host values: the regime, busy s per regime and switching (closed windows), decided
-        switches (excursions not counted unless kept; a trip's two included), trips, excursions, ``explore_s`` (their wall time),
-        ``explore_share`` (of that busy time), ``explore_loss_s = sum wall x max(0, 1 - q_spec /
+        switches (excursions not counted unless kept; a trip's two included), trips, excursions,
+        ``explore_s`` (their wall time), ``explore_share`` (of that busy time), ``explore_loss_s = sum wall x max(0, 1 - q_spec /
         q_plain)``, the credit (s)."""
         busy = sum(self.time_s.values())
         return {"regime": self.regime, "time_s": dict(self.time_s), "switches": self.switches,
