@@ -78,13 +78,14 @@ def _level(arm: Optional[dict], c: int) -> Optional[dict]:
     return next((lv for lv in (arm or {}).get("levels") or [] if lv.get("concurrency") == c), None)
 
 
-def outputs_verdict(doc: dict, arm: str, near_ties: bool = True) -> Tuple[bool, str]:
-    """(ok, text) of an arm's identity requests against the reference arm; ``near_ties``: a difference
-    that is a classified bf16 near tie is allowed (False: token-identical only)."""
+def outputs_verdict(doc: dict, arm: str, near_ties: bool = True) -> Tuple[Optional[bool], str]:
+    """(ok, text) of an arm's identity requests against the reference arm, ok None where none was
+    compared (not measured: the cell is INCOMPLETE, not FAIL); ``near_ties``: a difference that is a
+    classified bf16 near tie is allowed (False: token-identical only)."""
     idn = doc.get("identity") or {}
     d = (idn.get("arms") or {}).get(arm)
     if not d or not d.get("compared"):
-        return False, "not compared"
+        return None, "not compared"
     if not d.get("mismatched"):
         return True, f"identical ({d['compared']})"
     if not near_ties:
@@ -179,8 +180,10 @@ def cell_from(doc: dict, c: int, source: str, default: str = DEFAULT_ARM) -> Opt
         fails.append(f"{cell['x_best']:.2f}x max(base, dflash) < {BAR_MAX}")
     if cell["dflash_beats_base"] and cell["x_dflash"] < BAR_DFLASH:
         fails.append(f"{cell['x_dflash']:.2f}x dflash < {BAR_DFLASH} where dflash beats base")
-    if not ok_out:
+    if ok_out is False:
         fails.append(f"outputs: {out_txt}")
+    elif ok_out is None:
+        why = why + [f"outputs {out_txt}"]
     reg = cell["regime"]
     if reg and reg["explore_share"] is not None and reg["explore_share"] > EXPLORE_MAX:
         fails.append(f"exploration {reg['explore_share']:.1%} of busy time > {EXPLORE_MAX:.0%}")
@@ -211,8 +214,10 @@ def floor_cell_from(doc: dict, c: int, source: str) -> Optional[dict]:
     fails = []
     if cell["x_base"] < FLOOR_TPUT:
         fails.append(f"{cell['x_base']:.3f}x base tok/s < {FLOOR_TPUT}")
-    if not identical:
+    if identical is False:
         fails.append(f"outputs: {cell['outputs']}")
+    elif identical is None:
+        why = why + [f"outputs {cell['outputs']}"]
     why = why + _close_repeats(lv, [(cell["x_base"], FLOOR_TPUT)])
     cell.update(status="INCOMPLETE" if why else ("FAIL" if fails else "PASS"), fails=fails)
     if why:

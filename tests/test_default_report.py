@@ -92,6 +92,20 @@ def test_outputs_must_be_identical_or_classified_near_ties():
     assert cells_of(err)[("text", "random", 1)]["status"] == "FAIL"
 
 
+def test_outputs_never_compared_leave_the_cell_incomplete_not_failed():
+    """An arm whose identity requests did not run (s40: the deadline took their time) has no verdict on
+    its outputs: the cell is INCOMPLETE, saying so, in the default's table and the floor's.  Control:
+    the same report with the outputs compared passes."""
+    doc = report({1: dict(base=100.0, dflash=90.0, ddtree=150.0, ddtree_regimeplain=100.0)}, repeats=3)
+    assert cells_of(doc)[("text", "random", 1)]["status"] == "PASS"
+    assert floors_of(doc)[("text", "random", 1)]["status"] == "PASS"
+    for arm in ("ddtree", "ddtree_regimeplain"):
+        del doc["identity"]["arms"][arm]
+    cell, floor = cells_of(doc)[("text", "random", 1)], floors_of(doc)[("text", "random", 1)]
+    assert cell["status"] == "INCOMPLETE" and cell["why"] == ["outputs not compared"] and not cell["fails"]
+    assert floor["status"] == "INCOMPLETE" and floor["why"] == ["outputs not compared"] and not floor["fails"]
+
+
 def test_short_or_few_repeats_is_incomplete_whatever_the_ratio():
     lv = {1: dict(base=100.0, dflash=90.0, ddtree=150.0)}
     assert cells_of(report(lv, repeats=1))[("text", "random", 1)]["status"] == "INCOMPLETE"

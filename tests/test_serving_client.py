@@ -972,7 +972,7 @@ def test_a_repeat_that_cannot_finish_before_the_deadline_is_not_started(tmp_path
     # the deadline leaves base's calibration pass and two repeats (1000 + 3 x 30 = 1090 < 1100), not a third
     args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
                  "--repeats", "3", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
-                 "--deadline", "100", "--min-arm-s", "1", "--workdir", str(tmp_path / "w"),
+                 "--deadline", "100", "--min-arm-s", "1", "--identity-reserve-s", "0", "--workdir", str(tmp_path / "w"),
                  "--out", str(tmp_path / "r"), "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
     doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
     arm = doc["arms"][0]
@@ -1000,7 +1000,8 @@ def test_a_first_repeat_the_calibration_says_cannot_finish_is_not_started(tmp_pa
         _fake_clients(monkeypatch, a_pass)
         args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
                      "--repeats", "1", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
-                     "--deadline", str(deadline), "--min-arm-s", "1", "--workdir", str(tmp_path / f"w{deadline}"),
+                     "--deadline", str(deadline), "--min-arm-s", "1", "--identity-reserve-s", "0",
+                     "--workdir", str(tmp_path / f"w{deadline}"),
                      "--out", str(tmp_path / f"r{deadline}"), "--no-env-probe",
                      "--prompts", prompts)
         doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
@@ -1009,6 +1010,77 @@ def test_a_first_repeat_the_calibration_says_cannot_finish_is_not_started(tmp_pa
         assert lv.get("repeats", 0) == repeats, (deadline, lv)
         if repeats == 0:
             assert lv["partial"] and arm["unstarted_repeats"] == [4] and clock["t"] == 1030.0, arm
+
+
+def test_a_first_repeat_its_level_warm_up_says_cannot_finish_is_not_started(tmp_path, monkeypatch):
+    """An arm that does not size the level has no calibration pass: its level warm-up (W x c
+    requests) scaled to the repeat's requests says whether the repeat can finish (s40: 1152 requests
+    started with 16 s left after a 320-request warm-up of 9.5 s; all failed).  Control: with time for
+    it, the repeat runs."""
+    model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
+    for deadline, repeats in ((25, 0), (40, 1)):
+        clock = {"t": 1000.0}
+        monkeypatch.setattr(S.time, "time", lambda: clock["t"])
+        monkeypatch.setattr(S.time, "sleep", lambda s: None)
+
+        def a_pass(port, c, n, k):
+            clock["t"] += 0.25 * n             # the warm-up's 20 requests: 5 s; a repeat's 80: 20 s
+            return 0.25 * n
+
+        _fake_clients(monkeypatch, a_pass)
+        args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
+                     "--requests-per-level", "4:80", "--repeats", "1", "--warmup", "0", "--min-level-seconds", "0",
+                     "--level-warmup-waves", "5", "--identity-prompts", "2", "--deadline", str(deadline),
+                     "--min-arm-s", "1", "--identity-reserve-s", "0", "--workdir", str(tmp_path / f"w{deadline}"),
+                     "--out", str(tmp_path / f"r{deadline}"), "--no-env-probe", "--prompts", prompts)
+        doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+        arm = doc["arms"][0]
+        lv = arm["levels"][0]
+        assert lv.get("repeats", 0) == repeats, (deadline, lv)
+        # 25 s: after the warm-up (5 s) 20 s are left for a repeat expected to take 20 s x 1.15
+        assert clock["t"] == (1005.0 if repeats == 0 else 1025.0), (deadline, clock)
+        if repeats == 0:
+            assert lv["partial"] and arm["unstarted_repeats"] == [4], arm
+
+
+def test_the_levels_leave_the_identity_requests_their_time(tmp_path, monkeypatch):
+    """An arm's levels stop --identity-reserve-s before the deadline, so its identity requests (the
+    lossless verdict) still run when a level is cut; the cut level's repeats stay in the table,
+    marked partial.  Control: without the reserve, a repeat slower than its estimate runs into the
+    deadline, and the report says the identity was not run (not 16 requests "failed", s40)."""
+    model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
+    for reserve in ("15", "0"):
+        clock = {"t": 1000.0}
+        monkeypatch.setattr(S.time, "time", lambda: clock["t"])
+        monkeypatch.setattr(S.time, "sleep", lambda s: None)
+        ports = []
+
+        def a_pass(port, c, n, k):
+            ports.append(port)
+            # base: 1 s a pass; the tree arm: 10 s, then 40 s (a pass slower than its estimate)
+            dur = 1.0 if port == ports[0] else 10.0 if k == 0 else 40.0
+            clock["t"] += dur
+            return dur
+
+        _fake_clients(monkeypatch, a_pass)
+        out = tmp_path / f"r{reserve}"
+        args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,ddtree", "--concurrency",
+                     "4", "--requests-per-level", "4:80", "--repeats", "2", "--warmup", "0", "--min-level-seconds",
+                     "0", "--identity-prompts", "2", "--deadline", "35", "--min-arm-s", "1",
+                     "--identity-reserve-s", reserve, "--workdir", str(tmp_path / f"w{reserve}"), "--out", str(out),
+                     "--no-env-probe", "--prompts", prompts)
+        doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+        tree = doc["arms"][1]
+        md = open(str(out) + ".md").read()
+        if reserve == "15":       # the second repeat (expected 10 s x 1.15) does not fit in 20 - 12 s
+            assert tree["levels"][0]["repeats"] == 1 and tree["identity_requests"]["failed"] == 0
+            assert doc["identity"]["arms"]["ddtree"]["identical"]
+            assert "| ddtree | identical (2 of 2)" in md
+            assert "| ddtree | 800 (0.10x / -) partial (1 of 2 repeats) |" in md, md
+        else:
+            assert tree["levels"][0]["repeats"] == 2 and tree["identity_requests"]["not_run"] == "deadline"
+            assert "ddtree" not in doc["identity"]["arms"] and tree["status"] == "partial"
+            assert "| ddtree | not run (deadline) | - |" in md, md
 
 
 def _resume_order(tmp_path, monkeypatch, cut_arm):

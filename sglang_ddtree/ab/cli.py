@@ -164,6 +164,9 @@ def build_parser(default_out: str = DEFAULT_OUT):
     g.add_argument("--identity-prompts", type=int, default=16, help="bench_serving: greedy identity requests per arm")
     g.add_argument("--identity-new-tokens", type=int, default=256)
     g.add_argument("--identity-concurrency", type=int, default=1)
+    g.add_argument("--identity-reserve-s", type=float, default=15.0,
+                   help="bench_serving: an arm's levels stop this many seconds before --deadline, so its identity "
+                        "requests (after them) still run")
     return ap
 
 

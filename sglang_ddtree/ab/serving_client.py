@@ -980,6 +980,10 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
     def left(default=3600.0):
         return default if deadline_at is None else max(5.0, deadline_at - time.time())
 
+    # the levels stop this much before the deadline: the identity requests after them are the arm's
+    # lossless verdict (s40: a level started with 16 s left, and the identity found no time at all)
+    levels_until = None if deadline_at is None else deadline_at - args.identity_reserve_s
+
     try:
         server = launcher(cmd, env, log_path)
         why = wait_healthy(f"http://127.0.0.1:{port}", server, min(args.start_timeout, left()))
@@ -1012,7 +1016,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     rec["levels"].append(dict(done[c], resumed=True))
                     rec.setdefault("resumed_levels", []).append(c)
                     continue
-                if deadline_at is not None and time.time() > deadline_at - 5:
+                if levels_until is not None and time.time() > levels_until - 5:
                     rec.setdefault("skipped_levels", []).append(c)
                     continue
                 sizing = c not in L.counts and bool(args.min_level_seconds)   # this arm sizes the level
@@ -1025,15 +1029,17 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     # first seconds at this load (the reference arm's calibration passes follow it)
                     nw = int(args.level_warmup_waves) * c
                     w = _one_run(args, bsc, port, opts, L.workload, c, nw, L.dataset_for, tmpdir, arm, "lwarm", left())
-                    rec.setdefault("level_warmups", {})[str(c)] = dict(
+                    warm = rec.setdefault("level_warmups", {})[str(c)] = dict(
                         num_prompts=nw, ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
                         output_throughput=(w.get("result") or {}).get("output_throughput"))
+                else:
+                    warm = None
                 calibration, reps, passes, sizer = [], [], 1, sizing
                 while len(reps) < max(1, args.repeats):
-                    if (reps or calibration) and deadline_at is not None and time.time() > deadline_at - 5:
+                    if (reps or calibration) and levels_until is not None and time.time() > levels_until - 5:
                         break
-                    expect = expected_pass_s(reps, calibration, n)
-                    if expect and deadline_at is not None and deadline_at - time.time() < REPEAT_FIT * expect:
+                    expect = expected_pass_s(reps, calibration, n, warm)
+                    if expect and levels_until is not None and levels_until - time.time() < REPEAT_FIT * expect:
                         # a repeat cut by the deadline is device time for nothing: leave it (the level is
                         # partial; --resume runs it again in the next call, keeping the complete ones)
                         rec.setdefault("unstarted_repeats", []).append(c)
@@ -1067,7 +1073,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     if passes > 1:
                         got = [r]
                         while len(got) < passes and got[-1].get("ok"):
-                            if deadline_at is not None and deadline_at - time.time() < REPEAT_FIT * dur:
+                            if levels_until is not None and levels_until - time.time() < REPEAT_FIT * dur:
                                 break
                             got.append(_one_run(args, bsc, port, opts, L.workload, c, n, L.dataset_for, tmpdir,
                                                 arm, f"{tag}p{len(got)}", left()))
@@ -1103,16 +1109,24 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                 lv.pop("_window", None)
         # the identity requests: the same token-id prompts for every arm (and workload), greedy, through /generate
         ic = int(args.identity_concurrency)
-        res, dur, partial = client.run_level(f"http://127.0.0.1:{port}", id_prompts, ic, args.identity_new_tokens,
-                                             deadline_at, desc=f"{arm['name']} identity", progress=False,
-                                             timeout=min(600.0, left() + 30))
-        ident = dict(n=len(id_prompts), concurrency=ic, seconds=round(dur, 2), partial=bool(partial),
-                     failed=sum(1 for r in res if not (r and r.get("ok"))))
+        if deadline_at is not None and deadline_at - time.time() < 1.0:
+            # no time left: not run, and said so (not 16 requests "failed" in 0 s, s40)
+            ident = dict(n=len(id_prompts), concurrency=ic, seconds=0.0, partial=True, failed=0,
+                         not_run="deadline")
+        else:
+            res, dur, partial = client.run_level(f"http://127.0.0.1:{port}", id_prompts, ic,
+                                                 args.identity_new_tokens, deadline_at,
+                                                 desc=f"{arm['name']} identity", progress=False,
+                                                 timeout=min(600.0, left() + 30))
+            ident = dict(n=len(id_prompts), concurrency=ic, seconds=round(dur, 2), partial=bool(partial),
+                         failed=sum(1 for r in res if not (r and r.get("ok"))))
         for L, rec in zip(loads, recs):
-            L.outputs[arm["name"]] = {ic: [r["output_ids"] if r and r.get("ok") else None for r in res]}
+            if not ident.get("not_run"):
+                L.outputs[arm["name"]] = {ic: [r["output_ids"] if r and r.get("ok") else None for r in res]}
             rec["identity_requests"] = dict(ident)
             rec["status"] = "ok" if rec["levels"] and all(not lv.get("partial") for lv in rec["levels"]) \
-                and not rec.get("skipped_levels") and not rec["identity_requests"]["failed"] else "partial"
+                and not rec.get("skipped_levels") and not rec["identity_requests"]["failed"] \
+                and not rec["identity_requests"].get("not_run") else "partial"
     except Exception as e:  # noqa: BLE001 - one arm's failure never stops the others
         for r in recs:
             if r["status"] == "failed":
@@ -1153,15 +1167,18 @@ def _one_run(args, bsc, port, opts, workload, c, n, dataset_for, tmpdir, arm, ta
 REPEAT_FIT = 1.15       # a repeat starts only with this x its expected wall time left before the deadline
 
 
-def expected_pass_s(reps: list, calibration: list, n: int) -> Optional[float]:
+def expected_pass_s(reps: list, calibration: list, n: int, warmup: Optional[dict] = None) -> Optional[float]:
     """The wall time the level's next pass of ``n`` requests should take: the previous repeat's, else
     the last calibration pass's scaled to ``n`` (s39: a first repeat of 352 requests started with 23 s
-    left after a 64-request calibration of 5.6 s, and the deadline failed all 352), else None."""
+    left after a 64-request calibration of 5.6 s, and the deadline failed all 352), else the level's
+    warm-up pass (``--level-warmup-waves``) scaled to ``n`` (s40: an arm that did not size the level
+    started 1152 requests with 16 s left after a 320-request warm-up of 9.5 s), else None."""
     last = reps[-1] if reps else None
     if last is not None and last.get("window"):
         return last["window"][1] - last["window"][0]
-    if calibration and calibration[-1].get("seconds") and calibration[-1].get("num_prompts"):
-        return calibration[-1]["seconds"] * n / calibration[-1]["num_prompts"]
+    for p in (calibration[-1] if calibration else None, warmup):
+        if p and p.get("ok", True) and p.get("seconds") and p.get("num_prompts"):
+            return p["seconds"] * n / p["num_prompts"]
     return None
 
 
@@ -1187,7 +1204,9 @@ def identity_verdict(doc: dict, name: str) -> str:
         return "reference"
     d = (idn.get("arms") or {}).get(name)
     if not d or not d.get("compared"):
-        return "-"
+        rec = next((a for a in doc.get("arms") or [] if a.get("name") == name), None) or {}
+        why = (rec.get("identity_requests") or {}).get("not_run")
+        return f"not run ({why})" if why else "-"
     if not d["mismatched"]:
         return f"identical ({d['compared']} of {d['compared']})"
     cls = ((idn.get("classification") or {}).get("arms") or {}).get(name)
@@ -1249,17 +1268,21 @@ def render_markdown(doc: dict) -> str:
     for a in arms:
         cells = []
         for c in levels:
-            t = _tput(a, c)
+            t, lv = _tput(a, c), _level(a, c)
+            cut = t is None and lv is not None and bool(lv.get("output_throughput"))
+            if cut:     # a level the deadline cut after complete repeats: their median, marked partial
+                t = lv["output_throughput"]
             if t is None:
-                lv = _level(a, c)
                 cells.append("-" if lv is None else "failed")
                 continue
             r = []
             for ref in ("base", "dflash"):
                 rt = _tput(by.get(ref), c)
                 r.append("1.00x" if a["name"] == ref else f"{t / rt:.2f}x" if rt else "-")
-            lv = _level(a, c)
-            cells.append(f"{t:.0f} ({' / '.join(r)}){' short' if lv.get('short') else ''}")
+            note = "" if not cut else \
+                f" partial ({lv['repeats']} of {lv['repeats'] + lv['missing_repeats']} repeats)" \
+                if lv.get("missing_repeats") else f" partial ({lv.get('failed')} failed)"
+            cells.append(f"{t:.0f} ({' / '.join(r)}){' short' if lv.get('short') else ''}{note}")
         L.append(f"| {a['name']} | " + " | ".join(cells) + f" | {identity_verdict(doc, a['name'])} |")
 
     def table(title, cell):
