@@ -48,13 +48,13 @@ class Switches:
     ``ddtree`` or a start-up error; A/B arm suffix ``_dattn``); draft_fast_plan: the drafter's
     flashinfer TARGET_VERIFY graphs re-plan with SGLang's sync-free ``fast_prefill_plan``
     (``patches/flashinfer_draft_fast_plan.py``; A/B arm suffix ``_dfastplan``); regime: the regime
-    the server starts in and keeps (``regime_state.py``): ``spec`` (today's default: every batch on
-    the speculative path) or ``plain`` (every batch on SGLang's plain decode path: the floor of
+    the server starts in and keeps (``regime_state.py``): ``spec`` (every batch on the speculative
+    path: the default until s40, A/B arm suffix ``_regimespec``) or ``plain`` (every batch on SGLang's plain decode path: the floor of
     issue 52 item 4; A/B arm suffix and stage suffix ``_regimeplain``), or ``cycle<k>``: the regime
     flips every k decode launches (``policy.regime.CycleRegime``; the test bed's transitions, stage
-    suffix ``regimecycle``), or ``auto``: the measured switch (``policy.regime.RegimeController``;
-    A/B arm suffix ``_regimeauto``; not the default until measured; a batch whose request pins a
-    tree budget is served by speculation).  ``plain`` serves such a request plainly (forced: the
+    suffix ``regimecycle``), or ``auto`` (the default): the measured switch (``policy.regime.RegimeController``;
+    A/B arm suffix ``_regimeauto``; a batch whose request pins a tree budget is served by
+    speculation; a server without the plain decode state, i.e. a fixed budget, only speculates).  ``plain`` serves such a request plainly (forced: the
     floor); its output is the same."""
 
     budget_cycle: Optional[Tuple[int, ...]] = None
@@ -68,7 +68,7 @@ class Switches:
     verify_attn_splits: Optional[int] = None
     draft_attn: str = "sglang"
     draft_fast_plan: bool = False
-    regime: str = "spec"
+    regime: str = "auto"
 
     def __post_init__(self):
         if self.budget_cycle is not None:

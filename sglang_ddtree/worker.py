@@ -229,15 +229,16 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _start_regime(self) -> None:
         """The regime new batches are made in (``regime_state``): served when the plain decode state
-        exists (the adaptive set's no-speculation width), as the ``regime`` switch says: ``spec``
-        (the default: never switches), ``plain`` (forced), ``cycle<k>`` (``CycleRegime``) or
-        ``auto`` (rank 0's ``RegimeController``, ``FollowerRegime`` on the other TP ranks).
-        ValueError when anything but ``spec`` is asked of a server without the plain state."""
+        exists (the adaptive set's no-speculation width), as the ``regime`` switch says: ``auto``
+        (the default: rank 0's ``RegimeController``, ``FollowerRegime`` on the other TP ranks; a
+        server without the plain state, a fixed budget, only speculates), ``spec`` (never switches),
+        ``plain`` (forced) or ``cycle<k>`` (``CycleRegime``).  ValueError when ``plain`` or
+        ``cycle<k>`` is asked of a server without the plain state."""
         value = switches.CURRENT.regime
         cycle = switches.regime_cycle(value)
         start = regime_state.SPEC if cycle is not None or value == "auto" else value
         plain_ok = self._verify_states is not None and NO_SPEC in self._verify_states.states
-        if value != regime_state.SPEC and not plain_ok:
+        if value not in (regime_state.SPEC, "auto") and not plain_ok:
             raise ValueError(f"{self.algo_name}: regime={value} needs the plain decode state (the "
                              "adaptive budget with its no-speculation width and CUDA graphs)")
         self._launches = LaunchTracker()

@@ -205,13 +205,27 @@ def test_a_plain_decode_refuses_what_it_cannot_run():
 
 
 def test_the_worker_starts_the_regime_its_switch_names(monkeypatch):
+    from sglang_ddtree.policy import RoundPolicy
+    from sglang_ddtree.policy.regime import RegimeController
+
+    monkeypatch.setattr(W, "get_tp_group", lambda: types.SimpleNamespace(world_size=1))
+    # the default: auto, starting in speculation, rank 0's controller measuring
     w = _worker()
+    w._policy = RoundPolicy(17)
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches())
     w._start_regime()
     assert regime_state.STATE.enabled and regime_state.STATE.regime == regime_state.SPEC
+    assert isinstance(w._policy.regime_controller, RegimeController)
+    w = _worker()
+    monkeypatch.setattr(switches, "CURRENT", switches.Switches(regime="spec"))
+    w._start_regime()
+    assert regime_state.STATE.enabled and regime_state.STATE.regime == regime_state.SPEC
+    assert w._policy.regime_controller is None      # spec: no controller, never switches
     monkeypatch.setattr(switches, "CURRENT", switches.Switches(regime="plain"))
     w._start_regime()
     assert regime_state.STATE.plain()
-    # without the plain decode state: refused at start-up, not at the first batch
+    # without the plain decode state (a fixed budget): plain refused at start-up, not at the first
+    # batch; the default only speculates
     w = _worker(widths=(8, 16))
     with pytest.raises(ValueError, match="regime=plain needs the plain decode state"):
         w._start_regime()
@@ -230,6 +244,8 @@ def test_the_regime_switch_and_its_arm_and_stage_names():
 
     assert arm_switches(parse_arm("ddtree_regimeplain")) == {"regime": "plain"}
     assert arm_switches(parse_arm("ddtree_regimeauto")) == {"regime": "auto"}
+    assert arm_switches(parse_arm("ddtree_regimespec")) == {"regime": "spec"}
+    assert switches.Switches().regime == "auto" and switches.describe(switches.Switches(regime="spec")) == "regime='spec'"
     with pytest.raises(ValueError, match="only adaptive arms"):
         parse_arm("ddtree_b16_regimeplain")
 

@@ -30,6 +30,7 @@ ARM_SUFFIXES = (("_vattn", "SGLANG_DDTREE_VERIFY_ATTN", "ddtree", False),
                 ("_nospec", "switch:budget_cycle", [0], True),
                 ("_nooverhead", "switch:round_overhead", False, True),
                 ("_regimeplain", "switch:regime", "plain", True),
+                ("_regimespec", "switch:regime", "spec", True),
                 ("_regimeauto", "switch:regime", "auto", True))
 
 
@@ -75,7 +76,9 @@ def parse_arm(name: str) -> dict:
     ``_regimeplain`` (adaptive arms only: ``ddtree_regimeplain``): every batch in the plain regime
     (switch ``regime=plain``: SGLang's plain decode path, no speculative upkeep), the floor of
     issue 52 item 4 against the base arm in the same run.  ``_regimeauto`` (adaptive arms only):
-    the measured switch between the plain regime and speculation (switch ``regime=auto``).
+    the measured switch between the plain regime and speculation (switch ``regime=auto``, the
+    default since s40: the same server as ``ddtree``); ``_regimespec``: every batch speculative
+    (switch ``regime=spec``, the default before).
     ``_nooverhead`` (adaptive arms only): the policy without its measured per-round overhead term
     (switch ``round_overhead=false``: GPU cost table and acceptance alone), to see what that
     term does to the choice in the same run.  Switches are not server settings
