@@ -4,8 +4,14 @@ assembled from the A/B's serving reports (``python -m sglang_ddtree.ab --client 
 JSON per device call), and the floor of item 4.
 
 usage: python bench/default_report.py [--default-arm ARM] OUT_PREFIX REPORT.json[.gz] [REPORT ...]
-       (writes OUT_PREFIX.json and OUT_PREFIX.md; ARM: the arm judged as the default, ``ddtree``
-       unless given, e.g. ``ddtree_regimeauto`` for the candidate default)
+       (writes OUT_PREFIX.json and OUT_PREFIX.md; ARM: the arm judged as the default in every
+       report; unless given, today's default per report: see ``default_arm_of``)
+
+Today's default (since s40) is the server that switches between plain decoding and speculation
+(switch ``regime=auto``): in a report from after the flip it is the ``ddtree`` arm (its server ran a
+regime controller: the arm has the A/B's ``regime_final`` or a level's ``regime`` record), before
+it the ``ddtree_regimeauto`` arm; a report's ``ddtree`` arm without a regime controller is the
+spec-only default of its commit and is not judged as today's.
 
 A cell takes all three arms from ONE report (ratios only within one run: one device call, or several
 on one warm machine joined by the A/B's ``--resume``); where several reports hold the cell, the one
@@ -44,7 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from rawio import open_maybe_gz  # noqa: E402
 
-DEFAULT_ARM = "ddtree"
+DEFAULT_ARM = None            # today's default, per report (default_arm_of)
+UNMEASURED_DEFAULT = "ddtree (regime auto)"   # the label where a report has no arm of today's default
 FLOOR_ARM = "ddtree_regimeplain"
 WORKLOADS = ("random", "varied", "ids", "natural", "long", "mix")
 CONCURRENCY = (1, 16, 64)
@@ -59,9 +66,25 @@ FLOOR_TPUT = 0.99
 EXPLORE_MAX = 0.01
 
 
-def arms_of(default: str = DEFAULT_ARM) -> Tuple[str, str, str]:
+def arms_of(default: str) -> Tuple[str, str, str]:
     """The three arms of a cell: base, dflash and the arm judged as the default."""
     return ("base", "dflash", default)
+
+
+def ran_regime_controller(arm: Optional[dict]) -> bool:
+    """Whether an arm's server ran the regime controller (switch ``regime=auto``): the A/B read its
+    regime report lines (``regime_final``, or a level's ``regime`` record)."""
+    return bool(arm) and (bool(arm.get("regime_final")) or any(lv.get("regime") for lv in arm.get("levels") or []))
+
+
+def default_arm_of(doc: dict) -> str:
+    """The arm of ``doc`` that is today's default: ``ddtree`` where its server ran the regime controller
+    (a report from after the s40 flip), else ``ddtree_regimeauto``, else ``UNMEASURED_DEFAULT`` (an
+    arm no report has: the cell says today's default was not measured)."""
+    by = {a.get("name"): a for a in doc.get("arms") or []}
+    if ran_regime_controller(by.get("ddtree")):
+        return "ddtree"
+    return "ddtree_regimeauto" if "ddtree_regimeauto" in by else UNMEASURED_DEFAULT
 
 
 def close_to(x: Optional[float], bar: float) -> bool:
@@ -153,9 +176,11 @@ def regime_of(level: dict) -> Optional[dict]:
                 partial=bool(r.get("partial")))
 
 
-def cell_from(doc: dict, c: int, source: str, default: str = DEFAULT_ARM) -> Optional[dict]:
+def cell_from(doc: dict, c: int, source: str, default: Optional[str] = DEFAULT_ARM) -> Optional[dict]:
     """One (pair, workload, c) cell from one report (INCOMPLETE, naming them, when arms are missing at
-    c), or None when the report has no arm at c; ``default``: the arm judged as the default."""
+    c), or None when the report has no arm at c; ``default``: the arm judged as the default (None:
+    :func:`default_arm_of` the report)."""
+    default = default or default_arm_of(doc)
     arms = arms_of(default)
     lv, why = _levels_at(doc, c, arms)
     if not (lv["dflash"] or lv[default]):    # base alone (or beside the floor's arm) is no cell here
@@ -333,26 +358,30 @@ def _regime_text(reg: Optional[dict]) -> str:
 
 
 def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple, dict]] = None,
-           default: str = DEFAULT_ARM) -> str:
+           default: Optional[str] = DEFAULT_ARM) -> str:
     keys = _table_keys(cells)
     n_pass = sum(1 for k in keys if cells[k]["status"] == "PASS")
+    which = f"the `{default}` arm" if default else (
+        "today's default, switch `regime=auto` (since s40): a report's `ddtree` arm where its server ran the "
+        "regime controller, else its `ddtree_regimeauto` arm (column `arm`); a `ddtree` arm without the "
+        "controller is an older spec-only default and is not judged")
     L = ["# DDTREE-GPU default vs base and DFLASH under sglang.bench_serving (issue 52)", "",
          f"Produced by `bench/default_report.py` from the serving reports named per row; the default is "
-         f"the `{default}` arm. Bars per cell: default >= {BAR_MAX} x max(base, dflash); >= {BAR_DFLASH} x "
+         f"{which}. Bars per cell: default >= {BAR_MAX} x max(base, dflash); >= {BAR_DFLASH} x "
          f"dflash where dflash beats base; its outputs identical to base's (or classified bf16 near ties, "
          f"no error); its exploration <= {EXPLORE_MAX:.0%} of busy time where it has a regime; >= "
          f"{MIN_REPEATS} repeats of >= {MIN_SECONDS:.0f} s ({CLOSE_REPEATS} where a ratio is within "
          f"{CLOSE:.0%} of its bar). Output tok/s, median of repeats; ratios within one report.", "",
          f"**{n_pass} of {len(keys)} cells pass.**", "",
-         "| pair | workload | c | base | dflash | default | x max | x dflash | regime | outputs | status | GPU | report |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]
+         "| pair | workload | c | base | dflash | default | arm | x max | x dflash | regime | outputs | status | GPU | report |",
+         "|---|---|---:|---:|---:|---:|---|---:|---:|---|---|---|---|---|"]
     for k in keys:
         x = cells[k]
         t = x["tok_s"]
         f = lambda v: "-" if not v else f"{v:.0f}"
         r = lambda v: "-" if v is None else f"{v:.2f}"
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {f(t['base'])} | {f(t['dflash'])} | {f(t[x['default_arm']])} | "
-                 f"{r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {_regime_text(x.get('regime'))} | "
+                 f"`{x['default_arm']}` | {r(x.get('x_best'))} | {r(x.get('x_dflash'))} | {_regime_text(x.get('regime'))} | "
                  f"{x['outputs']} | {_status_text(x)} | {x.get('card', '?')} | `{os.path.basename(x['source'])}` |")
     L += render_floor(floor or {})
     L += ["", "## Not measured yet", ""] + ([f"- {g}" for g in gaps] or ["- nothing: the matrix is complete"])

@@ -16,9 +16,10 @@ import default_report as R  # noqa: E402
 
 
 def report(levels, *, workload="random", pair="text", repeats=3, min_s=20.0, short=(), mismatched=None,
-           classified=None, date="2026-12-05", itl=None, regime=None):
+           classified=None, date="2026-12-05", itl=None, regime=None, auto_default=True):
     """levels: {c: {arm: tok/s}} (an arm missing at c is absent from that level); itl: {(arm, c): median
-    ITL ms} (default 10); regime: {(arm, c): the A/B's regime record}."""
+    ITL ms} (default 10); regime: {(arm, c): the A/B's regime record}; auto_default: the ``ddtree``
+    arm's server ran the regime controller (a report from after the s40 flip: its ``regime_final``)."""
     arms = {}
     for c, by in levels.items():
         for name, t in by.items():
@@ -34,7 +35,9 @@ def report(levels, *, workload="random", pair="text", repeats=3, min_s=20.0, sho
     return dict(kind="ab_serving", meta=dict(date=date),
                 settings=dict(pair=pair, workload=dict(name=workload), concurrency=sorted(levels),
                               min_level_seconds=min_s),
-                arms=[dict(name=n, levels=lv) for n, lv in arms.items()], identity=idn)
+                arms=[dict(name=n, levels=lv, **({"regime_final": dict(regime="spec", switches=0)}
+                                                 if n == "ddtree" and auto_default else {}))
+                      for n, lv in arms.items()], identity=idn)
 
 
 def cells_of(*docs):
@@ -80,7 +83,26 @@ def test_the_default_arm_and_its_exploration():
     assert auto[("text", "random", 64)]["fails"] == ["exploration 2.0% of busy time > 1%"]
     assert {c: cells_of(doc)[("text", "random", c)]["status"] for c in (16, 64)} == {16: "FAIL", 64: "FAIL"}
     md = R.render(auto, [], {}, default="ddtree_regimeauto")
-    assert "| text | random | 16 | 100 | 90 | 100 | 1.00 | 1.11 | spec 10%, 2 sw, explore 0.4% |" in md
+    assert "| text | random | 16 | 100 | 90 | 100 | `ddtree_regimeauto` | 1.00 | 1.11 | spec 10%, 2 sw, explore 0.4% |" in md
+
+
+def test_todays_default_is_the_arm_that_ran_the_regime_controller():
+    """Since the s40 flip the default is ``regime=auto``: a report's ``ddtree`` arm is judged where its
+    server ran the regime controller, else its ``ddtree_regimeauto`` arm; a ``ddtree`` arm without
+    the controller (an older spec-only default) is not judged as today's, and the cell says today's
+    default was not measured.  Control: ``--default-arm ddtree`` judges that older arm."""
+    lv = {16: dict(base=100.0, dflash=90.0, ddtree=91.0, ddtree_regimeauto=99.0)}
+    new = cells_of(report(lv))[("text", "random", 16)]
+    assert new["default_arm"] == "ddtree" and new["status"] == "FAIL"          # 0.91x: the flipped default
+    old = cells_of(report(lv, auto_default=False))[("text", "random", 16)]
+    assert old["default_arm"] == "ddtree_regimeauto" and old["status"] == "PASS"
+    spec_only = report({16: dict(base=100.0, dflash=90.0, ddtree=99.0)}, auto_default=False)
+    cell = cells_of(spec_only)[("text", "random", 16)]
+    assert cell["status"] == "INCOMPLETE" and cell["why"] == ["ddtree (regime auto) not measured"], cell
+    forced = R.assemble([("r.json", spec_only)], make=lambda d, c, src: R.cell_from(d, c, src, default="ddtree"))
+    assert forced[("text", "random", 16)]["status"] == "PASS"
+    md = R.render({("text", "random", 16): new}, [])
+    assert "| text | random | 16 | 100 | 90 | 91 | `ddtree` | 0.91 |" in md, md
 
 
 def test_outputs_must_be_identical_or_classified_near_ties():
@@ -118,7 +140,8 @@ def test_a_cell_never_mixes_reports_and_more_repeats_win():
     b = report({4: dict(ddtree=150.0)})
     cell = cells_of(a, b)[("text", "random", 4)]          # two halves never make a cell
     assert cell["status"] == "INCOMPLETE" and cell.get("x_best") is None and cell["source"] == "r0.json"
-    assert cell["why"] == ["ddtree not measured"] and cell["tok_s"] == dict(base=100.0, dflash=90.0, ddtree=None)
+    assert cell["why"] == [f"{R.UNMEASURED_DEFAULT} not measured"]      # the half without the default
+    assert cell["tok_s"] == {"base": 100.0, "dflash": 90.0, R.UNMEASURED_DEFAULT: None}
     full = report({4: dict(base=100.0, dflash=90.0, ddtree=99.0)}, repeats=2, date="2026-12-01")
     assert cells_of(full, a)[("text", "random", 4)]["tok_s"]["ddtree"] == 99.0   # more arms win
     two = report({4: dict(base=100.0, dflash=90.0, ddtree=90.0)}, repeats=2)
@@ -152,7 +175,7 @@ def test_the_command_writes_json_and_markdown(tmp_path):
     doc = json.loads((tmp_path / "default_h200.json").read_text())
     assert doc["passed"] == doc["total"] == 1
     md = (tmp_path / "default_h200.md").read_text()
-    assert "**1 of 1 cells pass.**" in md and "| text | random | 1 | 100 | 120 | 130 | 1.08 | 1.08 | - |" in md
+    assert "**1 of 1 cells pass.**" in md and "| text | random | 1 | 100 | 120 | 130 | `ddtree` | 1.08 | 1.08 | - |" in md
     assert "| PASS | ? | `serving.json` |" in md
 
 
