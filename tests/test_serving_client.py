@@ -955,19 +955,27 @@ def test_serving_profile_splits_each_level_from_its_own_repeats(tmp_path, monkey
     assert "## Round split" in md and "32 rounds, bs 4.0, GPU 7.00, host 2.00, ITL 7.50; w1: 32 x 7.00" in md
 
 
-def test_a_repeat_that_cannot_finish_before_the_deadline_is_not_started(tmp_path, monkeypatch):
-    """With less time left than ~the previous repeat took, the level stops (partial, the missing
-    repeats counted) instead of starting a pass the deadline would kill; the arm is then partial, so
-    ``--resume`` runs it again."""
+def _clocked_passes(monkeypatch, seconds):
+    """The fake clients on a fake clock (from t = 1000): a pass lasts ``seconds(port, c, n, pass
+    index)`` s of wall time and of duration.  -> the clock, {"t": now}."""
     clock = {"t": 1000.0}
     monkeypatch.setattr(S.time, "time", lambda: clock["t"])
     monkeypatch.setattr(S.time, "sleep", lambda s: None)
 
     def a_pass(port, c, n, k):
-        clock["t"] += 30.0                     # every pass takes 30 s of wall time
-        return 30.0
+        dur = seconds(port, c, n, k)
+        clock["t"] += dur
+        return dur
 
     _fake_clients(monkeypatch, a_pass)
+    return clock
+
+
+def test_a_repeat_that_cannot_finish_before_the_deadline_is_not_started(tmp_path, monkeypatch):
+    """With less time left than ~the previous repeat took, the level stops (partial, the missing
+    repeats counted) instead of starting a pass the deadline would kill; the arm is then partial, so
+    ``--resume`` runs it again."""
+    clock = _clocked_passes(monkeypatch, lambda port, c, n, k: 30.0)     # every pass: 30 s
     model = _model_dir(tmp_path)
     # the deadline leaves base's calibration pass and two repeats (1000 + 3 x 30 = 1090 < 1100), not a third
     args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
@@ -989,15 +997,7 @@ def test_a_first_repeat_the_calibration_says_cannot_finish_is_not_started(tmp_pa
     Control: with time for it, the repeat runs."""
     model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
     for deadline, repeats in ((60, 0), (100, 1)):
-        clock = {"t": 1000.0}
-        monkeypatch.setattr(S.time, "time", lambda: clock["t"])
-        monkeypatch.setattr(S.time, "sleep", lambda s: None)
-
-        def a_pass(port, c, n, k):
-            clock["t"] += 30.0                 # every pass: 30 s of wall time and of duration
-            return 30.0
-
-        _fake_clients(monkeypatch, a_pass)
+        clock = _clocked_passes(monkeypatch, lambda port, c, n, k: 30.0)     # every pass: 30 s
         args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
                      "--repeats", "1", "--warmup", "0", "--min-level-seconds", "20", "--identity-prompts", "2",
                      "--deadline", str(deadline), "--min-arm-s", "1", "--identity-reserve-s", "0",
@@ -1019,15 +1019,8 @@ def test_a_first_repeat_its_level_warm_up_says_cannot_finish_is_not_started(tmp_
     it, the repeat runs."""
     model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
     for deadline, repeats in ((25, 0), (40, 1)):
-        clock = {"t": 1000.0}
-        monkeypatch.setattr(S.time, "time", lambda: clock["t"])
-        monkeypatch.setattr(S.time, "sleep", lambda s: None)
-
-        def a_pass(port, c, n, k):
-            clock["t"] += 0.25 * n             # the warm-up's 20 requests: 5 s; a repeat's 80: 20 s
-            return 0.25 * n
-
-        _fake_clients(monkeypatch, a_pass)
+        # the warm-up's 20 requests: 5 s; a repeat's 80: 20 s
+        clock = _clocked_passes(monkeypatch, lambda port, c, n, k: 0.25 * n)
         args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base", "--concurrency", "4",
                      "--requests-per-level", "4:80", "--repeats", "1", "--warmup", "0", "--min-level-seconds", "0",
                      "--level-warmup-waves", "5", "--identity-prompts", "2", "--deadline", str(deadline),
@@ -1050,19 +1043,14 @@ def test_the_levels_leave_the_identity_requests_their_time(tmp_path, monkeypatch
     deadline, and the report says the identity was not run (not 16 requests "failed", s40)."""
     model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
     for reserve in ("15", "0"):
-        clock = {"t": 1000.0}
-        monkeypatch.setattr(S.time, "time", lambda: clock["t"])
-        monkeypatch.setattr(S.time, "sleep", lambda s: None)
         ports = []
 
-        def a_pass(port, c, n, k):
+        def seconds(port, c, n, k):
             ports.append(port)
             # base: 1 s a pass; the tree arm: 10 s, then 40 s (a pass slower than its estimate)
-            dur = 1.0 if port == ports[0] else 10.0 if k == 0 else 40.0
-            clock["t"] += dur
-            return dur
+            return 1.0 if port == ports[0] else 10.0 if k == 0 else 40.0
 
-        _fake_clients(monkeypatch, a_pass)
+        _clocked_passes(monkeypatch, seconds)
         out = tmp_path / f"r{reserve}"
         args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,ddtree", "--concurrency",
                      "4", "--requests-per-level", "4:80", "--repeats", "2", "--warmup", "0", "--min-level-seconds",
