@@ -786,7 +786,8 @@ def test_resume_keeps_complete_arms_of_the_same_machine_and_runs_the_rest(tmp_pa
     first run's level counts) and reports all of them; another GPU or other settings keep nothing."""
     gpus = {"now": ["GPU-aaa"]}
     calls, launched, launcher, args = _resume_world(tmp_path, monkeypatch, "--concurrency", "1", "--repeats", "3",
-                                                    "--min-level-seconds", "20", gpus=gpus)
+                                                    "--min-level-seconds", "20", "--level-seconds-margin", "1.5",
+                                                    gpus=gpus)
 
     real = S._measure_arm
 

@@ -143,9 +143,11 @@ def build_parser(default_out: str = DEFAULT_OUT):
     g.add_argument("--min-level-seconds", type=float, default=20.0,
                    help="bench_serving: the first arm scales a level's request count until it lasts >= this x "
                         "--level-seconds-margin (0: --requests-per-level as given)")
-    g.add_argument("--level-seconds-margin", type=float, default=1.5,
-                   help="bench_serving: head room for arms faster than the first (a level shorter than "
-                        "--min-level-seconds is flagged 'short')")
+    g.add_argument("--level-seconds-margin", type=float, default=1.15,
+                   help="bench_serving: the sizing arm aims its levels at --min-level-seconds x this (head room "
+                        "for run-to-run noise: a level shorter than --min-level-seconds is flagged 'short'); an "
+                        "arm faster than the sizer runs several passes a repeat instead (1.5 until s40, when "
+                        "every arm's levels lasted >= 1.5 x 20 s)")
     g.add_argument("--bench-serving-per-pass", action="store_true",
                    help="bench_serving: a `python -m sglang.bench_serving` process per pass (each pays `import "
                         "sglang`), instead of one persistent client process per arm that runs every pass in-process")
