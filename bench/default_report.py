@@ -26,7 +26,9 @@ three arms at c gives an INCOMPLETE cell naming the missing ones.  The GPU colum
 * outputs: the default arm's identity verdict identical, or every difference a classified bf16 near
   tie and no error;
 * the regime (where the default arm's level has the A/B's ``regime`` record, ``sglang_ddtree.ab.regime_log``):
-  its exploration <= 1 % of busy time (item 1); the share of time it speculated is shown.
+  its exploration <= 1 % of busy time (item 1); the share of time it speculated is shown, and the
+  share its trips took (plain decoding only to measure it in a new state, bounded by count: once per
+  state; not a bar, their cost is in the tok/s) where the record has it.
 PASS needs all of them.  The markdown also lists what the issue's matrix still lacks: pairs (the
 text pair and the chain pair at the Qwen3-8B shape, one MoE shape), workloads random / natural / long
 / mix, concurrency 1 / 16 / 64.
@@ -173,7 +175,7 @@ def regime_of(level: dict) -> Optional[dict]:
     if not r:
         return None
     return dict(spec_share=r.get("spec_share"), switches=r.get("switches"), explore_share=r.get("explore_share"),
-                partial=bool(r.get("partial")))
+                trip_share=r.get("trip_share"), partial=bool(r.get("partial")))
 
 
 def cell_from(doc: dict, c: int, source: str, default: Optional[str] = DEFAULT_ARM) -> Optional[dict]:
@@ -353,8 +355,10 @@ def _regime_text(reg: Optional[dict]) -> str:
     if not reg:
         return "-"
     sp, ex = reg.get("spec_share"), reg.get("explore_share")
+    tr = reg.get("trip_share")
     return (f"spec {'-' if sp is None else f'{sp:.0%}'}, {reg.get('switches') or 0} sw, explore "
-            f"{'-' if ex is None else f'{ex:.1%}'}" + (" (partial)" if reg.get("partial") else ""))
+            f"{'-' if ex is None else f'{ex:.1%}'}" + (f", trips {tr:.1%}" if tr else "")
+            + (" (partial)" if reg.get("partial") else ""))
 
 
 def render(cells: Dict[tuple, dict], gaps: List[str], floor: Optional[Dict[tuple, dict]] = None,

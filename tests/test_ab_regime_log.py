@@ -194,7 +194,8 @@ def test_worker_lines_parse_and_split_by_level(server):
     # its first measured window, the one-window trip (4 s of plain decoding), then speculation again
     assert ra["switches"] == 0 and ra["spec_share"] == 1.0
     assert rb["switches"] == 2 and rb["trips"] == 1 and rb["time_s"]["plain"] == pytest.approx(4.0, abs=1e-3)
-    assert ra["trips"] == 0 and RL.summary(rb) == "spec 80 %, 2 switches (1 trip), explore 0.0 %"
+    assert rb["trip_s"] == pytest.approx(4.0, abs=1e-3) and ra["trip_s"] == 0.0   # the trip: all its plain time
+    assert ra["trips"] == 0 and RL.summary(rb) == "spec 80 %, 2 switches (1 trip, 20.0 % of busy time), explore 0.0 %"
     assert rb["spec_share"] == pytest.approx(15.9 / 19.9, abs=1e-3)
     assert rb["time_s"]["switching"] == pytest.approx(0.1, abs=1e-6)
 
@@ -247,7 +248,8 @@ def test_no_line_before_the_start_counts_from_the_servers_start(monkeypatch, tmp
     assert r["time_s"]["spec"] == pytest.approx(4.0) and r["switches"] == 0 and r["explore_share"] == 0.0
     r = RL.level_regime(reps, (EPOCH + 21.0, EPOCH + 30.0))    # nothing in or after it
     assert r == dict(time_s={"plain": 0.0, "spec": 0.0, "switching": 0.0}, spec_share=None, switches=0,
-                     trips=0, excursions=0, explore_s=0.0, explore_share=None, lines=1, partial=True)
+                     trips=0, trip_s=0.0, trip_share=None, excursions=0, explore_s=0.0, explore_share=None,
+                     lines=1, partial=True)
     assert RL.summary(RL.level_regime(reps, (EPOCH + 2.0, EPOCH + 14.5))) == "spec 75 %, 3 switches, explore 11.8 %"
 
 

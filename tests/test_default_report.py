@@ -75,7 +75,7 @@ def test_the_default_arm_and_its_exploration():
     more than 1 % of busy time fails however fast it was; the regime is shown in the markdown."""
     lv = {16: dict(base=100.0, dflash=90.0, ddtree=95.0, ddtree_regimeauto=100.0),
           64: dict(base=100.0, dflash=90.0, ddtree=95.0, ddtree_regimeauto=110.0)}
-    reg = {("ddtree_regimeauto", 16): dict(spec_share=0.1, switches=2, explore_share=0.004),
+    reg = {("ddtree_regimeauto", 16): dict(spec_share=0.1, switches=2, explore_share=0.004, trip_share=0.025),
            ("ddtree_regimeauto", 64): dict(spec_share=0.5, switches=4, explore_share=0.02)}
     doc = report(lv, regime=reg)
     auto = R.assemble([("r.json", doc)], make=lambda d, c, src: R.cell_from(d, c, src, default="ddtree_regimeauto"))
@@ -83,7 +83,8 @@ def test_the_default_arm_and_its_exploration():
     assert auto[("text", "random", 64)]["fails"] == ["exploration 2.0% of busy time > 1%"]
     assert {c: cells_of(doc)[("text", "random", c)]["status"] for c in (16, 64)} == {16: "FAIL", 64: "FAIL"}
     md = R.render(auto, [], {}, default="ddtree_regimeauto")
-    assert "| text | random | 16 | 100 | 90 | 100 | `ddtree_regimeauto` | 1.00 | 1.11 | spec 10%, 2 sw, explore 0.4% |" in md
+    assert "| text | random | 16 | 100 | 90 | 100 | `ddtree_regimeauto` | 1.00 | 1.11 | spec 10%, 2 sw, explore 0.4%, " \
+        "trips 2.5% |" in md
 
 
 def test_todays_default_is_the_arm_that_ran_the_regime_controller():

@@ -130,7 +130,8 @@ def level_regime(reports: List[Report], window: Tuple[float, float]) -> Optional
     or before ``window[0]`` (none: zeros, the server's start) and the first line at or after
     ``window[1]`` (none: the last line there is, ``partial``).  -> None without report lines, else
     {time_s: {plain, spec, switching} s, spec_share: spec / (plain + spec) or None, switches, trips,
-    excursions, explore_s, explore_share: explore_s / busy (the three times) or None, lines: the
+    trip_s (their plain windows' busy time), trip_share: trip_s / busy or None, excursions,
+    explore_s, explore_share: explore_s / busy (the three times) or None, lines: the
     report lines used (0-2)[, partial: True]}.  A field a controller does not report (``CycleRegime``:
     switches only) counts 0."""
     if not reports:
@@ -146,9 +147,11 @@ def level_regime(reports: List[Report], window: Tuple[float, float]) -> Optional
     ts = {k: round(_num(tb, k) - _num(ta, k), 3) for k in TIME_KEYS}
     busy, run = sum(ts.values()), ts["plain"] + ts["spec"]
     explore = round(_num(db, "explore_s") - _num(da, "explore_s"), 3)
+    trip = round(_num(db, "trip_s") - _num(da, "trip_s"), 3)
     out = dict(time_s=ts, spec_share=round(ts["spec"] / run, 4) if run > 0 else None,
                switches=int(_num(db, "switches") - _num(da, "switches")),
-               trips=int(_num(db, "trips") - _num(da, "trips")),
+               trips=int(_num(db, "trips") - _num(da, "trips")), trip_s=trip,
+               trip_share=round(trip / busy, 4) if busy > 0 else None,
                excursions=int(_num(db, "excursions") - _num(da, "excursions")), explore_s=explore,
                explore_share=round(explore / busy, 4) if busy > 0 else None,
                lines=(a is not None) + (b is not a))
@@ -162,11 +165,13 @@ def _pct(v: Optional[float], nd: int = 0) -> str:
 
 
 def summary(r: dict) -> str:
-    """One level's regime in a few words: 'spec 35 %, 2 switches (1 trip), explore 0.4 %[, partial]'
-    (trips: first measurements of plain decoding in a state, two switches each)."""
+    """One level's regime in a few words: 'spec 35 %, 2 switches (1 trip, 4.0 % of busy time),
+    explore 0.4 %[, partial]' (trips: first measurements of plain decoding in a state, two switches
+    each; their share where the controller reports their time)."""
     trips = r.get("trips") or 0
+    share = f", {_pct(r['trip_share'], 1)} of busy time" if trips and r.get("trip_share") else ""
     return (f"spec {_pct(r.get('spec_share'))}, {r.get('switches')} switches"
-            f"{f' ({trips} trip' + ('s' if trips > 1 else '') + ')' if trips else ''}, explore "
+            f"{f' ({trips} trip' + ('s' if trips > 1 else '') + share + ')' if trips else ''}, explore "
             f"{_pct(r.get('explore_share'), 1)}{', partial' if r.get('partial') else ''}")
 
 
@@ -176,6 +181,8 @@ def total_summary(d: dict) -> str:
     ts = d.get("time_s") or {}
     parts = [f"{k} {_num(ts, k):.1f} s" for k in TIME_KEYS if k in ts]
     parts += [f"{d[k]} {k}" for k in ("switches", "trips", "excursions") if k in d]
+    if "trip_s" in d:
+        parts.append(f"trips {_num(d, 'trip_s'):.1f} s")
     if "explore_s" in d:
         parts.append(f"explore {_num(d, 'explore_s'):.1f} s ({_pct(d.get('explore_share'), 1)})")
     return ", ".join(parts)

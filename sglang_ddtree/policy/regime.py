@@ -187,6 +187,7 @@ class RegimeController:
         self.time_s = {PLAIN: 0.0, SPEC: 0.0, "switching": 0.0}
         self.switches = self.excursions = self.windows = 0
         self.explore_s = self.explore_loss_s = 0.0
+        self.trip_s = 0.0                         # busy time of trip windows (plain only to measure it)
         self._owed = 0.0                          # a rebuild's measured time, not yet taken out
         self._rebuild_busy = 0.0                  # busy time counted in the intervals after a rebuild
         self._rebuild_intervals = 0               # such intervals still to come
@@ -222,6 +223,7 @@ class RegimeController:
             # a request pins a tree budget: speculation serves it, now (a decided switch, no
             # exploration); the plain window so far measures nothing
             self.time_s[PLAIN] += w.busy
+            self.trip_s += w.busy if self._trip else 0.0
             self._win = _Window(view)
             self._switch(SPEC, now, count=True)
             return self._decision()
@@ -291,6 +293,8 @@ class RegimeController:
     def _close(self, view: SchedView, now: float) -> None:
         w, self._win = self._win, _Window(view)
         self.time_s[self.regime] += w.busy
+        if self._trip and self.regime == PLAIN:
+            self.trip_s += w.busy
         self.credit = min(self.credit + self.credit_rate * w.busy, self.CREDIT_CAP * self.expected_excursion_s)
         # closed by a bucket change, a window too short or without an admission inside (a level's
         # drain: a high per-slot rate at a falling load, which no regime sustains) measures nothing;
@@ -390,13 +394,14 @@ class RegimeController:
 
     def report(self) -> dict:
         """Host values: the regime, busy s per regime and switching (closed windows), decided
-        switches (excursions not counted unless kept; a trip's two included), trips, excursions,
-        ``explore_s`` (their wall time), ``explore_share`` (of that busy time), ``explore_loss_s = sum wall x max(0, 1 - q_spec /
+        switches (excursions not counted unless kept; a trip's two included), trips, ``trip_s`` (the
+        busy time of their plain windows, part of plain's), excursions, ``explore_s`` (their wall
+        time), ``explore_share`` (of that busy time), ``explore_loss_s = sum wall x max(0, 1 - q_spec /
         q_plain)``, the credit (s)."""
         busy = sum(self.time_s.values())
         return {"regime": self.regime, "time_s": dict(self.time_s), "switches": self.switches,
-                "trips": len(self._tripped), "excursions": self.excursions, "windows": self.windows,
-                "explore_s": self.explore_s,
+                "trips": len(self._tripped), "trip_s": self.trip_s, "excursions": self.excursions,
+                "windows": self.windows, "explore_s": self.explore_s,
                 "explore_share": self.explore_s / busy if busy > 0 else 0.0,
                 "explore_loss_s": self.explore_loss_s, "credit_s": self.credit}
 
