@@ -1305,7 +1305,7 @@ def render_markdown(doc: dict) -> str:
     ra = [a for a in arms if a.get("regime_final") or any(lv.get("regime") for lv in a.get("levels") or [])]
     if ra:   # arms with a regime controller only (sglang_ddtree/ab/regime_log.py)
         L.extend(["", "## Regime (the server's regime controller over each level's counted repeats, from its log): "
-                  "spec share of plain + spec busy time, decided switches, exploration share of busy time", "",
+                  "spec share of plain + spec busy time, decided switches (trips: plain decoding only to measure it in a new state, and their share of busy time), exploration share of busy time", "",
                   "| arm | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---:|" * len(levels)])
         for a in ra:
             L.append(f"| {a['name']} | " + " | ".join(
