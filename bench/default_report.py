@@ -52,6 +52,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from rawio import open_maybe_gz  # noqa: E402
 
+from sglang_ddtree.ab.regime_log import has_regime_controller  # noqa: E402
+
 DEFAULT_ARM = None            # today's default, per report (default_arm_of)
 UNMEASURED_DEFAULT = "ddtree (regime auto)"   # the label where a report has no arm of today's default
 FLOOR_ARM = "ddtree_regimeplain"
@@ -73,18 +75,12 @@ def arms_of(default: str) -> Tuple[str, str, str]:
     return ("base", "dflash", default)
 
 
-def ran_regime_controller(arm: Optional[dict]) -> bool:
-    """Whether an arm's server ran the regime controller (switch ``regime=auto``): the A/B read its
-    regime report lines (``regime_final``, or a level's ``regime`` record)."""
-    return bool(arm) and (bool(arm.get("regime_final")) or any(lv.get("regime") for lv in arm.get("levels") or []))
-
-
 def default_arm_of(doc: dict) -> str:
     """The arm of ``doc`` that is today's default: ``ddtree`` where its server ran the regime controller
     (a report from after the s40 flip), else ``ddtree_regimeauto``, else ``UNMEASURED_DEFAULT`` (an
     arm no report has: the cell says today's default was not measured)."""
     by = {a.get("name"): a for a in doc.get("arms") or []}
-    if ran_regime_controller(by.get("ddtree")):
+    if has_regime_controller(by.get("ddtree")):
         return "ddtree"
     return "ddtree_regimeauto" if "ddtree_regimeauto" in by else UNMEASURED_DEFAULT
 

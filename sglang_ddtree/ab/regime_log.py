@@ -120,6 +120,12 @@ def await_line(log: RegimeLog, end: float, send: Callable[[], object], deadline_
         sleep(max(0.0, min(POLL_S, limit - now())))
 
 
+def has_regime_controller(arm: Optional[dict]) -> bool:
+    """Whether an A/B arm record's server ran a regime controller: the A/B read its report lines
+    (the arm's ``regime_final``, or a level's ``regime`` record)."""
+    return bool(arm) and (bool(arm.get("regime_final")) or any(lv.get("regime") for lv in arm.get("levels") or []))
+
+
 def _num(d: dict, key: str) -> float:
     v = d.get(key)
     return float(v) if isinstance(v, (int, float)) else 0.0

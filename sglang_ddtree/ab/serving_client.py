@@ -1302,7 +1302,7 @@ def render_markdown(doc: dict) -> str:
                                                     f"({lv['passes_per_repeat']} passes)") + ", "
                      f"{_f(lv.get('duration'))} s, "
                      f"{_f(lv.get('request_throughput'), 2)}, {_f(lv.get('accept_length'), 2)}")
-    ra = [a for a in arms if a.get("regime_final") or any(lv.get("regime") for lv in a.get("levels") or [])]
+    ra = [a for a in arms if regime_log.has_regime_controller(a)]
     if ra:   # arms with a regime controller only (sglang_ddtree/ab/regime_log.py)
         L.extend(["", "## Regime (the server's regime controller over each level's counted repeats, from its log): "
                   "spec share of plain + spec busy time, decided switches (trips: plain decoding only to measure it in a new state, and their share of busy time), exploration share of busy time", "",

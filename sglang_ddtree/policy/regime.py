@@ -292,8 +292,9 @@ class RegimeController:
     # ------------------------------------------------------------------ decision
     def _close(self, view: SchedView, now: float) -> None:
         w, self._win = self._win, _Window(view)
+        tripping = self._trip and self.regime == PLAIN
         self.time_s[self.regime] += w.busy
-        if self._trip and self.regime == PLAIN:
+        if tripping:
             self.trip_s += w.busy
         self.credit = min(self.credit + self.credit_rate * w.busy, self.CREDIT_CAP * self.expected_excursion_s)
         # closed by a bucket change, a window too short or without an admission inside (a level's
@@ -325,7 +326,6 @@ class RegimeController:
                 self._switch(PLAIN, now)       # spent at ``switched``
             return
         over = self.spec_max_bs is not None and view.bs > self.spec_max_bs
-        tripping = self._trip and self.regime == PLAIN
         if tripping and not over and (not measured or self._since_switch >= self.TRIP_WINDOWS):
             # a trip's measurement is in (or the state passed): back to speculation unless plain
             # decoding won by h
