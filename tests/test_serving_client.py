@@ -1072,6 +1072,40 @@ def test_the_levels_leave_the_identity_requests_their_time(tmp_path, monkeypatch
             assert "| ddtree | not run (deadline) | - |" in md, md
 
 
+def test_arm_shares_give_every_arm_its_first_level(tmp_path, monkeypatch):
+    """--arm-shares: each arm's levels end at its equal share of the time left when it starts, so
+    with time for four of six levels every arm completes its first level (a whole cell) and its
+    identity requests.  Control: without it, base and dflash complete both levels and ddtree,
+    the arm the cell is about, gets none."""
+    model, prompts = _model_dir(tmp_path), str(_prompts_file(tmp_path))
+    for shares in (True, False):
+        # a repeat (80 requests): 10 s; a level's warm-up (one wave): 0.5 s at c=4, 1 s at c=8
+        _clocked_passes(monkeypatch, lambda port, c, n, k: 0.125 * n)
+        out = tmp_path / f"r{shares}"
+        args = _args("--model-path", model, "--draft-model-path", "/d", "--arms", "base,dflash,ddtree",
+                     "--concurrency", "4,8", "--requests-per-level", "4:80,8:80", "--repeats", "2", "--warmup",
+                     "0", "--min-level-seconds", "0", "--level-warmup-waves", "1", "--identity-prompts", "2",
+                     "--deadline", "90",
+                     "--min-arm-s", "1", "--identity-reserve-s", "0", "--workdir", str(tmp_path / f"w{shares}"),
+                     "--out", str(out), "--no-env-probe", "--prompts", prompts,
+                     *(["--arm-shares"] if shares else []))
+        doc = S.run(args, launcher=lambda cmd, env, log: _Srv())
+        done = {a["name"]: [lv["concurrency"] for lv in a["levels"] if not lv.get("partial")]
+                for a in doc["arms"]}
+        if shares:    # base's 30 s: its first level (20.5 s), then the second's warm-up; 1.15 x 10 s no longer fit
+            assert done == {"base": [4], "dflash": [4], "ddtree": [4]}, done
+            assert all(a["identity_requests"]["failed"] == 0 and not a["identity_requests"].get("not_run")
+                       for a in doc["arms"])
+            # what an arm leaves goes to the next: (90 - 21.5) / 2, then the rest
+            assert [a["share_s"] for a in doc["arms"]][:2] == [30.0, 34.2], doc["arms"]
+            assert doc["arms"][2]["share_s"] > 34.2
+            md = open(str(out) + ".md").read()
+            assert "| ddtree | 800 (1.00x / 1.00x) |" in md, md
+        else:
+            assert done == {"base": [4, 8], "dflash": [4, 8], "ddtree": []}, done
+            assert "share_s" not in doc["arms"][0]
+
+
 def _resume_order(tmp_path, monkeypatch, cut_arm):
     """A base,dflash,ddtree run whose first call loses ``cut_arm``'s c=4 to the deadline and never
     starts the arms after it; -> (the servers the ``--resume`` call starts, by algorithm, its report)."""

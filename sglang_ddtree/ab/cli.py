@@ -163,6 +163,12 @@ def build_parser(default_out: str = DEFAULT_OUT):
                         "this machine (same GPU UUIDs) with the same settings (its serving_state.json), also those "
                         "--arms does not name, and run only the others: one cell's arms over several device calls "
                         "on one warm machine (--arms base, then --arms dflash, then --arms ddtree)")
+    g.add_argument("--arm-shares", action="store_true",
+                   help="bench_serving, with --deadline: each arm's levels stop at its equal share of the time "
+                        "left when it starts (time left / arms still to measure; what an arm leaves unused "
+                        "goes to the next), so every arm gets its first levels and identity requests instead of "
+                        "the last arm getting nothing: for a call the lease will not follow (one arm per call "
+                        "costs fewer server starts when calls on one warm machine follow, --resume)")
     g.add_argument("--identity-prompts", type=int, default=16, help="bench_serving: greedy identity requests per arm")
     g.add_argument("--identity-new-tokens", type=int, default=256)
     g.add_argument("--identity-concurrency", type=int, default=1)

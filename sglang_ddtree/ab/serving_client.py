@@ -739,9 +739,11 @@ def run(args, launcher: Callable = popen_launcher) -> dict:
         for i, arm in enumerate(arms):
             port = args.port + 10 * i
             todo = [L for L in loads if arm["name"] not in L.kept]
+            share_at = arm_share_end(arms[i:], loads, deadline_at, time.time()) \
+                if todo and getattr(args, "arm_shares", False) else None
             recs = dict(zip((L.name for L in todo),
                             _measure_arm(arm, opts, port, args, levels, maxc, todo, python, cenv, tmpdir,
-                                         deadline_at, launcher, id_prompts))) if todo else {}
+                                         deadline_at, launcher, id_prompts, share_at))) if todo else {}
             for L in loads:
                 if arm["name"] in L.kept:
                     rec = dict(L.kept[arm["name"]][0], resumed=True)
@@ -949,10 +951,22 @@ def identity_report(outputs: Dict[str, Dict[int, list]], ref: str, prompts: List
     return res
 
 
+def arm_share_end(arms_left: list, loads: list, deadline_at: Optional[float], now: float) -> Optional[float]:
+    """``--arm-shares``: when the first of ``arms_left`` (the arm about to start, then the rest in
+    order) must end its levels: ``now`` + an equal share of the time left among the arms of
+    ``arms_left`` that some load has not kept (``--resume``).  None without a deadline."""
+    if deadline_at is None:
+        return None
+    k = sum(1 for a in arms_left if any(a["name"] not in L.kept for L in loads))
+    return now + max(0.0, deadline_at - now) / max(1, k)
+
+
 def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdir, deadline_at, launcher,
-                 id_prompts) -> List[dict]:
+                 id_prompts, share_at: Optional[float] = None) -> List[dict]:
     """One arm: its server started once, every workload of ``loads`` measured on it in turn (warm-up
-    pass, levels, stage split), then the identity requests once.  -> one record per load."""
+    pass, levels, stage split), then the identity requests once.  ``share_at``: its levels end by
+    then (``--arm-shares``; the identity requests still have until ``deadline_at``).  -> one record
+    per load."""
     from .runner import _profiles_by_window, profile_env, requests_per_level
     cmd = serving_server_cmd(arm, opts, port)
     env = dict(os.environ)
@@ -983,6 +997,12 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
     # the levels stop this much before the deadline: the identity requests after them are the arm's
     # lossless verdict (s40: a level started with 16 s left, and the identity found no time at all)
     levels_until = None if deadline_at is None else deadline_at - args.identity_reserve_s
+    if share_at is not None:
+        levels_until = min(levels_until, share_at - args.identity_reserve_s)
+        print(f"[{arm['name']}] --arm-shares: its levels end {share_at - time.time():.0f} s from now "
+              f"(identity requests after them)", flush=True)
+        for rec in recs:
+            rec["share_s"] = round(share_at - time.time(), 1)
 
     try:
         server = launcher(cmd, env, log_path)
