@@ -11,7 +11,7 @@ the host with a blocking ``.to("cpu")``: every tree round's draft stage then wai
 has drained the previous round, and the GPU idles until the drafter is launched (s32's profile: 5-7
 ms of host time in the draft stage against 2.5 ms of GPU at bs 16; run 24's ``_synccheck`` stage:
 121 of 150 tree rounds synchronised in ``plan()``; with the switch none did there (33 of 155 at
-other sites, since cut), bs-1 step 4.58 against 5.30 ms).  SGLang 0.5.16 installs ``fast_prefill_plan`` -- the same plan computed
+other sites), bs-1 step 4.58 against 5.30 ms).  SGLang 0.5.16 installs ``fast_prefill_plan`` -- the same plan computed
 from host-known lengths -- only for EAGLE's draft-extend graphs.  A DDTree drafter's block has a
 fixed layout (``B`` queries a request, no custom mask), so the same function serves it, given a host
 upper bound of every request's KV length (prefix + B: the worker passes its host prefix bound + B
