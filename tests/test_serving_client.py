@@ -574,8 +574,10 @@ def test_levels_are_sized_once_and_shared_by_every_arm(tmp_path, monkeypatch):
 
 def test_each_arm_warms_each_level_up_uncounted_when_asked(tmp_path, monkeypatch):
     """--level-warmup-waves W: before a level, every arm runs one pass of W x c requests that counts
-    nowhere (not in the sizing, not in the repeats, not in the level's window); the report says so.
-    Control: without it, the passes are the sizing and the repeats alone."""
+    in no repeat and no level window (the report says so); the sizing arm scales the level's count
+    from it, so it runs no uncounted calibration pass of its own (same counts here: 3 requests in
+    1.5 s -> 60 at c=1, 12 in 1.5 s -> 240 at c=4).  Control: without it, the passes are the sizing
+    (a 16-request calibration pass per level) and the repeats alone."""
     model = _model_dir(tmp_path)
 
     def run(*extra):
@@ -587,8 +589,11 @@ def test_each_arm_warms_each_level_up_uncounted_when_asked(tmp_path, monkeypatch
         return calls, S.run(args, launcher=lambda cmd, env, log: _Srv())
     calls, doc = run("--level-warmup-waves", "3")
     assert doc["settings"]["requests_per_level"] == {"1": 60, "4": 240}      # as without (the test above)
-    assert calls == ([(1, 3), (1, 16)] + [(1, 60)] * 2 + [(4, 12), (4, 16)] + [(4, 240)] * 2
+    assert calls == ([(1, 3)] + [(1, 60)] * 2 + [(4, 12)] + [(4, 240)] * 2
                      + [(1, 3)] + [(1, 60)] * 2 + [(4, 12)] + [(4, 240)] * 2)
+    base = doc["arms"][0]
+    assert [(x["num_prompts"], x["seconds"], x.get("warmup")) for x in base["levels"][0]["calibration_passes"]] \
+        == [(3, 1.5, True)]
     for a in doc["arms"]:
         assert {c: w["num_prompts"] for c, w in a["level_warmups"].items()} == {"1": 3, "4": 12}
         assert [lv["repeats"] for lv in a["levels"]] == [2, 2]

@@ -1051,10 +1051,19 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     w = _one_run(args, bsc, port, opts, L.workload, c, nw, L.dataset_for, tmpdir, arm, "lwarm", left())
                     warm = rec.setdefault("level_warmups", {})[str(c)] = dict(
                         num_prompts=nw, ok=w.get("ok"), seconds=w.get("seconds"), error=w.get("error"),
+                        duration=(w.get("result") or {}).get("duration"),
                         output_throughput=(w.get("result") or {}).get("output_throughput"))
                 else:
                     warm = None
                 calibration, reps, passes, sizer = [], [], 1, sizing
+                if sizing and warm and warm.get("ok") and (warm.get("duration") or 0.0) > 0.0:
+                    # the level's warm-up pass was the server's first traffic at this level, which the
+                    # first calibration pass exists to absorb: it sizes the level, and the next pass
+                    # counts unless it is short (s40: base's calibration passes took 25 s of its 359)
+                    calibration.append(dict(num_prompts=nw, seconds=warm["duration"], ok=True, warmup=True,
+                                            output_throughput=warm.get("output_throughput")))
+                    n = scaled_count(nw, c, warm["duration"], args.min_level_seconds,
+                                     max(args.level_seconds_margin, MIN_SIZING_MARGIN))
                 while len(reps) < max(1, args.repeats):
                     if (reps or calibration) and levels_until is not None and time.time() > levels_until - 5:
                         break
