@@ -207,10 +207,17 @@ def randomize_graph_input_ids(runner, vocab_size: int, seed: int = 0) -> bool:
     return True
 
 
-def graph_replay_ms(runner, bs: int, replays: int = 5) -> Optional[float]:
+TIMED_MS = 25.0     # graph_replay_ms: the timed replays of one graph stop at about this much GPU time
+
+
+def graph_replay_ms(runner, bs: int, replays: int = 5, timed_ms: float = TIMED_MS) -> Optional[float]:
     """Mean GPU ms of one replay of ``runner``'s captured graph for batch size ``bs`` (with the
     inputs in its buffers: :func:`randomize_graph_input_ids` first for a target), or None when the runner keeps no plain CUDA graph for
-    it.  Start-up only: it synchronises."""
+    it.  One warm-up replay (timed: it may pay the graph's upload), then ``timed_ms`` / its time
+    timed replays, between 1 and ``replays``: a small graph is averaged over several, a 60-node tree
+    at bs 64 (tens of ms) over one, so the start-up table does not spend most of its seconds
+    re-timing the largest graphs (s40, H200: 16 s for widths 1 / 8 / 16 / 32 / 61 and the drafter,
+    2 + 5 replays each).  Start-up only: it synchronises."""
     graphs = getattr(getattr(runner, "backend", None), "_graphs", None)
     if graphs is None:
         return None
@@ -218,12 +225,16 @@ def graph_replay_ms(runner, bs: int, replays: int = 5) -> Optional[float]:
     if g is None:
         return None
     torch.cuda.synchronize()
-    for _ in range(2):
-        g.replay()
     st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     st.record()
-    for _ in range(replays):
+    g.replay()
+    en.record()
+    en.synchronize()
+    n = max(1, min(int(replays), int(timed_ms // max(st.elapsed_time(en), 1e-3))))
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(n):
         g.replay()
     en.record()
     en.synchronize()
-    return st.elapsed_time(en) / replays
+    return st.elapsed_time(en) / n

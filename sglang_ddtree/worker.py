@@ -366,12 +366,13 @@ class DDTreeWorker(DFlashWorkerV2):
                             st.build_s, st.mem_gb, "on" if use_graphs else "off")
         policy = None
         if cfg.cycle is None:
+            tic = time.perf_counter()
             table = self._tp_shared(self._measure_cost_table(states, cfg))
             policy = BudgetPolicy(table, allow_no_spec=cfg.no_spec, age_edges=cfg.age_edges,
                                   draft_queries=int(getattr(self, "block_size", BudgetPolicy.draft_queries)))
             if self.ps.tp_rank == 0:
-                logger.info("%s adaptive budget: cost table (ms) verify=%s base=%s", algo,
-                            table.verify_ms, table.base_ms)
+                logger.info("%s adaptive budget: cost table (ms, timed in %.1f s) verify=%s base=%s", algo,
+                            time.perf_counter() - tic, table.verify_ms, table.base_ms)
         self._verify_states = states
         # SGLang's overlap scheduler launches batch i + 1 before it processes batch i's result: the
         # host interval between two launches measures the batch before (adaptive.WidthController)
