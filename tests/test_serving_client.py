@@ -1111,6 +1111,19 @@ def test_arm_shares_give_every_arm_its_first_level(tmp_path, monkeypatch):
             assert "share_s" not in doc["arms"][0]
 
 
+def test_levels_run_in_the_order_given_and_show_ascending(tmp_path, monkeypatch):
+    """--concurrency 16,4: the c=16 level runs first (a call the lease cuts keeps the level wanted
+    most), the report's columns read c=4 then c=16."""
+    calls = _fake_clients(monkeypatch, lambda port, c, n, k: 1.0)
+    args = _args("--model-path", _model_dir(tmp_path), "--draft-model-path", "/d", "--arms", "base",
+                 "--concurrency", "16,4", "--requests-per-level", "4:8,16:32", "--repeats", "1", "--warmup", "0",
+                 "--min-level-seconds", "0", "--identity-prompts", "2", "--workdir", str(tmp_path / "w"),
+                 "--out", str(tmp_path / "r"), "--no-env-probe", "--prompts", str(_prompts_file(tmp_path)))
+    S.run(args, launcher=lambda cmd, env, log: _Srv())
+    assert [c for c, n in calls] == [16, 4]
+    assert "| arm | c=4 | c=16 | outputs vs base |" in open(str(tmp_path / "r") + ".md").read()
+
+
 def _resume_order(tmp_path, monkeypatch, cut_arm):
     """A base,dflash,ddtree run whose first call loses ``cut_arm``'s c=4 to the deadline and never
     starts the arms after it; -> (the servers the ``--resume`` call starts, by algorithm, its report)."""

@@ -1249,7 +1249,7 @@ def render_markdown(doc: dict) -> str:
     s, m = doc["settings"], doc.get("meta") or {}
     v = m.get("versions") or {}
     w = s["workload"]
-    levels = s["concurrency"]
+    levels = sorted(s["concurrency"])     # run in the order given (the most wanted first), shown ascending
     arms = doc["arms"]
     by = {a["name"]: a for a in arms}
     title = "the text-trained pair (bench/textpair)" if s.get("pair") == "text" else os.path.basename(
