@@ -213,11 +213,12 @@ TIMED_MS = 25.0     # graph_replay_ms: the timed replays of one graph stop at ab
 def graph_replay_ms(runner, bs: int, replays: int = 5, timed_ms: float = TIMED_MS) -> Optional[float]:
     """Mean GPU ms of one replay of ``runner``'s captured graph for batch size ``bs`` (with the
     inputs in its buffers: :func:`randomize_graph_input_ids` first for a target), or None when the runner keeps no plain CUDA graph for
-    it.  One warm-up replay (timed: it may pay the graph's upload), then ``timed_ms`` / its time
-    timed replays, between 1 and ``replays``: a small graph is averaged over several, a 60-node tree
-    at bs 64 (tens of ms) over one, so the start-up table does not spend most of its seconds
-    re-timing the largest graphs (s40, H200: 16 s for widths 1 / 8 / 16 / 32 / 61 and the drafter,
-    2 + 5 replays each).  Start-up only: it synchronises."""
+    it.  Two warm-up replays (the first pays the graph's upload; the second, timed, says how long
+    one takes), then ``timed_ms`` / that many timed replays, between 1 and ``replays``: a small
+    graph is averaged over several, a 60-node tree at bs 64 (tens of ms) over one, so the start-up
+    table does not spend most of its seconds re-timing the largest graphs (s40, H200: 16 s for
+    widths 1 / 8 / 16 / 32 / 61 and the drafter, 2 + 5 replays each).  Start-up only: it
+    synchronises."""
     graphs = getattr(getattr(runner, "backend", None), "_graphs", None)
     if graphs is None:
         return None
@@ -225,6 +226,7 @@ def graph_replay_ms(runner, bs: int, replays: int = 5, timed_ms: float = TIMED_M
     if g is None:
         return None
     torch.cuda.synchronize()
+    g.replay()
     st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     st.record()
     g.replay()

@@ -200,25 +200,24 @@ class _FakeGpu:
 
 
 def test_graph_replay_ms_times_a_large_graph_once_and_a_small_one_several_times(monkeypatch):
-    """The replays after the warm-up fill about TIMED_MS of GPU time, between 1 and ``replays``: an
-    80 ms graph is timed once (2 replays in all, 7 before), a 1 ms graph 5 times; each mean is the
-    graph's time, not the warm-up's slower first replay (3x here: its upload)."""
-    gpu = _FakeGpu(first=3.0)
-    monkeypatch.setattr(VS.torch.cuda, "Event", gpu.event_cls())
-    monkeypatch.setattr(VS.torch.cuda, "synchronize", lambda *a: None)
-    graphs = {bs: gpu.graph(ms) for bs, ms in ((64, 80.0), (1, 1.0), (8, 10.0))}
-    runner = types.SimpleNamespace(backend=types.SimpleNamespace(_graphs=graphs), _make_graph_key=lambda bs: bs)
-    assert VS.graph_replay_ms(runner, 64) == pytest.approx(80.0)
-    assert VS.graph_replay_ms(runner, 1) == pytest.approx(1.0)
-    # the 10 ms graph's warm-up reads 30 ms (> TIMED_MS): one timed replay
-    assert VS.graph_replay_ms(runner, 8) == pytest.approx(10.0)
-    assert [gpu.replays[id(graphs[bs])] for bs in (64, 1, 8)] == [2, 6, 2]
-    # the count follows the warm-up's reading: without an upload cost the 10 ms graph reads 10 ms, two timed
-    gpu2 = _FakeGpu(first=1.0)
-    monkeypatch.setattr(VS.torch.cuda, "Event", gpu2.event_cls())
-    g8 = gpu2.graph(10.0)
-    runner2 = types.SimpleNamespace(backend=types.SimpleNamespace(_graphs={8: g8}), _make_graph_key=lambda bs: bs)
-    assert VS.graph_replay_ms(runner2, 8) == pytest.approx(10.0) and gpu2.replays[id(g8)] == 3
+    """After two warm-up replays, the timed replays fill about TIMED_MS of GPU time, between 1 and
+    ``replays``: an 80 ms graph is timed once (3 replays in all, 7 before), a 1 ms graph 5 times, a
+    10 ms one twice; each mean is the graph's time.  The first replay's upload (3x here) changes
+    neither the means nor the counts (control: the same counts without it)."""
+    counts = {}
+    for first in (3.0, 1.0):
+        gpu = _FakeGpu(first=first)
+        monkeypatch.setattr(VS.torch.cuda, "Event", gpu.event_cls())
+        monkeypatch.setattr(VS.torch.cuda, "synchronize", lambda *a: None)
+        graphs = {bs: gpu.graph(ms) for bs, ms in ((64, 80.0), (1, 1.0), (8, 10.0))}
+        runner = types.SimpleNamespace(backend=types.SimpleNamespace(_graphs=graphs),
+                                       _make_graph_key=lambda bs: bs)
+        for bs, ms in ((64, 80.0), (1, 1.0), (8, 10.0)):
+            assert VS.graph_replay_ms(runner, bs) == pytest.approx(ms), (first, bs)
+        counts[first] = [gpu.replays[id(graphs[bs])] for bs in (64, 1, 8)]
+    assert counts[3.0] == counts[1.0] == [3, 7, 4], counts
+    assert VS.graph_replay_ms(types.SimpleNamespace(backend=types.SimpleNamespace(_graphs={}),
+                                                    _make_graph_key=lambda bs: bs), 8) is None
 
 
 def test_root_only_tree_is_the_budget_zero_tree(rng):
