@@ -215,9 +215,9 @@ def graph_replay_ms(runner, bs: int, replays: int = 5, timed_ms: float = TIMED_M
     inputs in its buffers: :func:`randomize_graph_input_ids` first for a target), or None when the runner keeps no plain CUDA graph for
     it.  Two warm-up replays (the first pays the graph's upload; the second, timed, says how long
     one takes), then ``timed_ms`` / that many timed replays, between 1 and ``replays``: a small
-    graph is averaged over several, a 60-node tree at bs 64 (tens of ms) over one, so the start-up
-    table does not spend most of its seconds re-timing the largest graphs (s40, H200: 16 s for
-    widths 1 / 8 / 16 / 32 / 61 and the drafter, 2 + 5 replays each).  Start-up only: it
+    graph is averaged over several, a 60-node tree at bs 64 (tens of ms) over one (s40, H200: the
+    table took 16 s for widths 1 / 8 / 16 / 32 / 61 and the drafter at 2 + 5 replays each; by
+    estimate, not yet measured, most of it the largest graphs' replays).  Start-up only: it
     synchronises."""
     graphs = getattr(getattr(runner, "backend", None), "_graphs", None)
     if graphs is None:
