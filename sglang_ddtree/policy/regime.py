@@ -222,8 +222,7 @@ class RegimeController:
         if view.pinned and self.regime == PLAIN:
             # a request pins a tree budget: speculation serves it, now (a decided switch, no
             # exploration); the plain window so far measures nothing
-            self.time_s[PLAIN] += w.busy
-            self.trip_s += w.busy if self._trip else 0.0
+            self._book(w)
             self._win = _Window(view)
             self._switch(SPEC, now, count=True)
             return self._decision()
@@ -290,12 +289,20 @@ class RegimeController:
         return e[0]
 
     # ------------------------------------------------------------------ decision
+    def _tripping(self) -> bool:
+        """In a plain trip's window (plain decoding only to measure it in this state)."""
+        return self._trip and self.regime == PLAIN
+
+    def _book(self, w: "_Window") -> None:
+        """A closed window's busy time: its regime's, and the trips' too while tripping."""
+        self.time_s[self.regime] += w.busy
+        if self._tripping():
+            self.trip_s += w.busy
+
     def _close(self, view: SchedView, now: float) -> None:
         w, self._win = self._win, _Window(view)
-        tripping = self._trip and self.regime == PLAIN
-        self.time_s[self.regime] += w.busy
-        if tripping:
-            self.trip_s += w.busy
+        tripping = self._tripping()
+        self._book(w)
         self.credit = min(self.credit + self.credit_rate * w.busy, self.CREDIT_CAP * self.expected_excursion_s)
         # closed by a bucket change, a window too short or without an admission inside (a level's
         # drain: a high per-slot rate at a falling load, which no regime sustains) measures nothing;
