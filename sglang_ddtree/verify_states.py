@@ -225,18 +225,17 @@ def graph_replay_ms(runner, bs: int, replays: int = 5, timed_ms: float = TIMED_M
     g = graphs.get(runner._make_graph_key(bs))
     if g is None:
         return None
+
+    def mean_ms(k: int) -> float:      # k replays back to back, timed together
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        for _ in range(k):
+            g.replay()
+        en.record()
+        en.synchronize()
+        return st.elapsed_time(en) / k
+
     torch.cuda.synchronize()
     g.replay()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    g.replay()
-    en.record()
-    en.synchronize()
-    n = max(1, min(int(replays), int(timed_ms // max(st.elapsed_time(en), 1e-3))))
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(n):
-        g.replay()
-    en.record()
-    en.synchronize()
-    return st.elapsed_time(en) / n
+    n = max(1, min(int(replays), int(timed_ms // max(mean_ms(1), 1e-3))))
+    return mean_ms(n)
