@@ -999,10 +999,11 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
     levels_until = None if deadline_at is None else deadline_at - args.identity_reserve_s
     if share_at is not None:
         levels_until = min(levels_until, share_at - args.identity_reserve_s)
-        print(f"[{arm['name']}] --arm-shares: its levels end {share_at - time.time():.0f} s from now "
+        share_s = round(share_at - time.time(), 1)
+        print(f"[{arm['name']}] --arm-shares: its levels end {share_s:.0f} s from now "
               f"(identity requests after them)", flush=True)
         for rec in recs:
-            rec["share_s"] = round(share_at - time.time(), 1)
+            rec["share_s"] = share_s
 
     try:
         server = launcher(cmd, env, log_path)
