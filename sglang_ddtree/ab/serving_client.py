@@ -994,6 +994,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
     def left(default=3600.0):
         return default if deadline_at is None else max(5.0, deadline_at - time.time())
 
+    sizing_margin = max(args.level_seconds_margin, MIN_SIZING_MARGIN)   # what a sizing pass scales to
     # the levels stop this much before the deadline: the identity requests after them are the arm's
     # lossless verdict (s40: a level started with 16 s left, and the identity found no time at all)
     levels_until = None if deadline_at is None else deadline_at - args.identity_reserve_s
@@ -1063,8 +1064,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                     # counts unless it is short (s40: base's calibration passes took 25 s of its 359)
                     calibration.append(dict(num_prompts=nw, seconds=warm["duration"], ok=True, warmup=True,
                                             output_throughput=warm.get("output_throughput")))
-                    n = scaled_count(nw, c, warm["duration"], args.min_level_seconds,
-                                     max(args.level_seconds_margin, MIN_SIZING_MARGIN))
+                    n = scaled_count(nw, c, warm["duration"], args.min_level_seconds, sizing_margin)
                 while len(reps) < max(1, args.repeats):
                     if (reps or calibration) and levels_until is not None and time.time() > levels_until - 5:
                         break
@@ -1087,8 +1087,7 @@ def _measure_arm(arm, opts, port, args, levels, maxc, loads, python, cenv, tmpdi
                                                     output_throughput=(r.get("result") or {}).get("output_throughput")))
                             if short:   # from the third pass on, one more wave: a pass's fixed cost (ramp-up,
                                 # the last wave's tail) makes linear scaling from a warm pass fall a little short
-                                n = scaled_count(n, c, dur, args.min_level_seconds,
-                                                 max(args.level_seconds_margin, MIN_SIZING_MARGIN)) \
+                                n = scaled_count(n, c, dur, args.min_level_seconds, sizing_margin) \
                                     + (c if len(calibration) >= 3 else 0)
                             if not r.get("ok"):
                                 sizing = False
